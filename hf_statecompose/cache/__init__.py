@@ -1,0 +1,4 @@
+from .composable_cache import ComposableMambaCache
+from .fingerprint import model_fingerprint
+
+__all__ = ["ComposableMambaCache", "model_fingerprint"]

@@ -1,0 +1,332 @@
+"""``ComposableMambaCache``: a transformers Mamba/Mamba-2 cache that also knows its context's decay.
+
+It *is* a ``DynamicCache`` of ``LinearAttentionLayer``s (what transformers 5.23 passes as
+``cache_params``), so it can be handed to any Mamba / Mamba-2 forward or ``generate``. Per layer it
+holds:
+
+* the SSM state ``ssm_states[l]``: Mamba-1 ``[B, D, N]``, Mamba-2 ``[B, H, P, N]`` (float32);
+* the conv window ``conv_states[l]``: ``[B, C, K]`` (the model's dtype);
+* the context's accumulated decay, stored compactly as ``ΣΔ`` (Mamba-1 ``[B, D]``, Mamba-2 ``[B, H]``)
+  plus the layer's ``A`` (Mamba-1 ``[D, N]``, Mamba-2 ``[H]``); ``log_decay(l) = A ⊙ ΣΔ`` broadcasts to
+  the SSM state;
+
+plus the number of tokens per row, the context token ids (for the concatenation baselines), the model's
+dtype and its fingerprint. States travel as safetensors + JSON metadata (:mod:`.serialization`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .fingerprint import architecture_of, base_model_of, model_fingerprint
+
+
+class _LayerView(Sequence):
+    """Read-only per-layer view: ``cache.ssm_states[l]`` / ``cache.conv_states[l]``."""
+
+    def __init__(self, cache: "ComposableMambaCache", attribute: str):
+        self._cache = cache
+        self._attribute = attribute
+
+    def __len__(self):
+        return len(self._cache.layers)
+
+    def __getitem__(self, layer_idx):
+        if isinstance(layer_idx, slice):
+            return [self[i] for i in range(*layer_idx.indices(len(self)))]
+        return getattr(self._cache.layers[layer_idx], self._attribute)[0]
+
+
+class ComposableMambaCache(DynamicCache):
+    """A Mamba / Mamba-2 cache that carries what composition needs. Build it with :meth:`encode`."""
+
+    # generate() auto-compiles the decode step for "compileable" non-DynamicCache caches on GPU; our
+    # layers are swapped, not updated in place, so never claim that
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None):
+        super().__init__(config=config)
+        self.config = config
+        self.architecture = architecture
+        self.fingerprint = fingerprint
+        self.model_dtype = model_dtype
+        self.model_info = dict(model_info or {})
+        num_layers = len(self.layers)
+        self.delta_sums: list[torch.Tensor | None] = [None] * num_layers
+        self.A: list[torch.Tensor | None] = [None] * num_layers
+        self.num_tokens: torch.Tensor | None = None  # [B] int64
+        self.token_ids: torch.Tensor | None = None  # [B, T] int64, left-padded with -1
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def empty_for(cls, model) -> "ComposableMambaCache":
+        """A cache with no state yet, for ``model``: the model's forward fills it."""
+        architecture = architecture_of(model)
+        parameter = next(base_model_of(model).parameters())
+        info = {
+            "model_type": model.config.model_type,
+            "num_hidden_layers": model.config.num_hidden_layers,
+            "hidden_size": model.config.hidden_size,
+            "state_size": model.config.state_size,
+        }
+        return cls(
+            model.config,
+            architecture=architecture,
+            fingerprint=model_fingerprint(model),
+            model_dtype=parameter.dtype,
+            model_info=info,
+        )
+
+    @classmethod
+    @torch.no_grad()
+    def encode(cls, model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None):
+        """Encode contexts into a state: one prefill of the backbone, no logits.
+
+        ``input_ids`` is ``[B, T]`` (or ``[T]``); a batch of contexts of different lengths must be left
+        padded, with ``attention_mask`` marking real tokens. Padding neither decays nor feeds the state,
+        so every row equals encoding that context alone.
+        """
+        from ..generation.integration import enable
+
+        enable(model)
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a non-empty [B, T] tensor of token ids, got shape {tuple(input_ids.shape)}")
+        if attention_mask is not None:
+            attention_mask = _check_left_padding(attention_mask, input_ids)
+        cache = cls.empty_for(model)
+        backbone = base_model_of(model)
+        device = next(backbone.parameters()).device
+        input_ids = input_ids.to(device)
+        mask = attention_mask.to(device) if attention_mask is not None else None
+        backbone(input_ids=input_ids, attention_mask=mask, cache_params=cache, use_cache=True)
+        token_ids = input_ids.clone()
+        if mask is not None:
+            token_ids = token_ids.masked_fill(mask == 0, -1)
+        cache.token_ids = token_ids
+        return cache
+
+    # ------------------------------------------------------------------ public contract
+    @property
+    def ssm_states(self) -> _LayerView:
+        return _LayerView(self, "recurrent_states")
+
+    @property
+    def conv_states(self) -> _LayerView:
+        return _LayerView(self, "conv_states")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def batch_size(self) -> int:
+        state = self.ssm_states[0] if self.layers else None
+        return -1 if state is None else state.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.ssm_states[0].device
+
+    def is_filled(self) -> bool:
+        return all(layer.has_previous_state[0] for layer in self.layers)
+
+    def log_decay(self, layer_idx: int) -> torch.Tensor:
+        """log of the context's accumulated decay for a layer, broadcastable to ``ssm_states[layer_idx]``.
+
+        Mamba-1: ``ΣΔ[b, d] · A[d, n]`` as ``[B, D, N]``; Mamba-2: ``ΣΔ[b, h] · A[h]`` as ``[B, H, 1, 1]``.
+        """
+        delta_sum, A = self.delta_sums[layer_idx], self.A[layer_idx]
+        if delta_sum is None:
+            raise ValueError(f"layer {layer_idx} of this cache holds no state yet; encode a context first")
+        if self.architecture == "mamba":
+            return delta_sum[:, :, None] * A[None]
+        return (delta_sum * A[None])[:, :, None, None]
+
+    # ------------------------------------------------------------------ writes (used by the mixers)
+    def set_layer(self, layer_idx: int, *, ssm_state, conv_state, delta_sum, A):
+        """Replace a layer's state (tensors are swapped, not copied in place, so autograd sees them)."""
+        layer = self.layers[layer_idx]
+        layer.recurrent_states[0] = ssm_state
+        layer.conv_states[0] = conv_state
+        layer.is_recurrent_states_initialized[0] = True
+        layer.is_conv_states_initialized[0] = True
+        layer.has_previous_state[0] = True
+        layer.conv_kernel_size[0] = conv_state.shape[-1]
+        layer.dtype, layer.device = conv_state.dtype, conv_state.device
+        self.delta_sums[layer_idx] = delta_sum
+        self.A[layer_idx] = A
+
+    def add_tokens(self, count: torch.Tensor):
+        """Account for ``count[b]`` more tokens per row; the stored token ids no longer describe the state."""
+        count = count.to(torch.long)
+        self.num_tokens = count if self.num_tokens is None else self.num_tokens + count
+        self.token_ids = None
+
+    # ------------------------------------------------------------------ batch operations
+    def _map_rows(self, fn) -> "ComposableMambaCache":
+        out = self._empty_like()
+        for i in range(self.num_layers):
+            out.set_layer(
+                i,
+                ssm_state=fn(self.ssm_states[i]),
+                conv_state=fn(self.conv_states[i]),
+                delta_sum=fn(self.delta_sums[i]),
+                A=self.A[i],
+            )
+        out.num_tokens = fn(self.num_tokens) if self.num_tokens is not None else None
+        out.token_ids = fn(self.token_ids) if self.token_ids is not None else None
+        return out
+
+    def _empty_like(self) -> "ComposableMambaCache":
+        return type(self)(
+            self.config,
+            architecture=self.architecture,
+            fingerprint=self.fingerprint,
+            model_dtype=self.model_dtype,
+            model_info=self.model_info,
+        )
+
+    def clone(self) -> "ComposableMambaCache":
+        return self._map_rows(lambda t: t.clone())
+
+    def detach(self) -> "ComposableMambaCache":
+        return self._map_rows(lambda t: t.detach())
+
+    def to(self, device=None, dtype=None) -> "ComposableMambaCache":
+        """Move to ``device``; ``dtype`` converts the conv windows and records it as the model dtype
+        (SSM states, ΣΔ and A stay float32)."""
+        out = self._map_rows(lambda t: t.to(device) if device is not None else t)
+        for i in range(out.num_layers):
+            out.A[i] = out.A[i].to(device) if device is not None else out.A[i]
+            if dtype is not None:
+                out.layers[i].conv_states[0] = out.conv_states[i].to(dtype)
+        if dtype is not None:
+            out.model_dtype = dtype
+        return out
+
+    def select(self, rows) -> "ComposableMambaCache":
+        """Rows ``rows`` (int, list or LongTensor) as a new cache."""
+        index = torch.as_tensor([rows] if isinstance(rows, int) else rows, dtype=torch.long)
+        if index.numel() and (index.min() < -self.batch_size or index.max() >= self.batch_size):
+            raise IndexError(f"row index out of range for a cache of batch size {self.batch_size}")
+        return self._map_rows(lambda t: t.index_select(0, index.to(t.device) % self.batch_size))
+
+    def __getitem__(self, rows):
+        if isinstance(rows, (int, list, torch.Tensor)):
+            return self.select(rows)
+        if isinstance(rows, slice):
+            return self.select(list(range(*rows.indices(self.batch_size))))
+        raise TypeError(f"rows must be an int, a list, a slice or a LongTensor, got {type(rows).__name__}")
+
+    def repeat_interleave(self, repeats: int) -> "ComposableMambaCache":
+        return self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    @classmethod
+    def stack(cls, caches: Sequence["ComposableMambaCache"]) -> "ComposableMambaCache":
+        """Concatenate caches of the same model along the batch."""
+        from .validation import check_compatible
+
+        check_compatible(caches, same_batch=False)
+        first = caches[0]
+        out = first._empty_like()
+        for i in range(first.num_layers):
+            out.set_layer(
+                i,
+                ssm_state=torch.cat([c.ssm_states[i] for c in caches]),
+                conv_state=torch.cat([c.conv_states[i] for c in caches]),
+                delta_sum=torch.cat([c.delta_sums[i] for c in caches]),
+                A=first.A[i],
+            )
+        if all(c.num_tokens is not None for c in caches):
+            out.num_tokens = torch.cat([c.num_tokens for c in caches])
+        if all(c.token_ids is not None for c in caches):
+            width = max(c.token_ids.shape[1] for c in caches)
+            out.token_ids = torch.cat(
+                [torch.nn.functional.pad(c.token_ids, (width - c.token_ids.shape[1], 0), value=-1) for c in caches]
+            )
+        return out
+
+    def context_tokens(self, row: int) -> torch.Tensor:
+        """The token ids this row's state was encoded from (no padding)."""
+        if self.token_ids is None:
+            raise ValueError(
+                "this state does not carry its context tokens (it was composed or continued); "
+                "the 'concat' and 'piconcat_r' methods need states made by ComposableMambaCache.encode"
+            )
+        ids = self.token_ids[row]
+        return ids[ids >= 0]
+
+    # in-place batch ops that generate() calls (beam search reorders, some modes expand or select)
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        self._index_extras(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        for layer in self.layers:
+            layer.recurrent_states[0] = layer.recurrent_states[0][indices]
+            layer.conv_states[0] = layer.conv_states[0][indices]
+        self._index_extras(indices)
+
+    def batch_repeat_interleave(self, repeats: int):
+        for layer in self.layers:
+            layer.recurrent_states[0] = layer.recurrent_states[0].repeat_interleave(repeats, dim=0)
+            layer.conv_states[0] = layer.conv_states[0].repeat_interleave(repeats, dim=0)
+        self.delta_sums = [d.repeat_interleave(repeats, dim=0) for d in self.delta_sums]
+        if self.num_tokens is not None:
+            self.num_tokens = self.num_tokens.repeat_interleave(repeats, dim=0)
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids.repeat_interleave(repeats, dim=0)
+
+    def _index_extras(self, index):
+        self.delta_sums = [d.index_select(0, index.to(d.device)) if d is not None else None for d in self.delta_sums]
+        if self.num_tokens is not None:
+            self.num_tokens = self.num_tokens.index_select(0, index.to(self.num_tokens.device))
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids.index_select(0, index.to(self.token_ids.device))
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path) -> None:
+        """Write this state to ``path`` as safetensors + JSON metadata, atomically."""
+        from .serialization import save_state
+
+        save_state(self, path)
+
+    @classmethod
+    def load(cls, path, model=None, device=None) -> "ComposableMambaCache":
+        """Read a state written by :meth:`save`. With ``model``, checks it was encoded by that model."""
+        from .serialization import load_state
+
+        return load_state(path, model=model, device=device)
+
+    def __repr__(self):
+        filled = self.is_filled() if self.layers else False
+        return (
+            f"ComposableMambaCache(architecture={self.architecture!r}, layers={self.num_layers}, "
+            f"batch={self.batch_size if filled else 0}, tokens={self.num_tokens.tolist() if self.num_tokens is not None else None}, "
+            f"fingerprint={self.fingerprint[:12]}…)"
+        )
+
+
+def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
+    mask = attention_mask.to(torch.long)
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
+    if (mask[:, 1:] < mask[:, :-1]).any():
+        raise ValueError(
+            "hf_statecompose needs left padding (Mamba caches continue from the last token): "
+            "set tokenizer.padding_side = 'left'"
+        )
+    if (mask.sum(-1) == 0).any():
+        raise ValueError("a row of attention_mask is all padding: every context needs at least one token")
+    return mask
+

@@ -1,0 +1,130 @@
+"""Model fingerprints: which model (architecture, config, weights) a state was encoded by.
+
+States are only meaningful for the exact model that produced them. The fingerprint hashes the
+architecture, the config entries that shape the states, and the bytes of every parameter and buffer
+that shapes the states: embeddings, every layer (mixers, norms, adapters such as LoRA included).
+Only the LM head and the final norm are left out: they act after the states. Random initialisation
+gives identical ``A_log`` and ``D`` across seeds, so those alone would not tell models apart; hashing
+every parameter does.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+SUPPORTED_MODEL_TYPES = {"mamba": "mamba", "mamba2": "mamba2"}
+
+# config entries that do not change the states (runtime flags, bookkeeping, generation defaults)
+_CONFIG_KEYS_IGNORED = {
+    "_name_or_path",
+    "transformers_version",
+    "architectures",
+    "use_cache",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "torch_dtype",
+    "dtype",
+    "use_mambapy",
+    "use_associative_scan",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "chunk_size_feed_forward",
+    "_attn_implementation_autoset",
+    "_experts_implementation",
+    "tokenizer_class",
+}
+
+
+def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The Mamba backbone (``model.backbone`` for the LM classes, the model itself for the bare ones)."""
+    # peft wraps the model: PeftModel.base_model (LoraModel).model is the transformers model
+    inner = model
+    for _ in range(3):
+        if hasattr(inner, "backbone") and hasattr(inner.backbone, "layers"):
+            return inner.backbone
+        if hasattr(inner, "layers") and hasattr(inner, "embeddings"):
+            return inner
+        inner = getattr(inner, "base_model", None) if getattr(inner, "base_model", None) is not inner else None
+        if inner is None:
+            break
+        inner = getattr(inner, "model", inner)
+    raise TypeError(
+        f"{type(model).__name__} is not a Mamba or Mamba-2 model from transformers (no `.backbone.layers`); "
+        "pass a MambaForCausalLM, Mamba2ForCausalLM, MambaModel or Mamba2Model"
+    )
+
+
+def architecture_of(model: torch.nn.Module) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise TypeError(
+            f"hf_statecompose supports transformers' Mamba and Mamba-2 models (model_type 'mamba' or 'mamba2'), "
+            f"got model_type {model_type!r} ({type(model).__name__})"
+        )
+    return SUPPORTED_MODEL_TYPES[model_type]
+
+
+def config_summary(config) -> dict:
+    """The JSON-able config entries that shape the states, sorted."""
+    summary = {}
+    for key, value in sorted(config.to_dict().items()):
+        if key in _CONFIG_KEYS_IGNORED or key.startswith("_"):
+            continue
+        try:
+            json.dumps(value)
+        except TypeError:
+            value = repr(value)
+        summary[key] = value
+    return summary
+
+
+def _state_shaping_tensors(model: torch.nn.Module):
+    backbone = base_model_of(model)
+    for name, tensor in list(backbone.named_parameters()) + list(backbone.named_buffers()):
+        if name.startswith("norm_f."):
+            continue  # acts after the last layer: does not shape the states
+        yield name, tensor
+
+
+def _weights_key(model):
+    return tuple(
+        (name, t.data_ptr(), t._version, tuple(t.shape), str(t.dtype)) for name, t in _state_shaping_tensors(model)
+    )
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Hex digest identifying the model for state compatibility. Cached until a weight changes."""
+    architecture = architecture_of(model)
+    key = _weights_key(model)
+    cached = getattr(model, "_hf_statecompose_fingerprint", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(architecture.encode())
+    digest.update(json.dumps(config_summary(model.config), sort_keys=True).encode())
+    for name, tensor in _state_shaping_tensors(model):
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        data = tensor.detach()
+        if data.device.type != "cpu":
+            data = data.cpu()
+        data = data.contiguous()
+        if data.dtype == torch.bfloat16:
+            data = data.view(torch.int16)
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    fingerprint = digest.hexdigest()
+    try:
+        object.__setattr__(model, "_hf_statecompose_fingerprint", (key, fingerprint))
+    except Exception:  # a frozen wrapper: just do not cache
+        pass
+    return fingerprint

@@ -1,0 +1,195 @@
+"""``StateComposer``: merge several context states into one.
+
+Model-free methods (per layer, elementwise on the SSM states, weights from the decays, see
+:mod:`.weights`): ``soup``, ``weighted``, ``caso``, ``picaso_s``, ``picaso_r``. Model-based baselines
+(re-encode tokens, need ``model=`` and states made by ``encode``): ``concat``, ``piconcat_r``.
+
+The list order is the context order (first = oldest) for the order-dependent ``caso`` and ``concat``.
+
+Conv windows (the last K inputs of the short causal conv) are not states of the SSM, so they are
+composed by a policy:
+
+* ``"last"``: the last state's window. For ``caso`` this is exact: after a concatenation the conv
+  window is the last context's window. Default for ``caso``.
+* ``"mean"``: the uniform mean. PICASO-S / PICASO-R average CASO over orders in which every context is
+  last equally often, so averaging the window over the same orders gives the mean. Default for
+  ``soup``, ``picaso_s`` and ``picaso_r``.
+* ``"weighted"``: the user's weights, the same ones the states get. Default for ``weighted``.
+
+The composed ΣΔ is the total over contexts for the order-based methods (the decay of a concatenation
+is order-independent) and the weighted mean for ``soup`` / ``weighted`` (a convex combination).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..cache.composable_cache import ComposableMambaCache
+from ..cache.validation import check_compatible, check_finite
+from .weights import WEIGHT_FUNCTIONS
+
+MODEL_FREE_METHODS = ("soup", "weighted", "caso", "picaso_s", "picaso_r")
+MODEL_BASED_METHODS = ("concat", "piconcat_r")
+METHODS = MODEL_FREE_METHODS + MODEL_BASED_METHODS
+CONV_POLICIES = ("mean", "last", "weighted")
+DEFAULT_CONV = {"soup": "mean", "weighted": "weighted", "caso": "last", "picaso_s": "mean", "picaso_r": "mean"}
+
+
+class StateComposer:
+    """Compose states with ``method`` (see module docstring).
+
+    Args:
+        method (`str`, *optional*, defaults to `"picaso_r"`): one of ``METHODS``.
+        conv (`str`, *optional*): conv-window policy, ``"mean"``, ``"last"`` or ``"weighted"``; defaults
+            per method (see module docstring). Ignored by the model-based methods, which compute the
+            window by running the model.
+        weights (`Sequence[float]`, *optional*): for ``method="weighted"`` (and ``conv="weighted"``):
+            one non-negative weight per state, summing to 1.
+    """
+
+    def __init__(self, method: str = "picaso_r", conv: str | None = None, weights: Sequence[float] | None = None):
+        if not isinstance(method, str) or method not in METHODS:
+            raise ValueError(f"unknown composition method {method!r}; choose one of {', '.join(METHODS)}")
+        if conv is not None and conv not in CONV_POLICIES:
+            raise ValueError(f"unknown conv policy {conv!r}; choose one of {', '.join(CONV_POLICIES)}")
+        if method == "weighted" and weights is None:
+            raise ValueError("method='weighted' needs weights=[w_1, ..., w_n] (non-negative, summing to 1)")
+        if weights is not None and method != "weighted" and conv != "weighted":
+            raise ValueError(f"weights are only used by method='weighted' (or conv='weighted'), not by {method!r}")
+        self.method = method
+        self.conv = conv if conv is not None else DEFAULT_CONV.get(method)
+        if self.conv == "weighted" and weights is None:
+            raise ValueError("conv='weighted' needs weights=[w_1, ..., w_n] (non-negative, summing to 1)")
+        self.weights = None if weights is None else _check_weights_values(weights)
+
+    def __repr__(self):
+        return f"StateComposer(method={self.method!r}, conv={self.conv!r})"
+
+    # ------------------------------------------------------------------------------------------
+    def compose(self, states: Sequence[ComposableMambaCache], model=None) -> ComposableMambaCache:
+        """Compose a non-empty list of states of one model (same batch) into one state (same batch)."""
+        if isinstance(states, ComposableMambaCache):
+            raise TypeError("compose takes a list of states, not a single state")
+        states = list(states) if isinstance(states, (list, tuple)) else states
+        check_compatible(states)
+        for k, state in enumerate(states):
+            check_finite(state, f"states[{k}]")
+        n = len(states)
+        weights = None
+        if self.weights is not None:
+            if len(self.weights) != n:
+                raise ValueError(f"got {len(self.weights)} weights for {n} states; pass one weight per state")
+            weights = self.weights
+        if self.method in MODEL_BASED_METHODS:
+            if model is None:
+                raise ValueError(f"method {self.method!r} re-encodes the context tokens: pass model=")
+            return _concat(states, model) if self.method == "concat" else _piconcat_r(states, model)
+        if n == 1:
+            return states[0].clone()  # one state composes to itself, exactly
+        return compose_model_free(states, self.method, self.conv, weights)
+
+
+def _check_weights_values(weights) -> torch.Tensor:
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    if w.numel() == 0:
+        raise ValueError("weights is empty: pass one non-negative weight per state")
+    if not torch.isfinite(w).all():
+        raise ValueError("weights contain NaN or inf")
+    if (w < 0).any():
+        raise ValueError(f"weights must be non-negative, got {w.tolist()}")
+    if abs(float(w.sum()) - 1.0) > 1e-6:
+        raise ValueError(f"weights must sum to 1 (got {float(w.sum()):.6g}); normalise them, e.g. w / w.sum()")
+    return w
+
+
+def compose_model_free(states, method: str, conv: str, weights: torch.Tensor | None = None) -> ComposableMambaCache:
+    """The model-free methods on already validated states."""
+    first = states[0]
+    n = len(states)
+    out = first._empty_like()
+    for i in range(first.num_layers):
+        ssm = torch.stack([s.ssm_states[i] for s in states])  # [n, B, *S]
+        log_decay = torch.stack([s.log_decay(i) for s in states])  # [n, B, *broadcastable to S]
+        delta = torch.stack([s.delta_sums[i] for s in states])  # [n, B, D|H]
+        if method == "weighted":
+            w = weights.to(ssm)
+            w_ssm = w.view(n, *([1] * (ssm.dim() - 1)))
+            composed = (w_ssm * ssm).sum(0)
+            delta_out = (w.view(n, 1, 1) * delta).sum(0)
+        else:
+            W = WEIGHT_FUNCTIONS[method](log_decay.to(torch.promote_types(ssm.dtype, log_decay.dtype)))
+            composed = (W * ssm).sum(0).to(ssm.dtype)
+            delta_out = delta.mean(0) if method == "soup" else delta.sum(0)
+        out.set_layer(
+            i,
+            ssm_state=composed,
+            conv_state=_compose_conv([s.conv_states[i] for s in states], conv, weights),
+            delta_sum=delta_out,
+            A=first.A[i],
+        )
+    if all(s.num_tokens is not None for s in states):
+        out.num_tokens = torch.stack([s.num_tokens for s in states]).sum(0)
+    return out
+
+
+def _compose_conv(windows, policy: str, weights):
+    stacked = torch.stack(windows)  # [n, B, C, K]
+    if policy == "last":
+        return windows[-1].clone()
+    if policy == "mean":
+        return stacked.to(torch.promote_types(stacked.dtype, torch.float32)).mean(0).to(stacked.dtype)
+    w = weights.to(torch.float64 if stacked.dtype == torch.float64 else torch.float32).to(stacked.device)
+    return (w.view(-1, 1, 1, 1) * stacked.to(w.dtype)).sum(0).to(stacked.dtype)
+
+
+# ------------------------------------------------------------------------------ model-based baselines
+def _left_pad(sequences, pad_id: int = 0):
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for r, seq in enumerate(sequences):
+        ids[r, width - len(seq):] = seq.cpu()
+        mask[r, width - len(seq):] = 1
+    return ids, mask
+
+
+def _concat(states, model) -> ComposableMambaCache:
+    """Re-encode the concatenated tokens (list order) of each row: the exact, expensive baseline."""
+    rows = []
+    for b in range(states[0].batch_size):
+        rows.append(torch.cat([s.context_tokens(b) for s in states]))
+    ids, mask = _left_pad(rows)
+    return ComposableMambaCache.encode(model, ids, attention_mask=mask if (mask == 0).any() else None)
+
+
+def _piconcat_r(states, model) -> ComposableMambaCache:
+    """Mean state of the concatenations in all n cyclic orders, all rows and rotations in one batch."""
+    n = len(states)
+    batch = states[0].batch_size
+    sequences = []
+    for b in range(batch):
+        tokens = [s.context_tokens(b) for s in states]
+        for k in range(n):
+            sequences.append(torch.cat(tokens[k:] + tokens[:k]))
+    ids, mask = _left_pad(sequences)
+    encoded = ComposableMambaCache.encode(model, ids, attention_mask=mask if (mask == 0).any() else None)
+    out = encoded._empty_like()
+    for i in range(encoded.num_layers):
+        def mean_rows(t):
+            return t.view(batch, n, *t.shape[1:]).float().mean(1).to(t.dtype)
+
+        out.set_layer(
+            i,
+            ssm_state=mean_rows(encoded.ssm_states[i]),
+            conv_state=mean_rows(encoded.conv_states[i]),
+            delta_sum=mean_rows(encoded.delta_sums[i]),
+            A=encoded.A[i],
+        )
+    out.num_tokens = encoded.num_tokens.view(batch, n)[:, 0].clone()
+    return out
+
+
+def compose_states(states, method: str = "picaso_r", model=None, **kwargs) -> ComposableMambaCache:
+    """Functional shortcut: ``StateComposer(method, **kwargs).compose(states, model=model)``."""
+    return StateComposer(method, **kwargs).compose(states, model=model)

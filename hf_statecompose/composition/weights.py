@@ -1,0 +1,104 @@
+"""Composition weights W_k, elementwise, computed from log decays (stable for every decay in [0, 1]).
+
+Notation (PICASO, arXiv 2502.17605): context k has state x_k (from a zero start) and decay
+a_k = exp(log_a_k) in [0, 1]. A composition is x = Σ_k W_k ⊙ x_k. All functions take
+``log_decays`` of shape ``[n, *E]`` (``-inf`` means a decay of exactly 0) and return ``W`` of the same
+shape. They are differentiable, never divide by a decay and never form a product that can overflow.
+Derivations: ``README.md`` beside this file and ``shared/MATH.md``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+def _check(log_decays: torch.Tensor) -> torch.Tensor:
+    if not torch.is_tensor(log_decays) or log_decays.dim() < 1 or log_decays.shape[0] == 0:
+        raise ValueError("log_decays must be a tensor [n, ...] with n >= 1")
+    if not log_decays.is_floating_point():
+        raise TypeError(f"log_decays must be floating point, got {log_decays.dtype}")
+    return log_decays
+
+
+def soup_weights(log_decays: torch.Tensor) -> torch.Tensor:
+    """State Soup: W_k = 1/n."""
+    _check(log_decays)
+    return torch.full_like(log_decays, 1.0 / log_decays.shape[0])
+
+
+def caso_weights(log_decays: torch.Tensor) -> torch.Tensor:
+    """CASO in list order (first = oldest): W_k = Π_{j>k} a_j (PICASO eq. 3), via suffix sums of logs."""
+    _check(log_decays)
+    # exclusive suffix sum: Σ_{j>k} log a_j
+    suffix = torch.cat([torch.flip(torch.cumsum(torch.flip(log_decays[1:], [0]), 0), [0]),
+                        torch.zeros_like(log_decays[:1])], 0)
+    return torch.exp(suffix)
+
+
+def picaso_r_weights(log_decays: torch.Tensor) -> torch.Tensor:
+    """PICASO-R: the mean of CASO over the n cyclic rotations of the list.
+
+    W_k = S_k / n with S_k = Σ_{m=0}^{n-1} Π_{j=1}^{m} a_{k+j} (indices mod n). With P = Π_i a_i,
+    S_k = (1 - P) + a_{k+1} S_{k+1}: one S is summed directly, the others follow by walking the cycle
+    backwards. Every term is non-negative (no cancellation) and nothing is divided.
+    """
+    _check(log_decays)
+    n = log_decays.shape[0]
+    if n == 1:
+        return torch.ones_like(log_decays)
+    one_minus_p = -torch.expm1(log_decays.sum(0))  # 1 - Π a_i, accurate when Π a_i is close to 1
+    # S_{n-1} = Σ_{m=0}^{n-1} Π_{j=0}^{m-1} a_j: contexts 0..m-1 follow context n-1 in its rotation
+    prefix = torch.cumsum(log_decays[:-1], 0)
+    s = 1.0 + torch.exp(prefix).sum(0)
+    sums = [None] * n
+    sums[n - 1] = s
+    for k in range(n - 2, -1, -1):
+        s = one_minus_p + torch.exp(log_decays[k + 1]) * s
+        sums[k] = s
+    return torch.stack(sums) / n
+
+
+@functools.lru_cache(maxsize=None)
+def _gauss_legendre_01(nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gauss–Legendre nodes and weights on (0, 1), float64, by Golub–Welsch."""
+    if nodes == 1:
+        return torch.tensor([0.5], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)
+    k = torch.arange(1, nodes, dtype=torch.float64)
+    off_diagonal = k / torch.sqrt(4 * k * k - 1)
+    jacobi = torch.diag(off_diagonal, 1) + torch.diag(off_diagonal, -1)
+    eigenvalues, eigenvectors = torch.linalg.eigh(jacobi)
+    t = (eigenvalues + 1) / 2
+    w = eigenvectors[0] ** 2  # sums to 1: (2 v0^2) on (-1, 1), halved on (0, 1)
+    return t, w / w.sum()
+
+
+def picaso_s_weights(log_decays: torch.Tensor) -> torch.Tensor:
+    """PICASO-S: the mean of CASO over all n! orders (PICASO Prop. 2), in O(n²) per element.
+
+    W_k = (1/n) Σ_m e_m(a_{-k}) / C(n-1, m) = ∫_0^1 Π_{i≠k} (1 - t + t a_i) dt, a polynomial of degree
+    n-1 in t, integrated exactly with ⌈n/2⌉ Gauss–Legendre nodes. At interior nodes every factor is
+    ≥ 1 - t > 0, so the leave-one-out product exp(Σ_i log f_i - log f_k) never divides by zero.
+    """
+    _check(log_decays)
+    n = log_decays.shape[0]
+    if n == 1:
+        return torch.ones_like(log_decays)
+    t, w = _gauss_legendre_01(math.ceil(n / 2))
+    t = t.to(log_decays)
+    w = w.to(log_decays)
+    decays = torch.exp(log_decays)
+    total = torch.zeros_like(log_decays)
+    for t_q, w_q in zip(t, w):
+        log_f = torch.log1p(t_q * (decays - 1))  # log(1 - t + t a_i)
+        total = total + w_q * torch.exp(log_f.sum(0, keepdim=True) - log_f)
+    return total
+
+
+WEIGHT_FUNCTIONS = {
+    "soup": soup_weights,
+    "caso": caso_weights,
+    "picaso_r": picaso_r_weights,
+    "picaso_s": picaso_s_weights,
+}

@@ -1,0 +1,65 @@
+"""Mamba-1 mixer forward on a ``ComposableMambaCache``.
+
+Stock transformers 5.23 runs its full-sequence scan from a zero state, so a multi-token input after a
+cached state silently ignores the SSM state. This forward continues from the cached state for any
+input length, keeps left padding inert (Δ = 0 and the conv window continued per row) and accumulates
+ΣΔ. It computes Δ exactly as the mixer does: ``softplus(dt_proj(x) + bias)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops import causal_conv1d, selective_scan
+
+
+def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.Tensor | None):
+    """hidden_states [B, T, hidden] -> [B, T, hidden]; updates layer ``mixer.layer_idx`` of ``cache``."""
+    layer_idx = mixer.layer_idx
+    dtype = hidden_states.dtype
+    batch, length, _ = hidden_states.shape
+    layer = cache.layers[layer_idx]
+    has_state = layer.has_previous_state[0]
+    if mask is not None:
+        hidden_states = hidden_states * mask[:, :, None].to(dtype)
+
+    projected = mixer.in_proj(hidden_states).transpose(1, 2)  # [B, 2D, T]
+    x, gate = projected.chunk(2, dim=1)  # [B, D, T] each
+    x, conv_window = causal_conv1d(
+        x,
+        mixer.conv1d.weight.squeeze(1),
+        mixer.conv1d.bias if mixer.use_conv_bias else None,
+        conv_state=layer.conv_states[0] if has_state else None,
+        mask=mask,
+        activation=mixer.activation,
+    )
+    if mask is not None:
+        x = x * mask[:, None, :].to(x.dtype)
+
+    ssm_parameters = mixer.x_proj(x.transpose(1, 2))  # [B, T, R + 2N]
+    time_step, B, C = torch.split(
+        ssm_parameters, [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
+    )
+    dt = mixer.dt_proj.weight @ time_step.transpose(1, 2)  # [B, D, T], bias added in the scan
+    A = -torch.exp(mixer.A_log.float())  # [D, N]
+    y, ssm_state, delta_sum = selective_scan(
+        x,
+        dt,
+        A,
+        B.transpose(1, 2),
+        C.transpose(1, 2),
+        D=mixer.D.float(),
+        z=gate,
+        delta_bias=mixer.dt_proj.bias.float() if mixer.dt_proj.bias is not None else None,
+        delta_softplus=True,
+        initial_state=layer.recurrent_states[0] if has_state else None,
+        mask=mask,
+    )
+    previous = cache.delta_sums[layer_idx] if has_state else None
+    cache.set_layer(
+        layer_idx,
+        ssm_state=ssm_state.float(),
+        conv_state=conv_window,
+        delta_sum=delta_sum.float() if previous is None else previous + delta_sum.float(),
+        A=A.detach() if not torch.is_grad_enabled() else A,
+    )
+    return mixer.out_proj(y.transpose(1, 2).to(dtype))

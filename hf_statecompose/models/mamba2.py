@@ -1,0 +1,63 @@
+"""Mamba-2 mixer forward on a ``ComposableMambaCache``.
+
+Same contract as the Mamba-1 one: continue from the cached state for any input length, left padding
+inert (Δ = 0 after the clamp, conv window continued per row), ΣΔ accumulated per head. Δ is computed
+exactly as the mixer does: ``clamp(softplus(dt + dt_bias), *time_step_limit)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops import causal_conv1d, ssd_scan
+
+
+def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.Tensor | None):
+    layer_idx = mixer.layer_idx
+    dtype = hidden_states.dtype
+    batch, length, _ = hidden_states.shape
+    layer = cache.layers[layer_idx]
+    has_state = layer.has_previous_state[0]
+    if mask is not None:
+        hidden_states = hidden_states * mask[:, :, None].to(dtype)
+
+    projected = mixer.in_proj(hidden_states)  # [B, T, I + conv_dim + H]
+    gate, xBC, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
+    xBC, conv_window = causal_conv1d(
+        xBC.transpose(1, 2),
+        mixer.conv1d.weight.squeeze(1),
+        mixer.conv1d.bias if mixer.use_conv_bias else None,
+        conv_state=layer.conv_states[0] if has_state else None,
+        mask=mask,
+        activation=mixer.activation,
+    )
+    xBC = xBC.transpose(1, 2)
+    if mask is not None:
+        xBC = xBC * mask[:, :, None].to(xBC.dtype)
+    group_state = mixer.n_groups * mixer.ssm_state_size
+    x, B, C = torch.split(xBC, [mixer.intermediate_size, group_state, group_state], dim=-1)
+    A = -torch.exp(mixer.A_log.float())  # [H]
+    y, ssm_state, delta_sum = ssd_scan(
+        x.reshape(batch, length, mixer.num_heads, mixer.head_dim),
+        dt,
+        A,
+        B.reshape(batch, length, mixer.n_groups, mixer.ssm_state_size),
+        C.reshape(batch, length, mixer.n_groups, mixer.ssm_state_size),
+        D=mixer.D,
+        dt_bias=mixer.dt_bias,
+        dt_softplus=True,
+        dt_limit=tuple(mixer.time_step_limit),
+        initial_state=layer.recurrent_states[0] if has_state else None,
+        mask=mask,
+        chunk_size=min(mixer.chunk_size, 64),
+    )
+    previous = cache.delta_sums[layer_idx] if has_state else None
+    cache.set_layer(
+        layer_idx,
+        ssm_state=ssm_state.float(),
+        conv_state=conv_window,
+        delta_sum=delta_sum.float() if previous is None else previous + delta_sum.float(),
+        A=A.detach() if not torch.is_grad_enabled() else A,
+    )
+    # like the stock mixer: gated norm on the float32 scan output, then cast for out_proj
+    y = mixer.norm(y.reshape(batch, length, -1), gate)
+    return mixer.out_proj(y.to(dtype))

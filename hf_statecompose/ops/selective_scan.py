@@ -1,0 +1,188 @@
+"""Mamba-1 selective scan that starts from an initial state and returns the final state and ΣΔ.
+
+Layout follows the Mamba mixer / mamba-ssm's ``selective_scan_fn``:
+
+    u, delta, z : [B, D, T]      (D = intermediate channels)
+    A           : [D, N]         (negative; A = -exp(A_log))
+    B, C        : [B, N, T]      (input-dependent, shared by all channels)
+    D           : [D]
+    initial_state, final_state : [B, D, N]
+    delta_sum   : [B, D]         (Σ_t Δ_t, so the context's decay is exp(A ⊙ ΣΔ))
+    mask        : [B, T]         (1 = real token, 0 = padding; padding gets Δ = 0: decay 1, no input)
+
+Recurrence (Mamba paper eq. 2a/2b, zero-order hold on A, Euler on B):
+    h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t u_t,      y_t = ⟨C_t, h_t⟩ + D u_t,      y_t ← y_t · silu(z_t)
+
+``selective_scan_ref`` is the plain per-token recurrence (the oracle); ``selective_scan`` is the
+vectorised chunked form used on CPU: the sequence is cut into chunks of ``chunk_size`` tokens, every
+chunk is scanned from a zero state *in parallel with all other chunks* (a loop over positions inside a
+chunk), the chunk-end states are then chained (a loop over chunks), and each position adds the
+carried-in state times its within-chunk decay. Python steps: chunk_size + T/chunk_size instead of T.
+All decays are products of factors in [0, 1]: nothing is divided, nothing overflows.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _discretize_delta(delta, delta_bias, delta_softplus, mask, compute_dtype):
+    delta = delta.to(compute_dtype)
+    if delta_bias is not None:
+        delta = delta + delta_bias.to(compute_dtype)[None, :, None]
+    if delta_softplus:
+        delta = F.softplus(delta)
+    if mask is not None:
+        delta = delta * mask[:, None, :].to(compute_dtype)
+    return delta
+
+
+def _check_shapes(u, delta, A, B, C, initial_state, mask):
+    if u.dim() != 3 or delta.shape != u.shape:
+        raise ValueError(f"u and delta must both be [B, D, T], got {tuple(u.shape)} and {tuple(delta.shape)}")
+    batch, channels, length = u.shape
+    if A.shape[0] != channels or A.dim() != 2:
+        raise ValueError(f"A must be [D, N] with D={channels}, got {tuple(A.shape)}")
+    state_size = A.shape[1]
+    for name, t in (("B", B), ("C", C)):
+        if tuple(t.shape) != (batch, state_size, length):
+            raise ValueError(f"{name} must be [B, N, T] = {(batch, state_size, length)}, got {tuple(t.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (batch, channels, state_size):
+        raise ValueError(
+            f"initial_state must be [B, D, N] = {(batch, channels, state_size)}, got {tuple(initial_state.shape)}"
+        )
+    if mask is not None and tuple(mask.shape) != (batch, length):
+        raise ValueError(f"mask must be [B, T] = {(batch, length)}, got {tuple(mask.shape)}")
+
+
+def _finish(y, u, D, z, compute_dtype):
+    if D is not None:
+        y = y + u.to(compute_dtype) * D.to(compute_dtype)[None, :, None]
+    if z is not None:
+        y = y * F.silu(z.to(compute_dtype))
+    return y
+
+
+def selective_scan_ref(
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None, mask=None
+):
+    """Plain per-token recurrence. Returns ``(y [B, D, T], final_state [B, D, N], delta_sum [B, D])``.
+
+    Computes in float32 (float64 if any input is float64); ``y`` is returned in that compute dtype.
+    """
+    _check_shapes(u, delta, A, B, C, initial_state, mask)
+    compute_dtype = torch.promote_types(torch.promote_types(u.dtype, A.dtype), torch.float32)
+    batch, channels, length = u.shape
+    dt = _discretize_delta(delta, delta_bias, delta_softplus, mask, compute_dtype)
+    A = A.to(compute_dtype)
+    uc, Bc, Cc = u.to(compute_dtype), B.to(compute_dtype), C.to(compute_dtype)
+    h = (
+        initial_state.to(compute_dtype)
+        if initial_state is not None
+        else u.new_zeros((batch, channels, A.shape[1]), dtype=compute_dtype)
+    )
+    ys = []
+    for t in range(length):
+        h = torch.exp(dt[:, :, t, None] * A) * h + dt[:, :, t, None] * Bc[:, None, :, t] * uc[:, :, t, None]
+        ys.append((h * Cc[:, None, :, t]).sum(-1))
+    y = torch.stack(ys, dim=-1) if ys else uc.new_zeros((batch, channels, 0))
+    return _finish(y, u, D, z, compute_dtype), h, dt.sum(-1)
+
+
+def selective_scan(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    mask=None,
+    chunk_size: int | None = None,
+    block_size: int = 1024,
+):
+    """Chunked, vectorised selective scan; same signature and results as :func:`selective_scan_ref`.
+
+    ``block_size`` bounds memory: the ``[T, B, D, N]`` intermediates are built for at most that many
+    tokens at a time and the state is carried from block to block.
+    """
+    _check_shapes(u, delta, A, B, C, initial_state, mask)
+    compute_dtype = torch.promote_types(torch.promote_types(u.dtype, A.dtype), torch.float32)
+    batch, channels, length = u.shape
+    state_size = A.shape[1]
+    dt = _discretize_delta(delta, delta_bias, delta_softplus, mask, compute_dtype)
+    A = A.to(compute_dtype)
+    h = (
+        initial_state.to(compute_dtype)
+        if initial_state is not None
+        else u.new_zeros((batch, channels, state_size), dtype=compute_dtype)
+    )
+    ys = []
+    for start in range(0, length, block_size):
+        stop = min(start + block_size, length)
+        y_block, h = _scan_block(
+            u[:, :, start:stop].to(compute_dtype),
+            dt[:, :, start:stop],
+            A,
+            B[:, :, start:stop].to(compute_dtype),
+            C[:, :, start:stop].to(compute_dtype),
+            h,
+            chunk_size,
+        )
+        ys.append(y_block)
+    y = torch.cat(ys, dim=-1) if ys else u.new_zeros((batch, channels, 0), dtype=compute_dtype)
+    return _finish(y, u, D, z, compute_dtype), h, dt.sum(-1)
+
+
+def _scan_block(u, dt, A, B, C, h0, chunk_size):
+    """One block: u, dt [B, D, T]; B, C [B, N, T]; h0 [B, D, N] -> (y [B, D, T], h_T [B, D, N])."""
+    batch, channels, length = u.shape
+    if chunk_size is None:
+        # chunk_size + length / chunk_size Python steps is smallest at sqrt(length)
+        chunk_size = max(1, int(math.ceil(math.sqrt(length))))
+    n_chunks = -(-length // chunk_size)
+    pad = n_chunks * chunk_size - length
+    # time-major so that every per-position slice below is contiguous: [T, B, D]
+    dt_t = dt.permute(2, 0, 1)
+    u_t = u.permute(2, 0, 1)
+    B_t = B.permute(2, 0, 1)  # [T, B, N]
+    C_t = C.permute(2, 0, 1)
+    if pad:
+        # padded positions have Δ = 0: decay 1 and no input, so they leave the state untouched
+        dt_t = F.pad(dt_t, (0, 0, 0, 0, 0, pad))
+        u_t = F.pad(u_t, (0, 0, 0, 0, 0, pad))
+        B_t = F.pad(B_t, (0, 0, 0, 0, 0, pad))
+        C_t = F.pad(C_t, (0, 0, 0, 0, 0, pad))
+    decay = torch.exp(dt_t[..., None] * A)  # [T, B, D, N], every entry in [0, 1]
+    inputs = (dt_t * u_t)[..., None] * B_t[:, :, None, :]  # [T, B, D, N]
+    # -> [chunk_size, n_chunks, B, D, N]: position inside the chunk leads, chunks run in parallel
+    decay = decay.view(n_chunks, chunk_size, batch, channels, -1).transpose(0, 1)
+    inputs = inputs.view(n_chunks, chunk_size, batch, channels, -1).transpose(0, 1)
+
+    # 1. scan every chunk from a zero state, all chunks at once; track the within-chunk decay products
+    local = [inputs[0]]
+    cum_decay = [decay[0]]
+    for j in range(1, chunk_size):
+        local.append(torch.addcmul(inputs[j], decay[j], local[j - 1]))
+        cum_decay.append(decay[j] * cum_decay[j - 1])
+    local = torch.stack(local)  # [Tc, nc, B, D, N]
+    cum_decay = torch.stack(cum_decay)
+
+    # 2. chain the chunks: state entering chunk c
+    carried = []
+    state = h0
+    for c in range(n_chunks):
+        carried.append(state)
+        state = torch.addcmul(local[-1, c], cum_decay[-1, c], state)
+    carried = torch.stack(carried)  # [nc, B, D, N]
+
+    # 3. every position adds its carried-in state, decayed within the chunk, then reads out with C
+    states = torch.addcmul(local, cum_decay, carried[None])  # [Tc, nc, B, D, N]
+    C_chunks = C_t.view(n_chunks, chunk_size, batch, -1).transpose(0, 1)  # [Tc, nc, B, N]
+    y = torch.einsum("jcbdn,jcbn->bdcj", states, C_chunks).reshape(batch, channels, -1)
+    return y[:, :, :length], state

@@ -1,0 +1,35 @@
+"""Shared helpers for the tests: tiny random models and comparisons."""
+import torch
+from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+
+import hf_statecompose as hsc
+
+VOCAB = 99
+
+
+def tiny_model(arch: str, seed: int = 0, layers: int = 2, conv_kernel: int = 4, dtype=torch.float32, **overrides):
+    """A tiny random model (hidden 32, vocab 99), in eval mode, enabled for past_states."""
+    torch.manual_seed(seed)
+    if arch == "mamba":
+        config = MambaConfig(
+            vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2,
+            conv_kernel=conv_kernel, pad_token_id=0, eos_token_id=1, bos_token_id=2, **overrides,
+        )
+        model = MambaForCausalLM(config)
+    else:
+        config = Mamba2Config(
+            vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2, num_heads=8,
+            head_dim=8, n_groups=2, chunk_size=16, conv_kernel=conv_kernel, pad_token_id=0, eos_token_id=1,
+            bos_token_id=2, **overrides,
+        )
+        model = Mamba2ForCausalLM(config)
+    return hsc.enable(model.to(dtype).eval())
+
+
+def random_ids(length: int, batch: int = 1, generator=None):
+    # ids 3.. avoid pad (0), eos (1), bos (2)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))

@@ -1,0 +1,122 @@
+"""StateComposer on real encoded states: definitions, invariances, conv policies, model baselines."""
+import itertools
+
+import pytest
+import torch
+
+import hf_statecompose as hsc
+from hf_statecompose import ComposableMambaCache, StateComposer
+
+from helpers import random_ids, tiny_model
+
+
+@pytest.fixture
+def states(model):
+    with torch.no_grad():
+        return [ComposableMambaCache.encode(model, random_ids(n, batch=2)) for n in (6, 11, 3, 8)]
+
+
+def _caso_reference(states, order, layer):
+    """CASO written directly: fold the states in order, decaying what came before."""
+    x = torch.zeros_like(states[0].ssm_states[layer], dtype=torch.float64)
+    for k in order:
+        x = torch.exp(states[k].log_decay(layer).double()) * x + states[k].ssm_states[layer].double()
+    return x
+
+
+def test_methods_match_their_definitions(states):
+    n = len(states)
+    for layer in range(states[0].num_layers):
+        caso = StateComposer("caso").compose(states).ssm_states[layer]
+        torch.testing.assert_close(caso.double(), _caso_reference(states, range(n), layer), rtol=1e-5, atol=1e-6)
+        perms = list(itertools.permutations(range(n)))
+        expected_s = sum(_caso_reference(states, p, layer) for p in perms) / len(perms)
+        torch.testing.assert_close(StateComposer("picaso_s").compose(states).ssm_states[layer].double(), expected_s, rtol=1e-5, atol=1e-6)
+        rots = [[(k + j) % n for j in range(n)] for k in range(n)]
+        expected_r = sum(_caso_reference(states, r, layer) for r in rots) / n
+        torch.testing.assert_close(StateComposer("picaso_r").compose(states).ssm_states[layer].double(), expected_r, rtol=1e-5, atol=1e-6)
+        soup = sum(s.ssm_states[layer] for s in states) / n
+        torch.testing.assert_close(StateComposer("soup").compose(states).ssm_states[layer], soup)
+        w = [0.1, 0.2, 0.3, 0.4]
+        weighted = sum(wk * s.ssm_states[layer] for wk, s in zip(w, states))
+        torch.testing.assert_close(StateComposer("weighted", weights=w).compose(states).ssm_states[layer], weighted)
+
+
+def test_order_invariance(states):
+    a = StateComposer("picaso_s").compose(states)
+    b = StateComposer("picaso_s").compose([states[2], states[0], states[3], states[1]])
+    c = StateComposer("picaso_r").compose(states)
+    d = StateComposer("picaso_r").compose(states[1:] + states[:1])
+    for i in range(a.num_layers):
+        torch.testing.assert_close(a.ssm_states[i], b.ssm_states[i], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c.ssm_states[i], d.ssm_states[i], rtol=1e-5, atol=1e-6)
+
+
+def test_one_state_composes_to_itself_exactly(states):
+    for method in ("soup", "caso", "picaso_s", "picaso_r"):
+        out = StateComposer(method).compose(states[:1])
+        for i in range(out.num_layers):
+            assert torch.equal(out.ssm_states[i], states[0].ssm_states[i])
+            assert torch.equal(out.conv_states[i], states[0].conv_states[i])
+            assert torch.equal(out.log_decay(i), states[0].log_decay(i))
+
+
+def test_conv_policies_and_decay_bookkeeping(states):
+    last = StateComposer("caso").compose(states)
+    mean = StateComposer("picaso_r").compose(states)
+    w = [0.4, 0.3, 0.2, 0.1]
+    weighted = StateComposer("weighted", weights=w).compose(states)
+    for i in range(last.num_layers):
+        assert torch.equal(last.conv_states[i], states[-1].conv_states[i])
+        torch.testing.assert_close(mean.conv_states[i], sum(s.conv_states[i] for s in states) / 4)
+        torch.testing.assert_close(weighted.conv_states[i], sum(wk * s.conv_states[i] for wk, s in zip(w, states)))
+        torch.testing.assert_close(last.delta_sums[i], sum(s.delta_sums[i] for s in states))
+    assert last.num_tokens.tolist() == [28, 28]
+    assert StateComposer("picaso_s", conv="last").conv == "last"
+
+
+def test_many_states_and_long_contexts_stay_finite(arch):
+    model = tiny_model(arch, layers=1)
+    with torch.no_grad():
+        base = ComposableMambaCache.encode(model, random_ids(40))
+    states = []
+    for k in range(64):
+        s = base.clone()
+        s.delta_sums[0] = s.delta_sums[0] * (1 + 500 * (k % 3))  # very long contexts: decays ~ e^-1000s
+        states.append(s)
+    for method in ("caso", "picaso_s", "picaso_r"):
+        out = StateComposer(method).compose(states)
+        assert torch.isfinite(out.ssm_states[0]).all(), method
+
+
+def test_composition_is_differentiable(states):
+    leaf = states[1].ssm_states[0].clone().requires_grad_(True)
+    states[1].layers[0].recurrent_states[0] = leaf
+    delta = states[2].delta_sums[0].clone().requires_grad_(True)
+    states[2].delta_sums[0] = delta
+    for method in ("caso", "picaso_s", "picaso_r", "soup"):
+        out = StateComposer(method).compose(states)
+        grads = torch.autograd.grad(out.ssm_states[0].sum(), [leaf, delta], allow_unused=True)
+        assert grads[0] is not None and grads[0].abs().sum() > 0, method
+        if method != "soup":
+            assert grads[1] is not None and grads[1].abs().sum() > 0, method
+
+
+@torch.no_grad()
+def test_piconcat_r_is_the_mean_over_rotated_concatenations(model):
+    contexts = [random_ids(n) for n in (5, 7, 4)]
+    states = [ComposableMambaCache.encode(model, c) for c in contexts]
+    out = StateComposer("piconcat_r").compose(states, model=model)
+    rotations = [torch.cat(contexts[k:] + contexts[:k], 1) for k in range(3)]
+    encoded = [ComposableMambaCache.encode(model, r) for r in rotations]
+    for i in range(out.num_layers):
+        torch.testing.assert_close(out.ssm_states[i], sum(e.ssm_states[i] for e in encoded) / 3, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.conv_states[i], sum(e.conv_states[i] for e in encoded) / 3, rtol=1e-5, atol=1e-6)
+    assert out.num_tokens.tolist() == [16]
+
+
+@torch.no_grad()
+def test_compose_states_function(states):
+    a = hsc.compose_states(states, "picaso_s")
+    b = StateComposer("picaso_s").compose(states)
+    assert torch.equal(a.ssm_states[0], b.ssm_states[0])

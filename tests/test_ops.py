@@ -1,0 +1,176 @@
+"""Fast torch ops vs their plain references, fp64 on fresh random inputs, values and gradients."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_statecompose.ops import (
+    causal_conv1d,
+    causal_conv1d_ref,
+    selective_scan,
+    selective_scan_ref,
+    ssd_scan,
+    ssd_scan_ref,
+)
+
+LENGTHS = [1, 7, 63, 130]
+
+
+def _left_mask(batch, length, pads):
+    mask = torch.ones(batch, length, dtype=torch.float64)
+    for b, p in enumerate(pads[:batch]):
+        mask[b, : min(p, length - 1)] = 0
+    return mask
+
+
+def _mamba1_inputs(length, seed, dtype=torch.float64, batch=2, channels=5, state=4):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    return dict(
+        u=r(batch, channels, length), delta=r(batch, channels, length), A=-torch.rand(channels, state, generator=g, dtype=dtype) * 4,
+        B=r(batch, state, length), C=r(batch, state, length), D=r(channels), z=r(batch, channels, length),
+        delta_bias=r(channels), delta_softplus=True, initial_state=r(batch, channels, state),
+        mask=_left_mask(batch, length, [0, 3]),
+    )
+
+
+def _mamba2_inputs(length, seed, dtype=torch.float64, batch=2, heads=4, head_dim=3, groups=2, state=5):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    return dict(
+        x=r(batch, length, heads, head_dim), dt=r(batch, length, heads), A=-torch.rand(heads, generator=g, dtype=dtype) * 4,
+        B=r(batch, length, groups, state), C=r(batch, length, groups, state), D=r(heads), dt_bias=r(heads),
+        dt_softplus=True, dt_limit=(0.0, 1.5), initial_state=r(batch, heads, head_dim, state),
+        mask=_left_mask(batch, length, [2, 0]),
+    )
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("chunk_size", [None, 1, 16])
+def test_selective_scan_matches_reference(length, chunk_size):
+    inputs = _mamba1_inputs(length, seed=length)
+    expected = selective_scan_ref(**inputs)
+    actual = selective_scan(**inputs, chunk_size=chunk_size, block_size=50)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+def test_selective_scan_reference_is_the_plain_recurrence():
+    """The reference against a scalar loop written out here, element by element."""
+    inp = _mamba1_inputs(6, seed=3, batch=1, channels=2, state=3)
+    y, h, dsum = selective_scan_ref(**inp)
+    dt = F.softplus(inp["delta"] + inp["delta_bias"][None, :, None]) * inp["mask"][:, None, :]
+    for d in range(2):
+        state = inp["initial_state"][0, d].clone()
+        for t in range(6):
+            state = torch.exp(dt[0, d, t] * inp["A"][d]) * state + dt[0, d, t] * inp["B"][0, :, t] * inp["u"][0, d, t]
+            out = (state * inp["C"][0, :, t]).sum() + inp["D"][d] * inp["u"][0, d, t]
+            out = out * F.silu(inp["z"][0, d, t])
+            assert abs(float(out - y[0, d, t])) < 1e-12
+        torch.testing.assert_close(h[0, d], state)
+        assert abs(float(dt[0, d].sum() - dsum[0, d])) < 1e-12
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("chunk_size", [1, 8, 64])
+def test_ssd_scan_matches_reference(length, chunk_size):
+    inputs = _mamba2_inputs(length, seed=length)
+    expected = ssd_scan_ref(**inputs)
+    actual = ssd_scan(**inputs, chunk_size=chunk_size)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+def test_padding_is_inert_in_both_scans():
+    """A left-padded row equals the same row scanned without its padding."""
+    inp = _mamba1_inputs(20, seed=5)
+    y, h, dsum = selective_scan(**inp)
+    trimmed = {k: (v[1:, ..., 3:] if torch.is_tensor(v) and v.dim() == 3 and k not in ("initial_state",) else v) for k, v in inp.items()}
+    trimmed.update(initial_state=inp["initial_state"][1:], mask=None)
+    y2, h2, dsum2 = selective_scan_ref(**trimmed)
+    torch.testing.assert_close(h[1:], h2)
+    torch.testing.assert_close(dsum[1:], dsum2)
+    torch.testing.assert_close(y[1:, :, 3:], y2)
+
+    inp = _mamba2_inputs(20, seed=6)
+    y, h, dsum = ssd_scan(**inp, chunk_size=8)
+    trimmed = {k: (v[:1, 2:] if torch.is_tensor(v) and k in ("x", "dt", "B", "C") else v) for k, v in inp.items()}
+    trimmed.update(initial_state=inp["initial_state"][:1], mask=None)
+    y2, h2, dsum2 = ssd_scan_ref(**trimmed)
+    torch.testing.assert_close(h[:1], h2)
+    torch.testing.assert_close(dsum[:1], dsum2)
+
+
+def _grads(fn, inputs, names):
+    leaves = {k: inputs[k].clone().requires_grad_(True) for k in names}
+    out = fn(**{**inputs, **leaves})
+    g = torch.Generator().manual_seed(0)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in out)
+    return torch.autograd.grad(loss, [leaves[k] for k in names])
+
+
+@pytest.mark.parametrize("length", [1, 7, 63])
+def test_selective_scan_gradients_match_reference(length):
+    inputs = _mamba1_inputs(length, seed=10 + length)
+    names = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"]
+    for a, e in zip(_grads(selective_scan, inputs, names), _grads(selective_scan_ref, inputs, names)):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("length", [1, 7, 63])
+def test_ssd_scan_gradients_match_reference(length):
+    inputs = _mamba2_inputs(length, seed=20 + length)
+    names = ["x", "dt", "A", "B", "C", "D", "dt_bias", "initial_state"]
+    fast = lambda **kw: ssd_scan(**kw, chunk_size=16)
+    for a, e in zip(_grads(fast, inputs, names), _grads(ssd_scan_ref, inputs, names)):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+
+
+def test_fp32_fast_paths_close_to_fp64_reference():
+    inp64 = _mamba1_inputs(63, seed=1)
+    inp32 = {k: (v.float() if torch.is_tensor(v) else v) for k, v in inp64.items()}
+    for a, e in zip(selective_scan(**inp32), selective_scan_ref(**inp64)):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4)
+    inp64 = _mamba2_inputs(63, seed=2)
+    inp32 = {k: (v.float() if torch.is_tensor(v) else v) for k, v in inp64.items()}
+    for a, e in zip(ssd_scan(**inp32), ssd_scan_ref(**inp64)):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("length", [1, 2, 9])
+def test_causal_conv_matches_reference(length):
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(3, 6, length, generator=g, dtype=torch.float64)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    b = torch.randn(6, generator=g, dtype=torch.float64)
+    state = torch.randn(3, 6, 4, generator=g, dtype=torch.float64)
+    mask = _left_mask(3, length, [0, 1, 5])
+    out, new = causal_conv1d(x, w, b, state, mask, "silu")
+    out_ref, new_ref = causal_conv1d_ref(x, w, b, state, mask, "silu")
+    torch.testing.assert_close(out * mask[:, None], out_ref * mask[:, None])
+    torch.testing.assert_close(new, new_ref)
+
+
+def test_scans_agree_with_transformers_own_torch_paths():
+    """From a zero state, our scans equal the stock transformers torch implementations."""
+    from transformers.models.mamba.modeling_mamba import mamba_selective_scan
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    inp = _mamba1_inputs(33, seed=4)
+    y_stock, h_stock = mamba_selective_scan(
+        inp["u"], inp["delta"], inp["A"], inp["B"], inp["C"], D=inp["D"], z=inp["z"],
+        delta_bias=inp["delta_bias"], delta_softplus=True, return_last_state=True,
+    )
+    y, h, _ = selective_scan(**{**inp, "initial_state": None, "mask": None})
+    # the stock path casts B to float32 internally, hence fp32-level tolerance
+    torch.testing.assert_close(y, y_stock, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, h_stock, rtol=1e-5, atol=1e-5)
+
+    inp = _mamba2_inputs(33, seed=5)
+    y_stock, h_stock = mamba2_chunk_scan(
+        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=16, D=inp["D"], dt_bias=inp["dt_bias"],
+        initial_states=inp["initial_state"], dt_softplus=True, dt_limit=inp["dt_limit"], return_final_states=True,
+    )
+    y, h, _ = ssd_scan(**{**inp, "mask": None}, chunk_size=16)
+    torch.testing.assert_close(y.float(), y_stock.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.float(), h_stock.float(), rtol=1e-5, atol=1e-5)
