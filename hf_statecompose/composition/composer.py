@@ -73,8 +73,6 @@ class StateComposer:
             raise TypeError("compose takes a list of states, not a single state")
         states = list(states) if isinstance(states, (list, tuple)) else states
         check_compatible(states)
-        for k, state in enumerate(states):
-            check_finite(state, f"states[{k}]")
         n = len(states)
         weights = None
         if self.weights is not None:
@@ -86,8 +84,11 @@ class StateComposer:
                 raise ValueError(f"method {self.method!r} re-encodes the context tokens: pass model=")
             return _concat(states, model) if self.method == "concat" else _piconcat_r(states, model)
         if n == 1:
-            return states[0].clone()  # one state composes to itself, exactly
-        return compose_model_free(states, self.method, self.conv, weights)
+            check_finite(states[0], "states[0]")
+            return states[0]._map_rows(lambda t: t)  # one state composes to itself, exactly (tensors shared)
+        composed = compose_model_free(states, self.method, self.conv, weights)
+        _check_composed_finite(composed, states)
+        return composed
 
 
 def _check_weights_values(weights) -> torch.Tensor:
@@ -104,23 +105,26 @@ def _check_weights_values(weights) -> torch.Tensor:
 
 
 def compose_model_free(states, method: str, conv: str, weights: torch.Tensor | None = None) -> ComposableMambaCache:
-    """The model-free methods on already validated states."""
+    """The model-free methods on already validated states: per layer, x = Σ_k W_k ⊙ x_k."""
     first = states[0]
     n = len(states)
     out = first._empty_like()
     for i in range(first.num_layers):
-        ssm = torch.stack([s.ssm_states[i] for s in states])  # [n, B, *S]
-        log_decay = torch.stack([s.log_decay(i) for s in states])  # [n, B, *broadcastable to S]
+        ssm = [s.ssm_states[i] for s in states]
         delta = torch.stack([s.delta_sums[i] for s in states])  # [n, B, D|H]
         if method == "weighted":
-            w = weights.to(ssm)
-            w_ssm = w.view(n, *([1] * (ssm.dim() - 1)))
-            composed = (w_ssm * ssm).sum(0)
-            delta_out = (w.view(n, 1, 1) * delta).sum(0)
+            W = weights.to(device=ssm[0].device, dtype=ssm[0].dtype).view(n, *([1] * ssm[0].dim()))
+            delta_out = (W.view(n, 1, 1).to(delta) * delta).sum(0)
         else:
-            W = WEIGHT_FUNCTIONS[method](log_decay.to(torch.promote_types(ssm.dtype, log_decay.dtype)))
-            composed = (W * ssm).sum(0).to(ssm.dtype)
+            # log decays are A ⊙ ΣΔ: Mamba-1 [n, B, D, N] (as the states), Mamba-2 [n, B, H, 1, 1]
+            A = first.A[i]
+            log_decay = delta[..., None] * A if first.architecture == "mamba" else (delta * A)[..., None, None]
+            W = WEIGHT_FUNCTIONS[method](log_decay.to(torch.promote_types(ssm[0].dtype, log_decay.dtype)))
             delta_out = delta.mean(0) if method == "soup" else delta.sum(0)
+        # one fused multiply-add per state instead of materialising an [n, ...] stack
+        composed = ssm[0] * W[0].to(ssm[0].dtype)
+        for k in range(1, n):
+            composed = composed.addcmul(ssm[k], W[k].to(ssm[k].dtype))
         out.set_layer(
             i,
             ssm_state=composed,
@@ -131,6 +135,20 @@ def compose_model_free(states, method: str, conv: str, weights: torch.Tensor | N
     if all(s.num_tokens is not None for s in states):
         out.num_tokens = torch.stack([s.num_tokens for s in states]).sum(0)
     return out
+
+
+def _check_composed_finite(composed, states):
+    """NaN / inf in any input reaches the composed state (NaN·0 and inf·0 are NaN), so one pass over the
+    output finds every bad input; only then are the inputs searched, to name the culprit."""
+    for i in range(composed.num_layers):
+        tensors = (composed.ssm_states[i], composed.conv_states[i], composed.delta_sums[i])
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            for k, state in enumerate(states):
+                check_finite(state, f"states[{k}]")
+            raise ValueError(
+                f"composing gave NaN or inf in layer {i} although every input is finite; "
+                "the states' values overflow the dtype: compose in float64 (state.to(dtype=torch.float64))"
+            )
 
 
 def _compose_conv(windows, policy: str, weights):

@@ -49,13 +49,13 @@ def picaso_r_weights(log_decays: torch.Tensor) -> torch.Tensor:
     if n == 1:
         return torch.ones_like(log_decays)
     one_minus_p = -torch.expm1(log_decays.sum(0))  # 1 - Π a_i, accurate when Π a_i is close to 1
+    decays = torch.exp(log_decays)
     # S_{n-1} = Σ_{m=0}^{n-1} Π_{j=0}^{m-1} a_j: contexts 0..m-1 follow context n-1 in its rotation
-    prefix = torch.cumsum(log_decays[:-1], 0)
-    s = 1.0 + torch.exp(prefix).sum(0)
+    s = 1.0 + torch.cumprod(decays[:-1], 0).sum(0)
     sums = [None] * n
     sums[n - 1] = s
     for k in range(n - 2, -1, -1):
-        s = one_minus_p + torch.exp(log_decays[k + 1]) * s
+        s = torch.addcmul(one_minus_p, decays[k + 1], s)
         sums[k] = s
     return torch.stack(sums) / n
 
@@ -79,20 +79,22 @@ def picaso_s_weights(log_decays: torch.Tensor) -> torch.Tensor:
 
     W_k = (1/n) Σ_m e_m(a_{-k}) / C(n-1, m) = ∫_0^1 Π_{i≠k} (1 - t + t a_i) dt, a polynomial of degree
     n-1 in t, integrated exactly with ⌈n/2⌉ Gauss–Legendre nodes. At interior nodes every factor is
-    ≥ 1 - t > 0, so the leave-one-out product exp(Σ_i log f_i - log f_k) never divides by zero.
+    ≥ 1 - t > 0, so the leave-one-out product (Π_i f_i) / f_k never divides by zero; no exp or log
+    per node, so the cost is a few multiplications per state element and node.
     """
     _check(log_decays)
     n = log_decays.shape[0]
     if n == 1:
         return torch.ones_like(log_decays)
     t, w = _gauss_legendre_01(math.ceil(n / 2))
-    t = t.to(log_decays)
-    w = w.to(log_decays)
     decays = torch.exp(log_decays)
     total = torch.zeros_like(log_decays)
-    for t_q, w_q in zip(t, w):
-        log_f = torch.log1p(t_q * (decays - 1))  # log(1 - t + t a_i)
-        total = total + w_q * torch.exp(log_f.sum(0, keepdim=True) - log_f)
+    for t_q, w_q in zip(t.tolist(), w.tolist()):
+        # f_i = 1 - t + t a_i >= 1 - t > 0 at interior nodes: the division below never meets a zero.
+        # The full product can underflow only when every term it would contribute is below the
+        # dtype's tiniest number, while W_k >= 1/n: such a loss is far below rounding.
+        f = decays * t_q + (1.0 - t_q)
+        total = total + (w_q * torch.prod(f, 0, keepdim=True)) / f
     return total
 
 

@@ -142,36 +142,27 @@ def selective_scan(
 def _scan_block(u, dt, A, B, C, h0, chunk_size):
     """One block: u, dt [B, D, T]; B, C [B, N, T]; h0 [B, D, N] -> (y [B, D, T], h_T [B, D, N])."""
     batch, channels, length = u.shape
+    state_size = A.shape[1]
     if chunk_size is None:
         # chunk_size + length / chunk_size Python steps is smallest at sqrt(length)
         chunk_size = max(1, int(math.ceil(math.sqrt(length))))
     n_chunks = -(-length // chunk_size)
     pad = n_chunks * chunk_size - length
-    # time-major so that every per-position slice below is contiguous: [T, B, D]
-    dt_t = dt.permute(2, 0, 1)
-    u_t = u.permute(2, 0, 1)
-    B_t = B.permute(2, 0, 1)  # [T, B, N]
-    C_t = C.permute(2, 0, 1)
-    if pad:
-        # padded positions have Δ = 0: decay 1 and no input, so they leave the state untouched
-        dt_t = F.pad(dt_t, (0, 0, 0, 0, 0, pad))
-        u_t = F.pad(u_t, (0, 0, 0, 0, 0, pad))
-        B_t = F.pad(B_t, (0, 0, 0, 0, 0, pad))
-        C_t = F.pad(C_t, (0, 0, 0, 0, 0, pad))
-    decay = torch.exp(dt_t[..., None] * A)  # [T, B, D, N], every entry in [0, 1]
-    inputs = (dt_t * u_t)[..., None] * B_t[:, :, None, :]  # [T, B, D, N]
-    # -> [chunk_size, n_chunks, B, D, N]: position inside the chunk leads, chunks run in parallel
-    decay = decay.view(n_chunks, chunk_size, batch, channels, -1).transpose(0, 1)
-    inputs = inputs.view(n_chunks, chunk_size, batch, channels, -1).transpose(0, 1)
 
-    # 1. scan every chunk from a zero state, all chunks at once; track the within-chunk decay products
-    local = [inputs[0]]
-    cum_decay = [decay[0]]
-    for j in range(1, chunk_size):
-        local.append(torch.addcmul(inputs[j], decay[j], local[j - 1]))
-        cum_decay.append(decay[j] * cum_decay[j - 1])
-    local = torch.stack(local)  # [Tc, nc, B, D, N]
-    cum_decay = torch.stack(cum_decay)
+    def chunked(t):
+        # [B, X, T] -> [Tc, nc, B, X]: position inside the chunk leads, chunks run in parallel. Padded
+        # positions get Δ = 0 (decay 1, no input), so they leave the state untouched.
+        t = F.pad(t, (0, pad)) if pad else t
+        return t.view(batch, -1, n_chunks, chunk_size).permute(3, 2, 0, 1).contiguous()
+
+    dt_c, u_c, B_c, C_c = chunked(dt), chunked(u), chunked(B), chunked(C)
+    decay = torch.exp(dt_c[..., None] * A)  # [Tc, nc, B, D, N], every entry in [0, 1]
+    inputs = (dt_c * u_c)[..., None] * B_c[:, :, :, None, :]  # [Tc, nc, B, D, N]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (u, dt, A, B, C, h0))
+    if needs_grad:
+        local, cum_decay = _local_scan_autograd(decay, inputs)
+    else:
+        local, cum_decay = _local_scan_inplace(decay, inputs)
 
     # 2. chain the chunks: state entering chunk c
     carried = []
@@ -182,7 +173,28 @@ def _scan_block(u, dt, A, B, C, h0, chunk_size):
     carried = torch.stack(carried)  # [nc, B, D, N]
 
     # 3. every position adds its carried-in state, decayed within the chunk, then reads out with C
-    states = torch.addcmul(local, cum_decay, carried[None])  # [Tc, nc, B, D, N]
-    C_chunks = C_t.view(n_chunks, chunk_size, batch, -1).transpose(0, 1)  # [Tc, nc, B, N]
-    y = torch.einsum("jcbdn,jcbn->bdcj", states, C_chunks).reshape(batch, channels, -1)
+    if needs_grad:
+        states = torch.addcmul(local, cum_decay, carried[None])
+    else:
+        states = local.addcmul_(cum_decay, carried[None])
+    y = torch.matmul(states, C_c[..., None])[..., 0]  # [Tc, nc, B, D]
+    y = y.permute(2, 3, 1, 0).reshape(batch, channels, n_chunks * chunk_size)
     return y[:, :, :length], state
+
+
+def _local_scan_inplace(decay, inputs):
+    """Scan every chunk from a zero state, all chunks at once, overwriting the inputs (no autograd)."""
+    for j in range(1, decay.shape[0]):
+        inputs[j].addcmul_(decay[j], inputs[j - 1])
+        decay[j].mul_(decay[j - 1])  # within-chunk decay products
+    return inputs, decay
+
+
+def _local_scan_autograd(decay, inputs):
+    """Same as :func:`_local_scan_inplace`, out of place so that autograd can differentiate it."""
+    local = [inputs[0]]
+    cum_decay = [decay[0]]
+    for j in range(1, decay.shape[0]):
+        local.append(torch.addcmul(inputs[j], decay[j], local[j - 1]))
+        cum_decay.append(decay[j] * cum_decay[j - 1])
+    return torch.stack(local), torch.stack(cum_decay)
