@@ -162,6 +162,18 @@ class ComposableMambaCache(DynamicCache):
         self.delta_sums[layer_idx] = delta_sum
         self.A[layer_idx] = A
 
+    def advance_layer(self, layer_idx: int, *, ssm_state, conv_state, delta_sum, A):
+        """After a forward over more tokens: the new state, and ΣΔ of those tokens added to the total."""
+        if self.layers[layer_idx].has_previous_state[0]:
+            delta_sum = self.delta_sums[layer_idx] + delta_sum.float()
+        self.set_layer(
+            layer_idx,
+            ssm_state=ssm_state.float(),
+            conv_state=conv_state,
+            delta_sum=delta_sum.float(),
+            A=A if torch.is_grad_enabled() else A.detach(),
+        )
+
     def add_tokens(self, count: torch.Tensor):
         """Account for ``count[b]`` more tokens per row; the stored token ids no longer describe the state."""
         count = count.to(torch.long)

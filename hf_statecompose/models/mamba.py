@@ -54,12 +54,5 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
         initial_state=layer.recurrent_states[0] if has_state else None,
         mask=mask,
     )
-    previous = cache.delta_sums[layer_idx] if has_state else None
-    cache.set_layer(
-        layer_idx,
-        ssm_state=ssm_state.float(),
-        conv_state=conv_window,
-        delta_sum=delta_sum.float() if previous is None else previous + delta_sum.float(),
-        A=A.detach() if not torch.is_grad_enabled() else A,
-    )
+    cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)
     return mixer.out_proj(y.transpose(1, 2).to(dtype))

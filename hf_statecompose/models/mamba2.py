@@ -50,14 +50,7 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.
         mask=mask,
         chunk_size=min(mixer.chunk_size, 64),
     )
-    previous = cache.delta_sums[layer_idx] if has_state else None
-    cache.set_layer(
-        layer_idx,
-        ssm_state=ssm_state.float(),
-        conv_state=conv_window,
-        delta_sum=delta_sum.float() if previous is None else previous + delta_sum.float(),
-        A=A.detach() if not torch.is_grad_enabled() else A,
-    )
+    cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)
     # like the stock mixer: gated norm on the float32 scan output, then cast for out_proj
     y = mixer.norm(y.reshape(batch, length, -1), gate)
     return mixer.out_proj(y.to(dtype))
