@@ -54,13 +54,17 @@ def embedded_model(arch: str = "mamba2", seed: int = 0):
     return hsc.enable(model.eval())
 
 
+def composer_for(method: str, n: int) -> "hsc.StateComposer":
+    """``weighted`` needs weights: the demo gives every context the same one."""
+    return hsc.StateComposer(method, weights=[1 / n] * n if method == "weighted" else None)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="mamba2", choices=["mamba", "mamba2"])
     parser.add_argument("--method", default="picaso_r", choices=list(hsc.METHODS))
     parser.add_argument("--max-new-tokens", type=int, default=24)
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = ByteTokenizer()
     model = embedded_model(args.arch)
     print(f"model: tiny random {args.arch} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters), byte tokenizer")
@@ -82,7 +86,7 @@ def main(argv=None):
         print(f"one state + query == generate(context + query): {same}")
 
         # 4. compose all contexts and generate; compare the cost with re-reading the concatenation
-        composer = hsc.StateComposer(args.method, weights=[1 / len(states)] * len(states) if args.method == "weighted" else None)
+        composer = composer_for(args.method, len(states))
         composer.compose(states, model=model)  # warm-up (first-call allocations)
         t0 = time.perf_counter()
         composed = composer.compose(states, model=model)
@@ -95,9 +99,7 @@ def main(argv=None):
         print("query:     ", QUERY.replace("\n", "\\n"))
         print("generated: ", repr(tok.decode(out[0, query.shape[1]:])), "(random weights: meaningless text)")
         for method in hsc.METHODS:
-            weights = [1 / len(states)] * len(states) if method == "weighted" else None
-            composition = hsc.StateComposer(method, weights=weights)
-            out = model.generate(query, past_states=states, composition=composition, max_new_tokens=8, do_sample=False)
+            out = model.generate(query, past_states=states, composition=composer_for(method, len(states)), max_new_tokens=8, do_sample=False)
             print(f"  {method:<10} -> first new token ids {out[0, query.shape[1]:].tolist()}")
     if not same:
         raise SystemExit("exactness check failed")

@@ -164,13 +164,14 @@ class ComposableMambaCache(DynamicCache):
 
     def advance_layer(self, layer_idx: int, *, ssm_state, conv_state, delta_sum, A):
         """After a forward over more tokens: the new state, and ΣΔ of those tokens added to the total."""
+        delta_sum = delta_sum.float()
         if self.layers[layer_idx].has_previous_state[0]:
-            delta_sum = self.delta_sums[layer_idx] + delta_sum.float()
+            delta_sum = self.delta_sums[layer_idx] + delta_sum
         self.set_layer(
             layer_idx,
             ssm_state=ssm_state.float(),
             conv_state=conv_state,
-            delta_sum=delta_sum.float(),
+            delta_sum=delta_sum,
             A=A if torch.is_grad_enabled() else A.detach(),
         )
 

@@ -142,7 +142,6 @@ def selective_scan(
 def _scan_block(u, dt, A, B, C, h0, chunk_size):
     """One block: u, dt [B, D, T]; B, C [B, N, T]; h0 [B, D, N] -> (y [B, D, T], h_T [B, D, N])."""
     batch, channels, length = u.shape
-    state_size = A.shape[1]
     if chunk_size is None:
         # chunk_size + length / chunk_size Python steps is smallest at sqrt(length)
         chunk_size = max(1, int(math.ceil(math.sqrt(length))))
@@ -158,6 +157,7 @@ def _scan_block(u, dt, A, B, C, h0, chunk_size):
     dt_c, u_c, B_c, C_c = chunked(dt), chunked(u), chunked(B), chunked(C)
     decay = torch.exp(dt_c[..., None] * A)  # [Tc, nc, B, D, N], every entry in [0, 1]
     inputs = (dt_c * u_c)[..., None] * B_c[:, :, :, None, :]  # [Tc, nc, B, D, N]
+    # 1. scan every chunk from a zero state, all chunks at once; track the within-chunk decay products
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (u, dt, A, B, C, h0))
     if needs_grad:
         local, cum_decay = _local_scan_autograd(decay, inputs)
