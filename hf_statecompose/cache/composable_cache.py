@@ -83,14 +83,17 @@ class ComposableMambaCache(DynamicCache):
 
     @classmethod
     @torch.no_grad()
-    def encode(cls, model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None):
+    def encode(
+        cls, model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, backend: str | None = None
+    ):
         """Encode contexts into a state: one prefill of the backbone, no logits.
 
         ``input_ids`` is ``[B, T]`` (or ``[T]``); a batch of contexts of different lengths must be left
         padded, with ``attention_mask`` marking real tokens. Padding neither decays nor feeds the state,
-        so every row equals encoding that context alone.
+        so every row equals encoding that context alone. ``backend`` (``"auto"``, ``"torch"``,
+        ``"triton"``) overrides the model's kernels for this call only.
         """
-        from ..generation.integration import enable
+        from ..generation.integration import enable, using_backend
 
         enable(model)
         if input_ids.dim() == 1:
@@ -104,7 +107,8 @@ class ComposableMambaCache(DynamicCache):
         device = next(backbone.parameters()).device
         input_ids = input_ids.to(device)
         mask = attention_mask.to(device) if attention_mask is not None else None
-        backbone(input_ids=input_ids, attention_mask=mask, cache_params=cache, use_cache=True)
+        with using_backend(model, backend):
+            backbone(input_ids=input_ids, attention_mask=mask, cache_params=cache, use_cache=True)
         token_ids = input_ids.clone()
         if mask is not None:
             token_ids = token_ids.masked_fill(mask == 0, -1)

@@ -27,7 +27,7 @@ import torch
 
 from ..cache.composable_cache import ComposableMambaCache
 from ..cache.validation import check_compatible, check_finite
-from .weights import WEIGHT_FUNCTIONS
+from ..ops.backends import check_backend_name, compose_ssm
 
 MODEL_FREE_METHODS = ("soup", "weighted", "caso", "picaso_s", "picaso_r")
 MODEL_BASED_METHODS = ("concat", "piconcat_r")
@@ -46,9 +46,20 @@ class StateComposer:
             window by running the model.
         weights (`Sequence[float]`, *optional*): for ``method="weighted"`` (and ``conv="weighted"``):
             one non-negative weight per state, summing to 1.
+        backend (`str`, *optional*, defaults to `"auto"`): kernels of the model-free methods: ``"torch"``
+            (blockwise, differentiable), ``"triton"`` (one fused pass on CUDA, no autograd) or ``"auto"``
+            (Triton for CUDA states that need no gradient, else torch). See :mod:`hf_statecompose.ops.backends`.
     """
 
-    def __init__(self, method: str = "picaso_r", conv: str | None = None, weights: Sequence[float] | None = None):
+    def __init__(
+        self,
+        method: str = "picaso_r",
+        conv: str | None = None,
+        weights: Sequence[float] | None = None,
+        backend: str = "auto",
+    ):
+        check_backend_name(backend)
+        self.backend = backend
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"unknown composition method {method!r}; choose one of {', '.join(METHODS)}")
         if conv is not None and conv not in CONV_POLICIES:
@@ -64,7 +75,7 @@ class StateComposer:
         self.weights = None if weights is None else _check_weights_values(weights)
 
     def __repr__(self):
-        return f"StateComposer(method={self.method!r}, conv={self.conv!r})"
+        return f"StateComposer(method={self.method!r}, conv={self.conv!r}, backend={self.backend!r})"
 
     # ------------------------------------------------------------------------------------------
     def compose(self, states: Sequence[ComposableMambaCache], model=None) -> ComposableMambaCache:
@@ -86,7 +97,7 @@ class StateComposer:
         if n == 1:
             check_finite(states[0], "states[0]")
             return states[0]._map_rows(lambda t: t)  # one state composes to itself, exactly (tensors shared)
-        composed = compose_model_free(states, self.method, self.conv, weights)
+        composed = compose_model_free(states, self.method, self.conv, weights, backend=self.backend)
         _check_composed_finite(composed, states)
         return composed
 
@@ -104,27 +115,24 @@ def _check_weights_values(weights) -> torch.Tensor:
     return w
 
 
-def compose_model_free(states, method: str, conv: str, weights: torch.Tensor | None = None) -> ComposableMambaCache:
-    """The model-free methods on already validated states: per layer, x = Σ_k W_k ⊙ x_k."""
+def compose_model_free(
+    states, method: str, conv: str, weights: torch.Tensor | None = None, backend: str = "auto"
+) -> ComposableMambaCache:
+    """The model-free methods on already validated states: per layer, x = Σ_k W_k ⊙ x_k (fused, see
+    :mod:`hf_statecompose.ops.compose`: the weights are computed from the decays block by block, or in
+    registers by the Triton kernel, never as a tensor the size of all states)."""
     first = states[0]
-    n = len(states)
     out = first._empty_like()
     for i in range(first.num_layers):
-        ssm = [s.ssm_states[i] for s in states]
         delta = torch.stack([s.delta_sums[i] for s in states])  # [n, B, D|H]
+        composed = compose_ssm(
+            [s.ssm_states[i] for s in states], delta, first.A[i], method,
+            weights=weights if method == "weighted" else None, backend=backend,
+        )
         if method == "weighted":
-            W = weights.to(device=ssm[0].device, dtype=ssm[0].dtype).view(n, *([1] * ssm[0].dim()))
-            delta_out = (W.view(n, 1, 1).to(delta) * delta).sum(0)
+            delta_out = (weights.to(delta).view(-1, 1, 1) * delta).sum(0)
         else:
-            # log decays are A ⊙ ΣΔ: Mamba-1 [n, B, D, N] (as the states), Mamba-2 [n, B, H, 1, 1]
-            A = first.A[i]
-            log_decay = delta[..., None] * A if first.architecture == "mamba" else (delta * A)[..., None, None]
-            W = WEIGHT_FUNCTIONS[method](log_decay.to(torch.promote_types(ssm[0].dtype, log_decay.dtype)))
             delta_out = delta.mean(0) if method == "soup" else delta.sum(0)
-        # one fused multiply-add per state instead of materialising an [n, ...] stack
-        composed = ssm[0] * W[0].to(ssm[0].dtype)
-        for k in range(1, n):
-            composed = composed.addcmul(ssm[k], W[k].to(ssm[k].dtype))
         out.set_layer(
             i,
             ssm_state=composed,

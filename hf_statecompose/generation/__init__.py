@@ -1,3 +1,3 @@
-from .integration import compose_for_batch, disable, enable, is_enabled
+from .integration import compose_for_batch, disable, enable, get_backend, is_enabled, set_backend, using_backend
 
-__all__ = ["compose_for_batch", "disable", "enable", "is_enabled"]
+__all__ = ["compose_for_batch", "disable", "enable", "get_backend", "is_enabled", "set_backend", "using_backend"]

@@ -13,6 +13,7 @@ What ``enable`` changes, and why it changes nothing else:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -24,6 +25,7 @@ from ..cache.composable_cache import ComposableMambaCache
 from ..cache.fingerprint import architecture_of, base_model_of, model_fingerprint
 from ..cache.validation import check_against_model, check_is_state
 from ..models import mamba2_mixer_forward, mamba_mixer_forward
+from ..ops.backends import check_backend_name
 
 _PATH_FOR_MIXER = {MambaMixer: mamba_mixer_forward, Mamba2Mixer: mamba2_mixer_forward}
 _COMPOSABLE_MIXER_CLASSES: dict[type, type] = {}
@@ -55,13 +57,17 @@ def is_enabled(model) -> bool:
     return getattr(model, "_hf_statecompose_enabled", False)
 
 
-def enable(model):
+def enable(model, backend: str | None = None):
     """Teach a Mamba / Mamba-2 model ``past_states=`` (idempotent; returns the model).
 
-    Calls without ``past_states`` behave exactly as before.
+    Calls without ``past_states`` behave exactly as before. ``backend`` (``"auto"``, ``"torch"`` or
+    ``"triton"``, see :mod:`hf_statecompose.ops.backends`) picks the kernels of the state-aware path;
+    ``None`` keeps the model's current choice (``"auto"`` the first time).
     """
     architecture_of(model)  # raises a clear TypeError for other models
     backbone = base_model_of(model)
+    if backend is not None or get_backend(model) is None:
+        set_backend(model, "auto" if backend is None else backend)
     for block in backbone.layers:
         mixer = block.mixer
         base = type(mixer)
@@ -93,6 +99,33 @@ def disable(model):
             del model.__dict__[name]
     object.__setattr__(model, "_hf_statecompose_enabled", False)
     return model
+
+
+def get_backend(model) -> str | None:
+    """The backend the state-aware path of an enabled model uses (None before :func:`enable`)."""
+    return getattr(base_model_of(model).layers[0].mixer, "_hsc_backend", None)
+
+
+def set_backend(model, backend: str):
+    """Choose the kernels (``"auto"``, ``"torch"``, ``"triton"``) of the state-aware path of ``model``."""
+    check_backend_name(backend)
+    for block in base_model_of(model).layers:
+        object.__setattr__(block.mixer, "_hsc_backend", backend)
+    return model
+
+
+@contextlib.contextmanager
+def using_backend(model, backend: str | None):
+    """Temporarily run ``model``'s state-aware path on ``backend`` (None: leave it as it is)."""
+    if backend is None:
+        yield model
+        return
+    previous = get_backend(model)
+    set_backend(model, backend)
+    try:
+        yield model
+    finally:
+        set_backend(model, previous or "auto")
 
 
 # ---------------------------------------------------------------------------------------------- compose

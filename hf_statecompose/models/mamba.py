@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import causal_conv1d, selective_scan
+from ..ops import backends
 
 
 def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.Tensor | None):
@@ -19,18 +19,20 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     batch, length, _ = hidden_states.shape
     layer = cache.layers[layer_idx]
     has_state = layer.has_previous_state[0]
+    backend = getattr(mixer, "_hsc_backend", "auto")
     if mask is not None:
         hidden_states = hidden_states * mask[:, :, None].to(dtype)
 
     projected = mixer.in_proj(hidden_states).transpose(1, 2)  # [B, 2D, T]
     x, gate = projected.chunk(2, dim=1)  # [B, D, T] each
-    x, conv_window = causal_conv1d(
+    x, conv_window = backends.causal_conv1d(
         x,
         mixer.conv1d.weight.squeeze(1),
         mixer.conv1d.bias if mixer.use_conv_bias else None,
         conv_state=layer.conv_states[0] if has_state else None,
         mask=mask,
         activation=mixer.activation,
+        backend=backend,
     )
     if mask is not None:
         x = x * mask[:, None, :].to(x.dtype)
@@ -41,7 +43,7 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     )
     dt = mixer.dt_proj.weight @ time_step.transpose(1, 2)  # [B, D, T], bias added in the scan
     A = -torch.exp(mixer.A_log.float())  # [D, N]
-    y, ssm_state, delta_sum = selective_scan(
+    y, ssm_state, delta_sum = backends.selective_scan(
         x,
         dt,
         A,
@@ -53,6 +55,7 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
         delta_softplus=True,
         initial_state=layer.recurrent_states[0] if has_state else None,
         mask=mask,
+        backend=backend,
     )
     cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)
     return mixer.out_proj(y.transpose(1, 2).to(dtype))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import causal_conv1d, ssd_scan
+from ..ops import backends
 
 
 def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.Tensor | None):
@@ -17,18 +17,20 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.
     batch, length, _ = hidden_states.shape
     layer = cache.layers[layer_idx]
     has_state = layer.has_previous_state[0]
+    backend = getattr(mixer, "_hsc_backend", "auto")
     if mask is not None:
         hidden_states = hidden_states * mask[:, :, None].to(dtype)
 
     projected = mixer.in_proj(hidden_states)  # [B, T, I + conv_dim + H]
     gate, xBC, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
-    xBC, conv_window = causal_conv1d(
+    xBC, conv_window = backends.causal_conv1d(
         xBC.transpose(1, 2),
         mixer.conv1d.weight.squeeze(1),
         mixer.conv1d.bias if mixer.use_conv_bias else None,
         conv_state=layer.conv_states[0] if has_state else None,
         mask=mask,
         activation=mixer.activation,
+        backend=backend,
     )
     xBC = xBC.transpose(1, 2)
     if mask is not None:
@@ -36,7 +38,7 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.
     group_state = mixer.n_groups * mixer.ssm_state_size
     x, B, C = torch.split(xBC, [mixer.intermediate_size, group_state, group_state], dim=-1)
     A = -torch.exp(mixer.A_log.float())  # [H]
-    y, ssm_state, delta_sum = ssd_scan(
+    y, ssm_state, delta_sum = backends.ssd_scan(
         x.reshape(batch, length, mixer.num_heads, mixer.head_dim),
         dt,
         A,
@@ -48,6 +50,7 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.
         dt_limit=tuple(mixer.time_step_limit),
         initial_state=layer.recurrent_states[0] if has_state else None,
         mask=mask,
+        backend=backend,
         chunk_size=min(mixer.chunk_size, 64),
     )
     cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)

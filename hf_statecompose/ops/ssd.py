@@ -85,15 +85,6 @@ def ssd_scan_ref(
     return y, h, dt.sum(1)
 
 
-def _segment_sum(x):
-    """x [..., L] -> [..., L, L] with out[..., i, j] = sum(x[..., j+1 : i+1]) for j <= i, -inf above."""
-    length = x.shape[-1]
-    cumsum = torch.cumsum(x, dim=-1)
-    seg = cumsum[..., :, None] - cumsum[..., None, :]
-    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-    return seg.masked_fill(~causal, float("-inf"))
-
-
 def ssd_scan(
     x,
     dt,
@@ -108,11 +99,17 @@ def ssd_scan(
     mask=None,
     chunk_size: int = 64,
 ):
-    """Chunked SSD scan; same signature and results as :func:`ssd_scan_ref`."""
+    """Chunked SSD scan; same signature and results as :func:`ssd_scan_ref`.
+
+    Every contraction is a batched matmul over the heads of one group, which share B and C: the
+    ``C Bᵀ`` scores are formed once per group (not per head), and the chunk states and their read-out
+    are ``[L, heads·P]ᵀ @ [L, N]`` and ``[L, N] @ [N, heads·P]`` products. Differentiable (plain torch).
+    """
     _check_shapes(x, dt, A, B, C, initial_state, mask)
     compute_dtype = torch.promote_types(torch.promote_types(x.dtype, A.dtype), torch.float32)
     batch, length, heads, head_dim = x.shape
     groups, state_size = B.shape[2], B.shape[3]
+    per_group = heads // groups
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit, mask, compute_dtype)
     delta_sum = dt.sum(1)
     xc = x.to(compute_dtype)
@@ -126,42 +123,47 @@ def ssd_scan(
     chunk_size = min(chunk_size, length)
     n_chunks = -(-length // chunk_size)
     pad = n_chunks * chunk_size - length
-    Bh = B.to(compute_dtype).repeat_interleave(heads // groups, dim=2)
-    Ch = C.to(compute_dtype).repeat_interleave(heads // groups, dim=2)
     x_dt = xc * dt[..., None]
     log_a = dt * A.to(compute_dtype)  # [B, T, H], every entry <= 0
-    if pad:
+    Bc, Cc = B.to(compute_dtype), C.to(compute_dtype)
+    if pad:  # padded positions: log_a = 0 (decay 1) and no input, so they change nothing
         x_dt = F.pad(x_dt, (0, 0, 0, 0, 0, pad))
         log_a = F.pad(log_a, (0, 0, 0, pad))
-        Bh = F.pad(Bh, (0, 0, 0, 0, 0, pad))
-        Ch = F.pad(Ch, (0, 0, 0, 0, 0, pad))
-    # b = batch, c = chunk, l/s = position in chunk, h = head, p = head channel, n = state
-    x_dt = x_dt.view(batch, n_chunks, chunk_size, heads, head_dim)
-    Bh = Bh.view(batch, n_chunks, chunk_size, heads, state_size)
-    Ch = Ch.view(batch, n_chunks, chunk_size, heads, state_size)
-    log_a = log_a.view(batch, n_chunks, chunk_size, heads).permute(0, 3, 1, 2)  # [b, h, c, l]
-    log_a_cum = torch.cumsum(log_a, dim=-1)
+        Bc = F.pad(Bc, (0, 0, 0, 0, 0, pad))
+        Cc = F.pad(Cc, (0, 0, 0, 0, 0, pad))
+    # b batch, c chunk, g group, j head in group, l/s position in chunk, p head channel, n state
+    L, G, J, P, N = chunk_size, groups, per_group, head_dim, state_size
+    Bg = Bc.view(batch, n_chunks, L, G, N).transpose(2, 3)  # [b, c, g, s, n]
+    Cg = Cc.view(batch, n_chunks, L, G, N).transpose(2, 3)  # [b, c, g, l, n]
+    log_a_cum = torch.cumsum(log_a.view(batch, n_chunks, L, G, J).permute(0, 1, 3, 4, 2), dim=-1)  # [b, c, g, j, l]
+    x_dt = x_dt.view(batch, n_chunks, L, G, J, P).permute(0, 1, 3, 4, 2, 5)  # [b, c, g, j, s, p]
 
-    # 1. within each chunk: a masked, decayed "attention" of C against B
-    decay_within = torch.exp(_segment_sum(log_a))  # [b, h, c, l, s]
-    y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Ch, Bh, decay_within, x_dt)
+    # 1. within each chunk: y[l] = Σ_{s<=l} (C_l · B_s) exp(cum_l - cum_s) (xΔ)_s, per head
+    scores = torch.matmul(Cg, Bg.transpose(-1, -2))  # [b, c, g, l, s], once per group
+    segment = log_a_cum[..., :, None] - log_a_cum[..., None, :]  # [b, c, g, j, l, s]; <= 0 where s <= l
+    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    decay_within = torch.exp(segment.masked_fill(~causal, float("-inf")))
+    y = torch.matmul(scores[:, :, :, None] * decay_within, x_dt)  # [b, c, g, j, l, p]
 
-    # 2. state contributed by each chunk alone, as seen at the chunk's end
-    decay_to_end = torch.exp(log_a_cum[..., -1:] - log_a_cum)  # [b, h, c, l]
-    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bh, decay_to_end, x_dt)
+    # 2. state contributed by each chunk alone, as seen at its end: Σ_s exp(cum_end - cum_s) (xΔ)_s ⊗ B_s
+    decay_to_end = torch.exp(log_a_cum[..., -1:] - log_a_cum)  # [b, c, g, j, s]
+    weighted_x = (x_dt * decay_to_end[..., None]).permute(0, 1, 2, 3, 5, 4).reshape(batch, n_chunks, G, J * P, L)
+    chunk_states = torch.matmul(weighted_x, Bg).view(batch, n_chunks, heads, P, N)
 
     # 3. chain chunk states from the initial state (decay of a whole chunk: exp(sum of its log_a))
-    chunk_decay = torch.exp(log_a_cum[..., -1])  # [b, h, c]
+    chunk_decay = torch.exp(log_a_cum[..., -1]).reshape(batch, n_chunks, heads)  # [b, c, h]
     entering = []
     state = h0
     for c in range(n_chunks):
         entering.append(state)
-        state = chunk_decay[:, :, c, None, None] * state + chunk_states[:, c]
+        state = torch.addcmul(chunk_states[:, c], chunk_decay[:, c, :, None, None], state)
     entering = torch.stack(entering, dim=1)  # [b, c, h, p, n]
 
     # 4. each position reads the state that entered its chunk, decayed up to that position
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Ch, entering, torch.exp(log_a_cum))
-    y = y.reshape(batch, n_chunks * chunk_size, heads, head_dim)[:, :length]
+    carried = torch.matmul(Cg, entering.view(batch, n_chunks, G, J * P, N).transpose(-1, -2))  # [b, c, g, l, j·p]
+    carried = carried.view(batch, n_chunks, G, L, J, P).transpose(3, 4)  # [b, c, g, j, l, p]
+    y = y + carried * torch.exp(log_a_cum)[..., None]
+    y = y.permute(0, 1, 4, 2, 3, 5).reshape(batch, n_chunks * L, heads, head_dim)[:, :length]
     if D is not None:
         y = y + xc * D.to(compute_dtype)[:, None]
     return y, state, delta_sum

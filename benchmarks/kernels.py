@@ -1,0 +1,283 @@
+"""Kernel benchmarks: encode vs transformers and vs the dense-projection floor (CPU); fused composition vs
+copy bandwidth (CPU and GPU); Triton scans vs mamba-ssm (GPU, when one is present).
+
+CPU, encode (130M-shaped random Mamba / Mamba-2, float32, batch 1):
+  * ``floor``: every ``nn.Linear`` of every mixer applied to the same number of tokens, nothing else.
+    No implementation of the model can be faster than its dense projections.
+  * ``transformers``: the model's own prefill, ``model(ids, use_cache=True, logits_to_keep=1)``.
+  * ``encode``: ``ComposableMambaCache.encode(model, ids, backend="torch")``.
+  Ratios are against ``floor`` measured in the same run (target: encode <= 1.5x floor). Before timing,
+  the final SSM states of ``encode`` are compared with transformers' own (target: <= 1e-4 relative).
+Composition (n states of a 130M- and a 2.7B-shaped model, every layer): the fused composition
+  (``compose_ssm``) against the same bytes copied with ``torch.clone`` (bandwidth fraction = bytes moved
+  by the composition per second / bytes moved by the copy per second, target >= 0.7 on GPU), and against
+  the unfused composition that materialises the weights first.
+GPU only: Triton selective scan / SSD scan vs mamba-ssm's ``selective_scan_fn`` /
+  ``mamba_chunk_scan_combined`` (target: Triton within 1.3x), when both are importable.
+
+    python benchmarks/kernels.py [--arch mamba mamba2] [--lengths 256 1024 4096] [--repeats 3] [--out benchmarks/results/kernels.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import transformers
+from torch import nn
+from transformers import Mamba2ForCausalLM, MambaForCausalLM
+from transformers.utils import logging as hf_logging
+
+import hf_statecompose as hsc
+from hf_statecompose.cache.fingerprint import base_model_of
+from hf_statecompose.composition.weights import WEIGHT_FUNCTIONS
+from hf_statecompose.ops import backends
+
+hf_logging.set_verbosity_error()
+CONFIGS = {
+    # state-spaces/mamba-130m-hf shapes
+    "mamba": (MambaForCausalLM, dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, expand=2, conv_kernel=4)),
+    # mamba2-130m shapes: 24 heads of 64, state 128
+    "mamba2": (Mamba2ForCausalLM, dict(vocab_size=50280, hidden_size=768, state_size=128, num_hidden_layers=24, expand=2,
+                                       num_heads=24, head_dim=64, n_groups=1, chunk_size=256)),
+}
+# per-layer SSM state shapes (batch 1) and layer counts for composition
+STATE_SHAPES = {
+    "mamba-130m": ((1, 1536, 16), 24, "mamba"),
+    "mamba2-130m": ((1, 24, 64, 128), 24, "mamba2"),
+    "mamba-2.8b": ((1, 5120, 16), 64, "mamba"),
+    "mamba2-2.7b": ((1, 80, 64, 128), 64, "mamba2"),
+}
+COMPOSE_METHODS = ["soup", "caso", "picaso_s", "picaso_r"]
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn, repeats, device=torch.device("cpu")):
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rel_err(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------------- encode
+def encode_rows(arch, lengths, repeats, seed):
+    cls, kwargs = CONFIGS[arch]
+    torch.manual_seed(seed)
+    model = hsc.enable(cls(cls.config_class(**kwargs)).eval(), backend="torch")
+    linears = [m for block in base_model_of(model).layers for m in block.mixer.modules()
+               if isinstance(m, nn.Linear)]
+    rows = []
+    with torch.no_grad():
+        for length in lengths:
+            generator = torch.Generator().manual_seed(seed + length)
+            ids = torch.randint(3, 50000, (1, length), generator=generator)
+            inputs = [torch.randn(1, length, m.in_features, generator=generator) for m in linears]
+
+            def floor():
+                for m, x in zip(linears, inputs):
+                    m(x)
+
+            def stock():
+                return model(ids, use_cache=True, logits_to_keep=1)
+
+            def encode():
+                return hsc.ComposableMambaCache.encode(model, ids, backend="torch")
+
+            # correctness first (also the warm-up: compiles the fused scan once)
+            reference = stock().cache_params
+            state = encode()
+            state_err = max(rel_err(state.ssm_states[i], reference.layers[i].recurrent_states[0])
+                            for i in range(state.num_layers))
+            conv_err = max(rel_err(state.conv_states[i], reference.layers[i].conv_states[0])
+                           for i in range(state.num_layers))
+            floor()
+            reps = repeats if length <= 1024 else max(1, repeats // 2)
+            # interleave the three so that machine noise hits them alike
+            times = {"floor": [], "transformers": [], "encode": []}
+            for _ in range(reps):
+                for name, fn in (("floor", floor), ("transformers", stock), ("encode", encode)):
+                    times[name].append(median_time(fn, 1))
+            t = {k: statistics.median(v) for k, v in times.items()}
+            row = dict(arch=arch, tokens=length, floor_s=t["floor"], transformers_s=t["transformers"], encode_s=t["encode"],
+                       encode_over_floor=t["encode"] / t["floor"], transformers_over_floor=t["transformers"] / t["floor"],
+                       speedup_vs_transformers=t["transformers"] / t["encode"], state_rel_err=state_err, conv_rel_err=conv_err,
+                       target_met=t["encode"] / t["floor"] <= 1.5 and state_err <= 1e-4)
+            rows.append(row)
+            print(f"  {arch} {length} tokens: encode/floor {row['encode_over_floor']:.2f}x", file=sys.stderr, flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- compose
+def compose_rows(names, n, repeats, device, backend, seed):
+    rows = []
+    generator = torch.Generator().manual_seed(seed)
+    for name in names:
+        shape, layers, arch = STATE_SHAPES[name]
+        state_numel = int(torch.tensor(shape).prod())
+        delta_shape = (n, shape[0], shape[1])
+        a_shape = (shape[1], shape[2]) if arch == "mamba" else (shape[1],)
+        data = []
+        for _ in range(layers):
+            states = [torch.randn(shape, generator=generator).to(device) for _ in range(n)]
+            delta = (torch.rand(delta_shape, generator=generator) * 3).to(device)
+            A = (-torch.rand(a_shape, generator=generator) * 2 - 0.01).to(device)
+            data.append((states, delta, A))
+        flat = torch.cat([s.flatten() for s in data[0][0]] * layers)  # the same bytes as all states, contiguous
+        copy_s = median_time(lambda: flat.clone(), repeats, device)
+        copy_bandwidth = 2 * flat.numel() * 4 / copy_s  # read + write
+        moved = layers * (n + 1) * state_numel * 4  # each state read once, the result written once
+        for method in COMPOSE_METHODS:
+            def fused():
+                return [backends.compose_ssm(s, d, a, method, backend=backend) for s, d, a in data]
+
+            def materialised():
+                out = []
+                for s, d, a in data:
+                    log_decay = d[..., None] * a if arch == "mamba" else (d * a)[..., None, None]
+                    W = WEIGHT_FUNCTIONS[method](log_decay)
+                    acc = s[0] * W[0]
+                    for k in range(1, n):
+                        acc = acc.addcmul(s[k], W[k])
+                    out.append(acc)
+                return out
+
+            got, expected = fused(), materialised()
+            err = max(rel_err(g, e) for g, e in zip(got, expected))
+            assert err < 1e-4, f"{name} {method}: fused composition differs from the materialised one by {err}"
+            fused_s = median_time(fused, repeats, device)
+            materialised_s = median_time(materialised, repeats, device)
+            rows.append(dict(state=name, n=n, method=method, device=device.type, backend=backend, fused_s=fused_s,
+                             materialised_s=materialised_s, copy_s=copy_s,
+                             bandwidth_fraction=(moved / fused_s) / copy_bandwidth,
+                             speedup_vs_materialised=materialised_s / fused_s, rel_err=err))
+        print(f"  compose {name} on {device.type} done", file=sys.stderr, flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- GPU scans
+def gpu_scan_rows(repeats, seed):
+    """Triton scans vs mamba-ssm's on 2.7B-shaped layers (GPU only)."""
+    rows = []
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError as error:
+        return rows, f"mamba-ssm not importable ({error}): no reference to compare against"
+    device = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for length in (1024, 4096):
+        D, N = 5120, 16
+        u = torch.randn(1, D, length, device=device, generator=g)
+        delta = torch.randn(1, D, length, device=device, generator=g) * 0.5 - 2
+        A = -torch.rand(D, N, device=device, generator=g) - 0.1
+        B = torch.randn(1, N, length, device=device, generator=g)
+        C = torch.randn(1, N, length, device=device, generator=g)
+        h0 = torch.randn(1, D, N, device=device, generator=g)
+        with torch.no_grad():
+            ours = lambda: backends.selective_scan(u, delta, A, B, C, delta_softplus=True, initial_state=h0, backend="triton")
+            ours_zero = lambda: backends.selective_scan(u, delta, A, B, C, delta_softplus=True, backend="triton")
+            theirs = lambda: selective_scan_fn(u, delta, A, B, C, delta_softplus=True, return_last_state=True)
+            err = rel_err(ours_zero()[0], theirs()[0])
+            t_ours, t_zero, t_theirs = (median_time(f, repeats, device) for f in (ours, ours_zero, theirs))
+        rows.append(dict(op="selective_scan", tokens=length, triton_s=t_ours, triton_zero_state_s=t_zero, mamba_ssm_s=t_theirs,
+                         ratio=t_ours / t_theirs, rel_err_vs_mamba_ssm=err, target_met=t_ours / t_theirs <= 1.3))
+        H, P, N2 = 80, 64, 128
+        x = torch.randn(1, length, H, P, device=device, generator=g)
+        dt = torch.randn(1, length, H, device=device, generator=g) * 0.5 - 2
+        A2 = -torch.rand(H, device=device, generator=g) - 0.1
+        B2 = torch.randn(1, length, 1, N2, device=device, generator=g)
+        C2 = torch.randn(1, length, 1, N2, device=device, generator=g)
+        h2 = torch.randn(1, H, P, N2, device=device, generator=g)
+        with torch.no_grad():
+            ours = lambda: backends.ssd_scan(x, dt, A2, B2, C2, dt_softplus=True, initial_state=h2, chunk_size=256, backend="triton")
+            theirs = lambda: mamba_chunk_scan_combined(x, dt, A2, B2, C2, 256, dt_softplus=True, initial_states=h2,
+                                                       return_final_states=True)
+            err = rel_err(ours()[0], theirs()[0])
+            t_ours, t_theirs = median_time(ours, repeats, device), median_time(theirs, repeats, device)
+        rows.append(dict(op="ssd_scan", tokens=length, triton_s=t_ours, mamba_ssm_s=t_theirs, ratio=t_ours / t_theirs,
+                         rel_err_vs_mamba_ssm=err, target_met=t_ours / t_theirs <= 1.3))
+    return rows, None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", nargs="+", default=["mamba", "mamba2"], choices=list(CONFIGS))
+    parser.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 4096])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--n", type=int, default=10, help="states per composition")
+    parser.add_argument("--skip-encode", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results/kernels.json")
+    args = parser.parse_args()
+
+    result = dict(benchmark="kernels", torch=torch.__version__, transformers=transformers.__version__,
+                  python=platform.python_version(), machine=platform.machine(), processor=platform.processor(),
+                  threads=torch.get_num_threads(), statistic="median")
+    try:
+        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        result["commit"] = "unknown"
+
+    if not args.skip_encode:
+        encode = []
+        for arch in args.arch:
+            encode += encode_rows(arch, args.lengths, args.repeats, args.seed)
+        result["encode"] = encode
+        print("\nencode (CPU, float32, batch 1; ratios against the dense-projection floor of the same run)")
+        print("| arch | tokens | floor (s) | transformers (s) | encode (s) | encode / floor | transformers / floor | speed-up vs transformers | state rel. err | target |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        for r in encode:
+            print(f"| {r['arch']} | {r['tokens']} | {r['floor_s']:.3f} | {r['transformers_s']:.3f} | {r['encode_s']:.3f} | "
+                  f"{r['encode_over_floor']:.2f}x | {r['transformers_over_floor']:.2f}x | {r['speedup_vs_transformers']:.2f}x | "
+                  f"{r['state_rel_err']:.1e} | {'met' if r['target_met'] else 'MISSED'} |")
+
+    compose = compose_rows(list(STATE_SHAPES), args.n, args.repeats, torch.device("cpu"), "torch", args.seed)
+    gpu_note = "no CUDA device"
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name()
+        compose += compose_rows(list(STATE_SHAPES), args.n, args.repeats, torch.device("cuda"), "triton", args.seed)
+        scans, gpu_note = gpu_scan_rows(args.repeats, args.seed)
+        result["gpu_scans"] = scans
+    result["compose"] = compose
+    print(f"\nfused composition of n={args.n} states, all layers (bandwidth fraction: vs torch.clone of the same bytes)")
+    print("| state | device | method | fused (ms) | materialised (ms) | speed-up | bandwidth fraction |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for r in compose:
+        print(f"| {r['state']} | {r['device']} | {r['method']} | {1e3 * r['fused_s']:.2f} | {1e3 * r['materialised_s']:.2f} | "
+              f"{r['speedup_vs_materialised']:.2f}x | {r['bandwidth_fraction']:.2f} |")
+    if result.get("gpu_scans"):
+        print("\nGPU scans (Triton, with initial state, vs mamba-ssm)")
+        print("| op | tokens | triton (ms) | mamba-ssm (ms) | ratio | target |")
+        print("|---|---:|---:|---:|---:|---|")
+        for r in result["gpu_scans"]:
+            print(f"| {r['op']} | {r['tokens']} | {1e3 * r['triton_s']:.3f} | {1e3 * r['mamba_ssm_s']:.3f} | {r['ratio']:.2f}x | "
+                  f"{'met' if r['target_met'] else 'MISSED'} |")
+    if gpu_note:
+        print(f"\nGPU scans not measured: {gpu_note}")
+        result["gpu_note"] = gpu_note
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump(result, handle, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Backend choice for the scans, the conv and the fused composition.
+
+``backend`` is one of:
+
+* ``"torch"``: vectorised torch, runs everywhere, supports autograd. The Mamba-1 scan is fused by
+  ``torch.compile`` for inference on long inputs (see ``compiled.py``), else chunked; the SSD scan is
+  chunked (matmuls); the conv is one grouped conv; the composition works block by block.
+* ``"triton"``: the Triton kernels in ``kernels/`` (installed as ``hf_statecompose.kernels``), forward
+  and backward. They need CUDA tensors (or, for tests, ``TRITON_INTERPRET=1`` set before they are
+  imported, which runs them slowly on CPU).
+* ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton is importable, ``"torch"`` otherwise.
+  The choice is logged once per operation and device type.
+
+An explicitly requested backend that cannot run raises ``RuntimeError`` with the reason; it never
+silently falls back.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from . import compiled
+from .compose import compose_ssm_torch
+from .conv import causal_conv1d as _conv_torch
+from .selective_scan import selective_scan as _selective_scan_eager
+from .ssd import ssd_scan as _ssd_torch
+
+logger = logging.getLogger("hf_statecompose")
+
+BACKENDS = ("auto", "torch", "triton")
+_TRITON_MODULES = {
+    "selective_scan": ("selective_scan", "selective_scan_triton"),
+    "ssd_scan": ("ssd", "ssd_scan_triton"),
+    "causal_conv1d": ("conv", "causal_conv1d_triton"),
+    "compose_ssm": ("compose", "compose_ssm_triton"),
+}
+_logged: set = set()
+
+
+def check_backend_name(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    return backend
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """None when the Triton kernels can run on ``device``, else why not."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return "triton is not installed (pip install triton; it ships with CUDA builds of torch)"
+    from ..kernels._common import interpreting
+
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return None
+    if device.type == "cpu":
+        return "the Triton kernels need CUDA tensors (TRITON_INTERPRET=1 runs them on CPU, for tests only)"
+    return f"the Triton kernels do not run on {device.type} tensors"
+
+
+def resolve(backend: str, device: torch.device, op: str) -> str:
+    """The concrete backend (``"torch"`` or ``"triton"``) that runs ``op`` on ``device``."""
+    check_backend_name(backend)
+    if backend == "auto":
+        choice = "triton" if device.type == "cuda" and triton_unavailable_reason(device) is None else "torch"
+        key = (op, device.type, choice)
+        if key not in _logged:
+            _logged.add(key)
+            logger.info("hf_statecompose: backend='auto' runs %s on %s with %r", op, device.type, choice)
+        return choice
+    if backend == "triton":
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise RuntimeError(f"backend='triton' cannot run {op}: {reason}")
+    return backend
+
+
+def _triton_op(op: str):
+    module, name = _TRITON_MODULES[op]
+    return getattr(importlib.import_module(f"hf_statecompose.kernels.{module}"), name)
+
+
+def selective_scan(*args, backend: str = "auto", **kwargs):
+    """Mamba-1 scan (contract of :func:`hf_statecompose.ops.selective_scan_ref`) on the chosen backend."""
+    u = args[0] if args else kwargs["u"]
+    if resolve(backend, u.device, "selective_scan") == "triton":
+        return _triton_op("selective_scan")(*args, **kwargs)
+    return selective_scan_torch(*args, **kwargs)
+
+
+def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                         initial_state=None, mask=None):
+    """The torch backend: compiled for long inference inputs, chunked eager otherwise (and with autograd)."""
+    args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, mask)
+    if compiled.applicable(u, A, initial_state, u.shape[-1]):
+        try:
+            return compiled.selective_scan_compiled(*args)
+        except compiled._CompileFailed:
+            pass
+    return _selective_scan_eager(*args)
+
+
+def ssd_scan(*args, backend: str = "auto", **kwargs):
+    """Mamba-2 chunked SSD scan (contract of :func:`hf_statecompose.ops.ssd_scan_ref`)."""
+    x = args[0] if args else kwargs["x"]
+    if resolve(backend, x.device, "ssd_scan") == "triton":
+        return _triton_op("ssd_scan")(*args, **kwargs)
+    return _ssd_torch(*args, **kwargs)
+
+
+def causal_conv1d(*args, backend: str = "auto", **kwargs):
+    """Causal depthwise conv continuing a window (contract of :func:`hf_statecompose.ops.causal_conv1d_ref`)."""
+    x = args[0] if args else kwargs["x"]
+    if resolve(backend, x.device, "causal_conv1d") == "triton":
+        return _triton_op("causal_conv1d")(*args, **kwargs)
+    return _conv_torch(*args, **kwargs)
+
+
+def compose_ssm(ssm_states, delta_sums, A, method, weights=None, backend: str = "auto"):
+    """Σ_k W_k ⊙ x_k with the weights of ``method`` computed from the decays, reading each state once."""
+    device = ssm_states[0].device
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (*ssm_states, delta_sums, A) if torch.is_tensor(t)
+    )
+    choice = resolve(backend, device, "compose_ssm")
+    if choice == "triton" and needs_grad:
+        if backend == "triton":
+            raise RuntimeError("backend='triton' composes without autograd; use backend='torch' to backpropagate")
+        choice = "torch"
+    fn = _triton_op("compose_ssm") if choice == "triton" else compose_ssm_torch
+    return fn(ssm_states, delta_sums, A, method, weights=weights)

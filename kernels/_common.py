@@ -1,0 +1,29 @@
+"""Shared helpers of the Triton kernels (this folder is installed as ``hf_statecompose.kernels``).
+
+The folder has no ``__init__.py`` on purpose: run from the repository root, a top-level importable
+``kernels`` package would shadow the PyPI package of that name, which transformers probes for.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1`` set before triton was imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_runnable(*tensors: torch.Tensor | None) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter (tests only: slow)."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type == "cpu" and not interpreting():
+            raise RuntimeError(
+                "the Triton kernels need CUDA tensors; on CPU use backend='torch' "
+                "(or set TRITON_INTERPRET=1 before importing hf_statecompose.kernels, for tests: very slow)"
+            )
+        if t.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"the Triton kernels run on CUDA (or the CPU interpreter), got a tensor on {t.device}")

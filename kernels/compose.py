@@ -1,0 +1,230 @@
+"""Fused composition of n SSM states in one pass: x = Σ_k W_k ⊙ x_k, weights computed on the fly.
+
+    ssm_states : n tensors [B, D, N] (Mamba-1) or [B, H, P, N] (Mamba-2), same shape / dtype / device
+    delta_sums : [n, B, D] (Mamba-1) or [n, B, H] (Mamba-2), each state's ΣΔ
+    A          : [D, N] (Mamba-1) or [H] (Mamba-2)
+    log a_k    = ΣΔ[k, b, d] · A[d, m]  (Mamba-1, per element)   or   ΣΔ[k, b, h] · A[h]  (Mamba-2, per head)
+    -> Σ_k W_k ⊙ x_k, same shape and dtype as one state (accumulated in float32)
+
+The weights W_k are those of :mod:`hf_statecompose.composition.weights` (same formulas, same stability:
+no division by a decay, no overflowing product; ``-inf`` log decays are decays of exactly 0):
+
+* ``soup``: 1/n;  ``weighted``: the user's w_k;
+* ``caso``: W_k = exp(Σ_{j>k} log a_j), the suffix sum walked from the newest state to the oldest;
+* ``picaso_r``: W_k = S_k / n, S_{n-1} = 1 + Σ_{m≥1} Π_{j<m} a_j, S_{k} = (1 - P) + a_{k+1} S_{k+1},
+  1 - P = -expm1(Σ_i log a_i);
+* ``picaso_s``: W_k = Σ_q w_q Π_i f_i(t_q) / f_k(t_q), f_i(t) = 1 - t + t a_i, with the ⌈n/2⌉
+  Gauss–Legendre nodes t_q, weights w_q on (0, 1) of ``_gauss_legendre_01``.
+
+:func:`compose_ssm_triton` is one Triton kernel, grid ``(cdiv(M, BLOCK), G, B)`` with ``M`` the elements of
+one row (Mamba-1: D·N with G = 1; Mamba-2: P·N with G = H). A program loops over the states k, reads its
+block of x_k once and accumulates W_k ⊙ x_k in float32 registers; the weights live only in registers
+(Mamba-1: one per element of the block; Mamba-2: one scalar per program). The decays are re-derived from
+ΣΔ and A (a few bytes per row) in the passes that need them, so the states are the only large reads. The
+n states are passed as an int64 tensor of their data pointers, cast to pointers in the kernel: no stack,
+no copy. There is no backward (the torch composer handles training).
+
+:func:`compose_ssm_torch` is the pure-torch counterpart (the CPU backend of the fused composition): same
+contract, processes blocks of rows (D or H) so that a block's weight tensor stays small, and reads each
+block of each state once.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_statecompose.composition.weights import _gauss_legendre_01
+from hf_statecompose.kernels._common import check_runnable
+from hf_statecompose.ops.compose import METHODS, _check_inputs, compose_ssm_torch  # noqa: F401 (re-exported)
+
+__all__ = ["compose_ssm_triton", "compose_ssm_torch", "METHODS"]
+
+_METHOD_IDS = {name: i for i, name in enumerate(METHODS)}
+_SOUP, _WEIGHTED, _CASO, _PICASO_S, _PICASO_R = range(5)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _load_state(ptrs_ptr, x0_ptr, k, row_off, offs, mask):
+    # the k-th state's data pointer, typed like the first state's pointer (int -> pointer cast)
+    base = tl.load(ptrs_ptr + k).to(x0_ptr.dtype)
+    return tl.load(base + row_off + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _log_decay(delta_ptr, k, stride_dk, d_off, wmask, a_coef):
+    ds = tl.load(delta_ptr + k * stride_dk + d_off, mask=wmask, other=0.0)
+    return ds * a_coef
+
+
+@triton.jit
+def _neg_expm1(x):
+    # 1 - exp(x) = -expm1(x) for x <= 0 (-inf allowed), accurate near 0 where 1 - exp(x) cancels: Taylor
+    # series (degree 8, truncation < 1e-9 relative) for x > -0.35, 1 - exp(x) >= 0.29 below. No libdevice
+    # (the interpreter has none) and no log (GPU logs are approximate near 1).
+    xs = tl.maximum(x, -0.35)
+    series = 1.0 / 40320.0
+    series = series * xs + 1.0 / 5040.0
+    series = series * xs + 1.0 / 720.0
+    series = series * xs + 1.0 / 120.0
+    series = series * xs + 1.0 / 24.0
+    series = series * xs + 1.0 / 6.0
+    series = series * xs + 0.5
+    series = series * xs + 1.0
+    return tl.where(x > -0.35, -(series * xs), 1.0 - tl.exp(x))
+
+
+@triton.jit
+def _compose_kernel(
+    ptrs_ptr,  # int64 [n]: data pointers of the n (contiguous) states
+    x0_ptr,  # the first state (gives the element type of the pointers)
+    out_ptr,  # [B, G, M] contiguous, dtype of the states
+    delta_ptr,  # float32 [n, B, G_delta]
+    A_ptr,  # float32, Mamba-1 [D, N] contiguous, Mamba-2 [H]
+    w_ptr,  # float32 [n]: user weights ("weighted")
+    gl_ptr,  # float32 [2, Q_PAD]: Gauss–Legendre nodes then weights ("picaso_s"), zero padded
+    n, M, N,
+    stride_sb, stride_sg,  # of the states and the output (contiguous)
+    stride_dk, stride_db, stride_dg,
+    stride_ag,
+    METHOD: tl.constexpr,
+    PER_ELEMENT: tl.constexpr,  # True: Mamba-1 (a decay per element), False: Mamba-2 (one per program)
+    BLOCK: tl.constexpr,
+    Q_PAD: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    offs = pid_m * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M
+    row_off = b.to(tl.int64) * stride_sb + g.to(tl.int64) * stride_sg
+
+    # decay coefficients: shape [BLOCK] (Mamba-1) or [1] (Mamba-2), broadcast against the state block
+    if PER_ELEMENT:
+        wmask = mask
+        a_coef = tl.load(A_ptr + offs, mask=mask, other=0.0)  # flat index d * N + m of a contiguous [D, N]
+        d_off = b * stride_db + (offs // N) * stride_dg
+    else:
+        zero = tl.zeros([1], dtype=tl.int32)
+        wmask = zero == 0
+        a_coef = tl.load(A_ptr + g * stride_ag + zero)
+        d_off = b * stride_db + g * stride_dg + zero
+
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if METHOD == 0:  # soup
+        inv_n = 1.0 / n
+        for k in range(n):
+            acc += inv_n * _load_state(ptrs_ptr, x0_ptr, k, row_off, offs, mask)
+    elif METHOD == 1:  # weighted
+        for k in range(n):
+            w_k = tl.load(w_ptr + k)
+            acc += w_k * _load_state(ptrs_ptr, x0_ptr, k, row_off, offs, mask)
+    elif METHOD == 2:  # caso: W_k = exp(Σ_{j>k} log a_j), newest first
+        suffix = tl.zeros_like(a_coef)
+        for i in range(n):
+            k = n - 1 - i
+            acc += tl.exp(suffix) * _load_state(ptrs_ptr, x0_ptr, k, row_off, offs, mask)
+            suffix += _log_decay(delta_ptr, k, stride_dk, d_off, wmask, a_coef)
+    elif METHOD == 3:  # picaso_s: Gauss–Legendre on ∫_0^1 Π_{i≠k} (1 - t + t a_i) dt
+        q = tl.arange(0, Q_PAD)
+        t_q = tl.load(gl_ptr + q)[:, None]  # padded nodes: t = 0, w = 0 -> f = 1, no contribution
+        w_q = tl.load(gl_ptr + Q_PAD + q)[:, None]
+        full = tl.zeros([Q_PAD, 1], dtype=tl.float32) + tl.zeros_like(a_coef)[None, :] + 1.0
+        for k in range(n):  # pass 1 (decays only): Π_i f_i(t_q)
+            a_k = tl.exp(_log_decay(delta_ptr, k, stride_dk, d_off, wmask, a_coef))
+            full = full * (a_k[None, :] * t_q + (1.0 - t_q))
+        for k in range(n):  # pass 2: leave-one-out, f_k >= 1 - t_q > 0
+            a_k = tl.exp(_log_decay(delta_ptr, k, stride_dk, d_off, wmask, a_coef))
+            f_k = a_k[None, :] * t_q + (1.0 - t_q)
+            w_k = tl.sum((w_q * full) / f_k, axis=0)
+            acc += w_k * _load_state(ptrs_ptr, x0_ptr, k, row_off, offs, mask)
+    else:  # picaso_r: S_k = (1 - P) + a_{k+1} S_{k+1}, walked from k = n - 1 down
+        total = _log_decay(delta_ptr, n - 1, stride_dk, d_off, wmask, a_coef)
+        prefix = tl.zeros_like(a_coef) + 1.0
+        s = tl.zeros_like(a_coef) + 1.0  # S_{n-1} = 1 + Σ_{m=1}^{n-1} Π_{j<m} a_j
+        for k in range(n - 1):
+            log_a = _log_decay(delta_ptr, k, stride_dk, d_off, wmask, a_coef)
+            total += log_a
+            prefix = prefix * tl.exp(log_a)
+            s += prefix
+        one_minus_p = _neg_expm1(total)
+        for i in range(n):
+            k = n - 1 - i
+            acc += (s / n) * _load_state(ptrs_ptr, x0_ptr, k, row_off, offs, mask)
+            a_k = tl.exp(_log_decay(delta_ptr, k, stride_dk, d_off, wmask, a_coef))
+            s = one_minus_p + a_k * s  # S_{k-1}
+
+    tl.store(out_ptr + row_off + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _gauss_legendre_table(n: int, q_pad: int, device: str) -> torch.Tensor:
+    """[2, q_pad] float32: the ⌈n/2⌉ nodes then weights of ``_gauss_legendre_01``, zero padded."""
+    t, w = _gauss_legendre_01(math.ceil(n / 2))
+    table = torch.zeros(2, q_pad, dtype=torch.float64)
+    table[0, : t.numel()] = t
+    table[1, : w.numel()] = w
+    return table.to(device=device, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------- public
+def compose_ssm_triton(ssm_states, delta_sums, A, method, weights=None) -> torch.Tensor:
+    """Σ_k W_k ⊙ x_k in one Triton pass (module docstring); no autograd (use the torch composer to train)."""
+    states, n, mamba1 = _check_inputs(ssm_states, delta_sums, A, method, weights)
+    check_runnable(*states, delta_sums, A)
+    tensors = [*states, delta_sums, A] + ([weights] if weights is not None else [])
+    if any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "compose_ssm_triton has no backward; an input requires grad: compose with the torch composer "
+            "(backend='torch') to train through the composition, or detach the inputs"
+        )
+    first = states[0]
+    if first.dtype not in _KERNEL_DTYPES:
+        raise TypeError(
+            f"compose_ssm_triton takes float32, bfloat16 or float16 states, got {first.dtype}; "
+            "use compose_ssm_torch for float64"
+        )
+    # .contiguous() is a no-op for contiguous states (the usual case): no state is copied or stacked
+    states = [s.contiguous() for s in states]
+    out = torch.empty_like(states[0])
+    if out.numel() == 0:
+        return out
+    device = first.device
+    batch, rows = first.shape[0], first.shape[1]
+    if mamba1:
+        groups, row_elems, n_state = 1, rows * first.shape[2], first.shape[2]
+    else:
+        groups, row_elems, n_state = rows, first.shape[2] * first.shape[3], first.shape[3]
+    delta = delta_sums.to(torch.float32)
+    a_coef = A.to(torch.float32).contiguous()
+    user_w = weights.to(device=device, dtype=torch.float32).contiguous() if weights is not None else delta
+    ptrs = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64, device=device)
+
+    q_pad = 1
+    if method == "picaso_s":
+        q_pad = triton.next_power_of_2(math.ceil(n / 2))
+        table = _gauss_legendre_table(n, q_pad, str(device))
+    else:
+        table = delta  # unused by the kernel
+    # Mamba-1 picaso_s holds a [Q_PAD, BLOCK] product in registers: shrink the block as Q_PAD grows
+    cap = max(64, 4096 // q_pad) if (mamba1 and method == "picaso_s") else 1024
+    block = min(cap, triton.next_power_of_2(row_elems))
+    grid = (triton.cdiv(row_elems, block), groups, batch)
+    _compose_kernel[grid](
+        ptrs, states[0], out, delta, a_coef, user_w, table,
+        n, row_elems, n_state,
+        groups * row_elems, row_elems,
+        delta.stride(0), delta.stride(1), delta.stride(2),
+        0 if mamba1 else a_coef.stride(0),
+        METHOD=_METHOD_IDS[method],
+        PER_ELEMENT=mamba1,
+        BLOCK=block,
+        Q_PAD=q_pad,
+        num_warps=4,
+    )
+    return out

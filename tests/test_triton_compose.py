@@ -1,0 +1,167 @@
+"""Fused composition (Triton kernel and its blockwise torch counterpart) vs a float64 oracle."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from hf_statecompose.composition.weights import WEIGHT_FUNCTIONS  # noqa: E402
+from hf_statecompose.ops import compose as compose_module  # noqa: E402
+from hf_statecompose.kernels.compose import METHODS, compose_ssm_torch, compose_ssm_triton  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # A·ΣΔ = -inf on purpose
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 outputs are rounded to bf16: 2^-9 on a GPU, 2^-7 in the interpreter (its cast truncates)
+TOL = {torch.float32: 5e-6, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+# Mamba-1 [B, D, N]: D * N = 1120 elements per row, more than one 1024-element block
+SHAPES = {"mamba": (2, 70, 16), "mamba2": (2, 3, 4, 8)}
+
+
+def relative_error(actual, expected):
+    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-30))
+
+
+def oracle(states, delta_sums, A, method, weights=None):
+    """Σ_k W_k x_k in float64 with the weights of ``composition.weights`` (full weight tensor: fine here)."""
+    n = len(states)
+    view = (n,) + (1,) * states[0].dim()
+    if method == "soup":
+        W = torch.full(view, 1.0 / n, dtype=torch.float64)
+    elif method == "weighted":
+        W = weights.double().cpu().view(view)
+    else:
+        delta, a = delta_sums.double().cpu(), A.double().cpu()
+        log_decay = delta[..., None] * a if states[0].dim() == 3 else (delta * a)[..., None, None]
+        W = WEIGHT_FUNCTIONS[method](log_decay)
+    return sum(W[k] * states[k].double().cpu() for k in range(n))
+
+
+def make_inputs(arch, n, dtype, seed, shape=None):
+    """Random states; ΣΔ giving decays of exactly 0 (ΣΔ = inf, or A·ΣΔ overflowing to -inf) and 1 (ΣΔ = 0)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = shape or SHAPES[arch]
+    batch, rows = shape[0], shape[1]
+    states = [torch.randn(shape, generator=g).to(DEVICE, dtype) for _ in range(n)]
+    delta = torch.rand(n, batch, rows, generator=g) * 3
+    delta[0, 0, 0] = float("inf")  # the oldest context fully decayed in one row
+    delta[:, 0, 1] = float("inf")  # every context fully decayed
+    delta[-1, 1, 0] = 0.0  # the newest context does not decay
+    delta[:, 1, 1] = 0.0  # no context decays
+    delta[n // 2, 1, 2] = 1e38  # A·ΣΔ = -inf in float32
+    if arch == "mamba":
+        A = -torch.exp(torch.randn(rows, shape[2], generator=g))
+    else:
+        A = -torch.exp(torch.randn(rows, generator=g))
+    A[2] = -16.0
+    weights = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
+    weights = (weights / weights.sum()).float()
+    return states, delta.to(DEVICE), A.to(DEVICE), weights.to(DEVICE)
+
+
+def _check(fn, arch, method, n, dtype, seed, shape=None):
+    states, delta, A, weights = make_inputs(arch, n, dtype, seed, shape)
+    w = weights if method == "weighted" else None
+    out = fn(states, delta, A, method, w)
+    expected = oracle(states, delta, A, method, w)
+    assert out.shape == states[0].shape and out.dtype == dtype and out.device == states[0].device
+    assert torch.isfinite(out).all()
+    err = relative_error(out, expected)
+    assert err <= TOL[dtype], (method, n, dtype, err)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+@pytest.mark.parametrize("method", METHODS)
+def test_triton_matches_float64_oracle(method, arch):
+    for n in (1, 2, 3, 7):
+        for dtype in (torch.float32, torch.bfloat16):
+            _check(compose_ssm_triton, arch, method, n, dtype, seed=n)
+
+
+@pytest.mark.parametrize("method", ["picaso_s", "picaso_r", "caso"])
+def test_triton_many_states(method):
+    """n = 20: PICASO-S with 10 Gauss–Legendre nodes (16 padded), smaller Mamba-1 blocks."""
+    _check(compose_ssm_triton, "mamba", method, 20, torch.float32, seed=3)
+    _check(compose_ssm_triton, "mamba2", method, 20, torch.float32, seed=4)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+@pytest.mark.parametrize("method", METHODS)
+def test_torch_counterpart_matches_float64_oracle(method, arch, monkeypatch):
+    # blocks of a few rows, so that several blocks are composed
+    monkeypatch.setattr(compose_module, "_TORCH_BLOCK_ELEMENTS", 64)
+    for n in (1, 2, 3, 7):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            _check(compose_ssm_torch, arch, method, n, dtype, seed=10 + n)
+
+
+def test_non_contiguous_states_and_known_values():
+    """Transposed storage is read correctly; two contexts, decays 0 / 1 give hand-computed weights."""
+    g = torch.Generator().manual_seed(0)
+    x = [torch.randn(1, 8, 2, generator=g).to(DEVICE).transpose(1, 2) for _ in range(2)]  # [1, 2, 8] strided
+    assert not x[0].is_contiguous()
+    delta = torch.tensor([[[0.0, float("inf")]], [[float("inf"), 0.0]]], device=DEVICE)  # [n=2, B=1, D=2]
+    A = -torch.ones(2, 8, device=DEVICE)
+    for method in ("caso", "picaso_r", "picaso_s"):
+        out = compose_ssm_triton(x, delta, A, method)
+        # row 0: a = (1, 0); row 1: a = (0, 1)
+        if method == "caso":  # W_0 = a_1, W_1 = 1
+            expected = torch.stack([x[1][:, 0], x[0][:, 1] + x[1][:, 1]], 1)
+        else:  # both means over the two orders: W_k = (1 + a_other) / 2
+            expected = torch.stack([0.5 * x[0][:, 0] + x[1][:, 0], x[0][:, 1] + 0.5 * x[1][:, 1]], 1)
+        assert relative_error(out, expected) <= 1e-6, method
+        assert relative_error(compose_ssm_torch(x, delta, A, method), expected) <= 1e-6, method
+
+
+def test_bad_inputs_raise():
+    states, delta, A, weights = make_inputs("mamba2", 3, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="unknown composition method"):
+        compose_ssm_triton(states, delta, A, "concat")
+    with pytest.raises(ValueError, match="delta_sums must be"):
+        compose_ssm_triton(states, delta[:2], A, "caso")
+    with pytest.raises(ValueError, match="A must be"):
+        compose_ssm_torch(states, delta, A[:2], "caso")
+    with pytest.raises(ValueError, match="states must match"):
+        compose_ssm_triton(states[:2] + [states[2][:1]], delta, A, "soup")
+    with pytest.raises(ValueError, match="needs weights"):
+        compose_ssm_triton(states, delta, A, "weighted")
+    with pytest.raises(ValueError, match="weights are only used"):
+        compose_ssm_torch(states, delta, A, "soup", weights)
+    with pytest.raises(ValueError, match="non-empty list"):
+        compose_ssm_triton([], delta, A, "soup")
+    with pytest.raises(TypeError, match="float64"):
+        compose_ssm_triton([s.double() for s in states], delta, A, "soup")
+    with pytest.raises(RuntimeError, match="no backward"):
+        compose_ssm_triton([states[0].requires_grad_(True)] + states[1:], delta, A, "caso")
+
+
+_COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hf_statecompose.kernels.compose import _compose_kernel as fn
+types = {"ptrs_ptr": "*i64", "x0_ptr": "*bf16", "out_ptr": "*bf16"}
+for method in range(5):
+    for per_element in (True, False):
+        constexprs = {"METHOD": method, "PER_ELEMENT": per_element, "BLOCK": 1024, "Q_PAD": 4 if method == 3 else 1}
+        signature = {a: "constexpr" if a in constexprs else types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
+                     for a in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the other tests run the compiled kernel")
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    """The interpreter accepts code the compiler rejects: compile (not run) every variant for an H100."""
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton ships no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    command = [sys.executable, "-c", _COMPILE_FOR_SM90]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
