@@ -199,7 +199,9 @@ def _block_sizes(channels: int, state_size: int, block_d: int | None):
 def _chunk_for(length: int, chunk_size: int) -> int:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return max(1, min(chunk_size, length))  # never longer than the sequence (no wasted steps when T < chunk)
+    # at most the next power of two above the sequence: few wasted (masked) steps when T < chunk, and at
+    # most log2(chunk_size) + 1 compiled variants for short sequences instead of one per length
+    return max(1, min(chunk_size, triton.next_power_of_2(max(1, length))))
 
 
 def _scan_forward(u, dt, A, B, C, h0, chunk, block_d, store_ckpt):

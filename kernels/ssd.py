@@ -64,6 +64,12 @@ def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
 
 
 @triton.jit
+def _add_exclusive(a1, b1, a2, b2):
+    """Combine of an exclusive prefix sum: (sum before the last element, last element) of a segment."""
+    return a1 + b1 + a2, b2
+
+
+@triton.jit
 def _chunk_state_kernel(
     U, V, DELTA, CUM, OUT,
     T, L, nheads, K1, K2, ratio_u, ratio_v,
@@ -226,9 +232,8 @@ def _chunk_scan_kernel(
     cum_last = tl.load(CUM + (L - 1) * s_ct)
     if ROW_SCALE or EPI == 1:
         delta_r = tl.load(DELTA + t * s_dt, mask=r_ok, other=0.0)
-    if EPI != 0:
-        z = tl.load(Z + b * s_zb + (h // ratio_z) * s_zh + t[:, None] * s_zt + k2[None, :] * s_zk,
-                    mask=out_mask, other=0.0).to(tl.float32)
+    # Z rows are (re)loaded where they are used, not held in registers across the key loop
+    Z += b * s_zb + (h // ratio_z) * s_zh
 
     # state term: U_r S_c, decayed from the chunk start (forward) or to the chunk end (reverse)
     acc = tl.zeros((BLOCK_M, BLOCK_K2), dtype=tl.float32)
@@ -242,10 +247,13 @@ def _chunk_scan_kernel(
     else:
         state_expo = cum_r
     acc = acc * tl.exp(tl.where(r_ok, state_expo, float("-inf")))[:, None]
-    if EPI == 1:
-        tl.store(SDOT + b * s_qb + h * s_qh + t * s_qt, delta_r * tl.sum(z * acc, axis=1), mask=r_ok)
+    if EPI != 0:
+        z = tl.load(Z + t[:, None] * s_zt + k2[None, :] * s_zk, mask=out_mask, other=0.0).to(tl.float32)
+        sdot = tl.sum(z * acc, axis=1)
+        if EPI == 1:
+            sdot = delta_r * sdot
+        tl.store(SDOT + b * s_qb + h * s_qh + t * s_qt, sdot, mask=r_ok)
     if EPI == 2:
-        tl.store(SDOT + b * s_qb + h * s_qh + t * s_qt, tl.sum(z * acc, axis=1), mask=r_ok)
         carry = tl.zeros((BLOCK_M,), dtype=tl.float32)
         INTRA += pid_m * s_im + b * s_ib + h * s_ih + t0 * s_it
 
@@ -282,11 +290,22 @@ def _chunk_scan_kernel(
         w = w.to(tl.float32)
         acc += tl.dot(uv, w, input_precision=DOT_PREC)
         if EPI == 2:
-            # W_ls = (C_l·B_s) uv_ls; prefix_lt = Σ_{s < t} W_ls (carry: the earlier key blocks; the
-            # strict prefix inside the block as a product with a strictly upper triangle of ones)
-            wls = uv * tl.dot(z, tl.trans(w), input_precision=DOT_PREC)
-            upper = (tl.arange(0, BLOCK_M)[:, None] < tl.arange(0, BLOCK_M)[None, :]).to(tl.float32)
-            prefix = carry[:, None] + tl.dot(wls, upper, input_precision=DOT_PREC)
+            # W_ls = (C_l·B_s) uv_ls, C_l·B_s summed over K2 in BLOCK_K1-wide slices re-read from cache (no
+            # [BLOCK_M, K2] tile of C held in registers next to acc and w: that spilled on sm_90)
+            cb = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+            for n0 in range(0, K2, BLOCK_K1):
+                n = n0 + tl.arange(0, BLOCK_K1)
+                zc = tl.load(Z + t[:, None] * s_zt + n[None, :] * s_zk, mask=r_ok[:, None] & (n < K2)[None, :],
+                             other=0.0)
+                wc = tl.load(W + (t0 + k)[None, :] * s_wt + n[:, None] * s_wk, mask=k_ok[None, :] & (n < K2)[:, None],
+                             other=0.0)
+                cb += tl.dot(zc.to(tl.float32), wc.to(tl.float32), input_precision=DOT_PREC)
+            wls = uv * cb
+            # prefix_lt = Σ_{s < t} W_ls (carry: the earlier key blocks; the strict prefix inside the block as
+            # an exclusive scan: plain sums, W_lt itself never added. A product with a strictly upper triangle
+            # of ones, tl.dot(wls, upper), was the same sum but spilled ~1 KB of registers on sm_90)
+            excl, _ = tl.associative_scan((tl.zeros_like(wls), wls), 1, _add_exclusive)
+            prefix = carry[:, None] + excl
             col = tl.sum(tl.where((r[:, None] >= k[None, :]) & r_ok[:, None], prefix, 0.0), axis=0)
             tl.store(INTRA + k * s_it, col, mask=k_in)
             carry += tl.sum(wls, axis=1)
@@ -297,6 +316,7 @@ def _chunk_scan_kernel(
     if EPI == 1:
         # acc = dxΔ: dx = Δ dxΔ; dΔ through xΔ = x·dxΔ
         tl.store(OUT + t[:, None] * s_ot + k2[None, :] * s_ok, acc * delta_r[:, None], mask=out_mask)
+        z = tl.load(Z + t[:, None] * s_zt + k2[None, :] * s_zk, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(RSUM + b * s_qb + h * s_qh + t * s_qt, tl.sum(z * acc, axis=1), mask=r_ok)
     else:
         tl.store(OUT + t[:, None] * s_ot + k2[None, :] * s_ok, acc, mask=out_mask)
@@ -365,7 +385,10 @@ def _chunk_scan(u, v, w, s, delta, cum, L, nc, ratios, reverse, row_scale=False,
     out = torch.empty((batch, length, heads, k2), device=dev, dtype=f32)
     block_k2 = _pow2(k2)
     block_m = _pow2(L, hi=64 if k2 <= 64 else (32 if k2 <= 128 else 16))
-    block_k1 = _pow2(k1, hi=64)
+    # K1 in slices of <= 32 and 8 warps for the big tiles: the tf32x3 dots split every fp32 operand in two,
+    # and with 64-wide slices / 4 warps these variants spilled registers when compiled for sm_90
+    block_k1 = _pow2(k1, hi=32)
+    num_warps = 8 if block_m * block_k2 >= 64 * 64 else 4
     n_m = triton.cdiv(L, block_m)
     # S[b, h, c] read as [K1, K2]: the stored [P, N] state, or its transpose [N, P]
     s_strides = (s.stride(0), s.stride(1), s.stride(2)) + (
@@ -385,7 +408,7 @@ def _chunk_scan(u, v, w, s, delta, cum, L, nc, ratios, reverse, row_scale=False,
         *z.stride(), *q_strides, *intra.stride(),
         REVERSE=reverse, ROW_SCALE=row_scale, COL_SCALE=col_scale, EPI=epi,
         BLOCK_M=block_m, BLOCK_K1=block_k1, BLOCK_K2=block_k2, DOT_PREC=_DOT_PRECISION,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=2,
     )
     if epi == 1:
         return out, rsum, sdot

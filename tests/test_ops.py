@@ -149,6 +149,12 @@ def test_causal_conv_matches_reference(length):
     out_ref, new_ref = causal_conv1d_ref(x, w, b, state, mask, "silu")
     torch.testing.assert_close(out * mask[:, None], out_ref * mask[:, None])
     torch.testing.assert_close(new, new_ref)
+    # from an empty window without padding (the zero-padded conv fast path)
+    out, new = causal_conv1d(x, w, b, None, None, "silu")
+    out_ref, new_ref = causal_conv1d_ref(x, w, b, None, None, "silu")
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(new, new_ref)
+    assert new.is_contiguous() and new.untyped_storage().nbytes() == new.numel() * new.element_size()
 
 
 def test_scans_agree_with_transformers_own_torch_paths():

@@ -2,8 +2,14 @@
 
 Without a GPU the kernels run in Triton's CPU interpreter (conftest sets TRITON_INTERPRET=1): lengths
 stay <= 128 and widths small. Chunk sizes 16 / 24 / 32 make the lengths span several chunks plus a
-partial one (24: a chunk that does not fill its power-of-two tile).
+partial one (24: a chunk that does not fill its power-of-two tile). Without a GPU, one more test compiles
+(does not run) every kernel variant for an H100 (sm_90) at real Mamba-2 sizes and checks spills / shared memory.
 """
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -108,6 +114,13 @@ def test_ssd_triton_bf16_matches_reference(length, chunk_size, groups, state, he
     _compare(length, chunk_size, torch.bfloat16, groups, state, head_dim, init, mask, dt_limit)
 
 
+def test_ssd_triton_wide_state_and_head_dim():
+    """N = 40, P = 36: the K loops run over two 32-wide slices, the second one masked (K1 = N in the forward
+    and dxΔ passes, the C·B slices over K2 = N in the dC pass, K1 = P in the dC and dB passes)."""
+    _compare(63, 32, torch.float32, 1, 40, 36, True, True, None, heads=2)
+    _compare(40, 32, torch.bfloat16, 2, 40, 36, True, False, None, heads=2)
+
+
 def test_ssd_triton_strong_decay_stays_finite_and_close():
     """Δ·A down to about -3000 per step: every exponent is of a non-positive number, nothing overflows.
 
@@ -154,3 +167,132 @@ def test_ssd_triton_rejects_bad_inputs():
         ssd_scan_triton(**leaves, chunk_size=0)
     with pytest.raises(TypeError, match="float64"):
         ssd_scan_triton(**{**leaves, "x": leaves["x"].double()})
+
+
+# Compile (not run) every kernel variant the wrapper launches for realistic Mamba-2 shapes, for an H100
+# (sm_90), with Triton's bundled ptxas. The launches are recorded from the real wrapper (forward and
+# backward through autograd, on CPU tensors that no kernel touches), so the constexprs, block sizes,
+# num_warps, pointer types and the JIT's own specialisation of the integer arguments (== 1, % 16) are
+# exactly those of a GPU run. ptxas -v reports registers and spills; the metadata the shared memory.
+_COMPILE_SSD_FOR_SM90 = r"""
+import contextlib, io, json, re
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+import hf_statecompose.kernels.ssd as ssd
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+# (label, heads H, head_dim P, state N, groups G, chunk_size, length T)
+SHAPES = [("130m", 24, 64, 128, 1, 256, 300), ("2.7b", 80, 64, 128, 1, 64, 100), ("small", 4, 16, 16, 2, 64, 100)]
+launches = []
+
+
+class Record:  # kernel[grid](*args, **kwargs) records the launch instead of running it
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs, self.label))
+
+
+for name in ("_chunk_state_kernel", "_state_passing_kernel", "_chunk_scan_kernel"):
+    setattr(ssd, name, Record(getattr(ssd, name)))
+ssd.check_runnable = lambda *tensors: None  # CPU tensors are fine: nothing is launched
+
+for label, H, P, N, G, chunk, T in SHAPES:
+    for dtype in (torch.float32, torch.bfloat16):
+        for init in (True, False):
+            Record.label = f"{label} {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+            g = torch.Generator().manual_seed(0)
+            leaves = [torch.randn(2, T, H, P, generator=g), torch.randn(2, T, H, generator=g),
+                      torch.randn(2, T, G, N, generator=g), torch.randn(2, T, G, N, generator=g)]
+            x, dt, B, C = [v.to(dtype).requires_grad_(True) for v in leaves]
+            A = -torch.rand(H, generator=g).requires_grad_(True)
+            h0 = torch.randn(2, H, P, N, generator=g).to(dtype).requires_grad_(True) if init else None
+            y, final, _ = ssd.ssd_scan_triton(x, dt, A, B, C, dt_softplus=True, initial_state=h0, chunk_size=chunk)
+            torch.autograd.grad(y.sum() + final.sum(), [x, dt, A, B, C] + ([h0] if init else []))
+
+
+def specialise(kernel, args, kwargs):
+    # what JITFunction.run does before compiling (private API: a plain signature if it is missing)
+    try:
+        from triton.runtime.jit import create_function_from_signature
+        bound, spec, opts = create_function_from_signature(kernel.signature, kernel.params, BACKEND)(*args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(BACKEND, kwargs, bound, spec, opts)
+        return signature, constexprs, attrs, options.__dict__
+    except (ImportError, AttributeError):
+        values = dict(zip(kernel.arg_names, args), **kwargs)
+        dtypes = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+        names = [p.name for p in kernel.params if p.is_constexpr]
+        signature = {a: "constexpr" if a in names else dtypes[values[a].dtype] if torch.is_tensor(values[a])
+                     else "i32" for a in kernel.arg_names}
+        options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
+        return signature, {a: values[a] for a in names}, None, options
+
+
+seen = set()
+for kernel, args, kwargs, label in launches:
+    signature, constexprs, attrs, options = specialise(kernel, args, kwargs)
+    key = (kernel.__name__, repr(signature), repr(constexprs), repr(attrs), repr(sorted(options.items())))
+    if key in seen:
+        continue
+    seen.add(key)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG=1 prints ptxas -v
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options)
+    regs = re.search(r"Used (\d+) registers", log.getvalue())
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
+    names = kernel.arg_names
+    print("VARIANT " + json.dumps(dict(
+        kernel=kernel.__name__, shape=label, cubin=len(compiled.asm["cubin"]),
+        constexprs={names[k[0]] if isinstance(k, tuple) else k: v for k, v in constexprs.items()
+                    if (names[k[0]] if isinstance(k, tuple) else k).isupper()},
+        pointers="".join(t[1] for t in signature.values() if t.startswith("*")),
+        num_warps=compiled.metadata.num_warps, shared=compiled.metadata.shared,
+        regs=int(regs.group(1)) if regs else None,
+        spill_stores=int(spills.group(1)) if spills else None, spill_loads=int(spills.group(2)) if spills else None)))
+print("compiled")
+"""
+
+SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on an H100 (227 KiB)
+MAX_SPILL_BYTES = 64  # with triton 3.9 every variant spills 0 (the 64-wide K slices / 4 warps spilled up to 2.7 KB)
+
+
+def _variant_table(variants):
+    return "\n".join(
+        f"{v['kernel']:24s} {v['shape']:10s} {json.dumps(v['constexprs'])} ptr={v['pointers']} warps={v['num_warps']} "
+        f"smem={v['shared']} regs={v['regs']} spill={v['spill_stores']}/{v['spill_loads']}" for v in variants)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the other tests run the compiled kernels")
+def test_ssd_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter accepts code the compiler rejects: compile every variant the wrapper launches for the
+    130M (H=24, P=64, N=128, chunk 256) and 2.7B (H=80) shapes and a small one (P=N=16, G=2), forward and
+    backward, fp32 and bf16 inputs, with / without initial state, for an H100; no spills, shared memory fits."""
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton ships no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # a fresh cache: ptxas runs (and reports registers and spills) for every variant
+    env.update(TRITON_DEFAULT_FP_FUSION="1", TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SSD_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    variants = [json.loads(line[8:]) for line in done.stdout.splitlines() if line.startswith("VARIANT ")]
+    table = _variant_table(variants)
+    print(table)
+    assert all(v["cubin"] > 0 for v in variants), table
+    # every kernel and every pass was compiled, fp32 and bf16 inputs
+    scan = {(v["constexprs"]["EPI"], v["constexprs"]["REVERSE"])
+            for v in variants if v["kernel"] == "_chunk_scan_kernel"}
+    assert scan == {(0, False), (1, True), (2, False), (0, True)}, table
+    state = {v["constexprs"]["FROM_START"] for v in variants if v["kernel"] == "_chunk_state_kernel"}
+    passing = {(v["constexprs"]["HAS_START"], v["constexprs"]["REVERSE"])
+               for v in variants if v["kernel"] == "_state_passing_kernel"}
+    assert state == {False, True} and passing == {(True, False), (False, False), (True, True)}, table
+    assert {v["shape"] for v in variants} == {f"{s} {d}" for s in ("130m", "2.7b", "small") for d in ("fp32", "bf16")}
+    assert any("b" in v["pointers"] for v in variants), table
+    # resources: shared memory within the H100 limit, no register spills (when ptxas reported them)
+    assert all(v["shared"] <= SM90_MAX_SHARED for v in variants), table
+    spilling = [v for v in variants if (v["spill_stores"] or 0) > MAX_SPILL_BYTES]
+    assert not spilling, "register spills:\n" + _variant_table(spilling)

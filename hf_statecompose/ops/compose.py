@@ -83,12 +83,17 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
     row_size = first[:, :1].numel()  # elements of one row (D or H) over the batch
     block = max(1, _TORCH_BLOCK_ELEMENTS // max(1, row_size))
     out = torch.empty_like(first)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (*states, delta_sums, A, *([weights] if torch.is_tensor(weights) else []))
+    )
     for r0 in range(0, rows, block):
         r1 = min(rows, r0 + block)
+        blocks = [s[:, r0:r1] for s in states]
         if method == "soup":
             W = [1.0 / n] * n
         elif method == "weighted":
-            W = list(weights.to(device=first.device, dtype=compute).unbind(0))
+            W = weights.to(device=first.device, dtype=compute).unbind(0)
+            W = W if needs_grad else [float(w) for w in W]
         else:
             delta = delta_sums[:, :, r0:r1].to(compute)
             if mamba1:
@@ -96,8 +101,21 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
             else:
                 log_decay = (delta * A[r0:r1].to(compute))[..., None, None]  # [n, B, rows, 1, 1]
             W = WEIGHT_FUNCTIONS[method](log_decay).unbind(0)
-        acc = states[0][:, r0:r1].to(compute) * W[0]
+        if needs_grad:  # out of place, so that autograd sees every step
+            acc = blocks[0].to(compute) * W[0]
+            for k in range(1, n):
+                acc = torch.addcmul(acc, blocks[k].to(compute), W[k]) if torch.is_tensor(W[k]) else acc + blocks[k] * W[k]
+            out[:, r0:r1] = acc.to(first.dtype)
+            continue
+        # inference: one fused multiply-add pass per state, accumulated in place (into `out` when the
+        # states are in the compute dtype)
+        acc = out[:, r0:r1] if first.dtype == compute else torch.empty(blocks[0].shape, dtype=compute, device=first.device)
+        torch.mul(blocks[0], W[0], out=acc)
         for k in range(1, n):
-            acc = acc + states[k][:, r0:r1].to(compute) * W[k]
-        out[:, r0:r1] = acc.to(first.dtype)
+            if torch.is_tensor(W[k]):
+                acc.addcmul_(blocks[k], W[k])
+            else:
+                acc.add_(blocks[k], alpha=W[k])
+        if acc.data_ptr() != out[:, r0:r1].data_ptr():
+            out[:, r0:r1] = acc.to(first.dtype)
     return out

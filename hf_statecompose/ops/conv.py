@@ -52,6 +52,11 @@ def causal_conv1d(x, weight, bias=None, conv_state=None, mask=None, activation=N
     batch, channels, length = x.shape
     kernel = weight.shape[-1]
     act = _activation(activation)
+    if conv_state is None and mask is None:
+        # from an empty window: a zero-padded conv, no buffer to build
+        out = F.conv1d(x, weight[:, None, :].to(x.dtype), bias, padding=kernel - 1, groups=channels)[:, :, :length]
+        window = x[:, :, -kernel:] if length >= kernel else F.pad(x, (kernel - length, 0))
+        return act(out), window.contiguous()
     if conv_state is None:
         conv_state = x.new_zeros((batch, channels, kernel))
     if tuple(conv_state.shape) != (batch, channels, kernel):
@@ -70,4 +75,4 @@ def causal_conv1d(x, weight, bias=None, conv_state=None, mask=None, activation=N
         )
         full = torch.gather(full, 2, src[:, None, :].expand(batch, channels, -1))
     out = F.conv1d(full, weight[:, None, :].to(x.dtype), bias, groups=channels)[:, :, 1:]
-    return act(out), full[:, :, -kernel:]
+    return act(out), full[:, :, -kernel:].contiguous()  # a copy: a view would keep the whole buffer alive
