@@ -7,7 +7,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache
 
-from helpers import VOCAB, random_ids, relative_error, tiny_model
+from helpers import random_ids, relative_error, tiny_model
 
 NEW = 8
 

@@ -1,7 +1,4 @@
 """Fused composition (Triton kernel and its blockwise torch counterpart) vs a float64 oracle."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,6 +8,7 @@ triton = pytest.importorskip("triton")
 from hf_statecompose.composition.weights import WEIGHT_FUNCTIONS  # noqa: E402
 from hf_statecompose.ops import compose as compose_module  # noqa: E402
 from hf_statecompose.kernels.compose import METHODS, compose_ssm_torch, compose_ssm_triton  # noqa: E402
+from helpers import compile_without_gpu  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # A·ΣΔ = -inf on purpose
 
@@ -158,10 +156,4 @@ print("compiled")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the other tests run the compiled kernel")
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """The interpreter accepts code the compiler rejects: compile (not run) every variant for an H100."""
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton ships no ptxas here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    command = [sys.executable, "-c", _COMPILE_FOR_SM90]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compile_without_gpu(_COMPILE_FOR_SM90)

@@ -1,7 +1,4 @@
 """Triton causal conv1d (continuing a window, left padding) vs the plain reference: values, window, gradients."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -9,6 +6,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from hf_statecompose.kernels.conv import causal_conv1d_triton  # noqa: E402
+from helpers import compile_without_gpu  # noqa: E402
 from hf_statecompose.ops.conv import causal_conv1d, causal_conv1d_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,10 +160,4 @@ print("compiled")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the other tests run the compiled kernels")
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter accepts code the compiler rejects: compile (not run) the kernels for an H100."""
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton ships no ptxas here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    command = [sys.executable, "-c", _COMPILE_FOR_SM90]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compile_without_gpu(_COMPILE_FOR_SM90)

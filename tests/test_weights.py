@@ -10,7 +10,6 @@ from hf_statecompose.composition.weights import caso_weights, picaso_r_weights, 
 
 def brute_force(decays: torch.Tensor, orders) -> torch.Tensor:
     """Mean over ``orders`` of the CASO weights: context at position p gets Π of the decays after it."""
-    n = decays.shape[0]
     W = torch.zeros_like(decays)
     for order in orders:
         for pos, k in enumerate(order):
