@@ -41,7 +41,8 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     time_step, B, C = torch.split(
         ssm_parameters, [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
     )
-    dt = mixer.dt_proj.weight @ time_step.transpose(1, 2)  # [B, D, T], bias added in the scan
+    # tokens-first [B, T, D] seen as [B, D, T]; the bias is added in the scan
+    dt = torch.nn.functional.linear(time_step, mixer.dt_proj.weight).transpose(1, 2)
     A = -torch.exp(mixer.A_log.float())  # [D, N]
     y, ssm_state, delta_sum = backends.selective_scan(
         x,

@@ -8,10 +8,12 @@ it into one loop nest that keeps the ``[D, N]`` state in registers / cache and n
 
     for t in block:  h = exp(Δ_t A) ⊙ h + (Δ_t u_t) B_t,   y_t = Σ_n C_t[n] h[:, n]
 
-Blocks are chained in Python (T / BLOCK calls). The sequence is padded to a multiple of BLOCK with
-Δ = 0 (decay 1, no input), which leaves the state exactly unchanged. Same signature and results as
-:func:`hf_statecompose.ops.selective_scan_ref`; used only without autograd, on float32, for inputs of at
-least ``MIN_TOKENS`` tokens (the eager scan is used otherwise). The first call per process compiles
+Blocks are chained in Python (T / BLOCK calls); a last partial block is padded with Δ = 0 (decay 1,
+no input), which leaves the state exactly unchanged. Everything around the recurrence works tokens-first
+([B, T, X], the layout of the mixers' projections), so transposed [B, D, T] arguments cost no copies.
+
+Same signature and results as :func:`hf_statecompose.ops.selective_scan_ref`; used only without
+autograd, on float32, for inputs of at least ``MIN_TOKENS`` tokens (the eager scan is used otherwise). The first call per process compiles
 (seconds; inductor caches the result on disk); if compiling fails, a warning is logged once and the
 eager scan is used from then on.
 """
@@ -23,7 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .selective_scan import _check_shapes, _discretize_delta, _finish
+from .selective_scan import _check_shapes
 
 logger = logging.getLogger("hf_statecompose")
 
@@ -73,33 +75,54 @@ def selective_scan_compiled(
     """Same contract as :func:`hf_statecompose.ops.selective_scan_ref` (float32 compute, no autograd)."""
     _check_shapes(u, delta, A, B, C, initial_state, mask)
     batch, channels, length = u.shape
-    dt = _discretize_delta(delta, delta_bias, delta_softplus, mask, torch.float32)
     h = (
         initial_state.to(torch.float32).contiguous()
         if initial_state is not None
         else u.new_zeros((batch, channels, A.shape[1]), dtype=torch.float32)
     )
-    pad = (-length) % BLOCK
+    # Work tokens-first ([B, T, X]), the layout the mixers' projections produce: a [B, D, T] argument that
+    # is a transposed view (delta, z, B, C in the Mamba-1 mixer) costs nothing here, and every elementwise
+    # pass below runs over contiguous rows.
+    def tokens_first(t):
+        return t.transpose(1, 2).to(torch.float32).contiguous()
 
-    def tokens_first(t):  # [B, X, T] -> [B, T + pad, X], padded positions zero (Δ = 0 there)
-        t = t.to(torch.float32)
-        return (F.pad(t, (0, pad)) if pad else t).transpose(1, 2).contiguous()
-
-    dt_t, u_t, B_t, C_t = tokens_first(dt), tokens_first(u), tokens_first(B), tokens_first(C)
+    u_t = tokens_first(u)
+    dt = tokens_first(delta)  # may be the caller's own tensor: no in-place ops on it below
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(torch.float32)
+    if delta_softplus:
+        dt = F.softplus(dt)
+    if mask is not None:
+        dt = dt * mask.to(torch.float32)[:, :, None]
+    B_t, C_t = tokens_first(B), tokens_first(C)
     A = A.contiguous()
-    fn = _compiled()
+    recurrence = _compiled()
     ys = []
+    full = length - length % BLOCK
     try:
-        for start in range(0, length + pad, BLOCK):
+        for start in range(0, full, BLOCK):
             stop = start + BLOCK
-            y, h = fn(dt_t[:, start:stop], u_t[:, start:stop], B_t[:, start:stop], C_t[:, start:stop], A, h)
+            y, h = recurrence(dt[:, start:stop], u_t[:, start:stop], B_t[:, start:stop], C_t[:, start:stop], A, h)
             ys.append(y)
+        if full < length:  # the last partial block, padded with Δ = 0 (decay 1, no input): state unchanged
+            pad = BLOCK - (length - full)
+
+            def tail(t):
+                return F.pad(t[:, full:], (0, 0, 0, pad))
+
+            y, h = recurrence(tail(dt), tail(u_t), tail(B_t), tail(C_t), A, h)
+            ys.append(y[:, : length - full])
     except Exception as error:  # no C++ compiler, unsupported platform, ...: eager from now on
         _state["failed"] = repr(error)
         logger.warning("hf_statecompose: torch.compile of the selective scan failed (%s); using the eager scan", error)
         raise _CompileFailed from error
-    y = torch.cat(ys, 1)[:, :length].transpose(1, 2)  # [B, D, T]
-    return _finish(y, u, D, z, torch.float32), h, dt.sum(-1)
+    y = torch.cat(ys, 1)  # [B, T, D]
+    if D is not None:
+        y += u_t * D.to(torch.float32)
+    if z is not None:
+        y *= F.silu(z.transpose(1, 2).to(torch.float32))
+    # a [B, D, T] view of the tokens-first result: the mixer's transpose back for out_proj is free
+    return y.transpose(1, 2), h, dt.sum(1)
 
 
 class _CompileFailed(RuntimeError):
