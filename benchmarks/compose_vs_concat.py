@@ -25,12 +25,17 @@ import subprocess
 import sys
 import time
 
-import torch
-import transformers
-from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
-from transformers.utils import logging as hf_logging
+# benchmarks/kernels.py shares this folder: with the folder first on sys.path, transformers' probe for the
+# PyPI `kernels` package would import that script. Take the folder off the path before importing it.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-import hf_statecompose as hsc
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import Mamba2ForCausalLM, MambaForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+import hf_statecompose as hsc  # noqa: E402
 
 hf_logging.set_verbosity_error()
 METHODS = ["soup", "caso", "picaso_s", "picaso_r", "piconcat_r"]
@@ -134,7 +139,7 @@ def main():
     print(f"\nencode one {args.context_length}-token context vs transformers' prefill (use_cache=True, logits_to_keep=1):")
     for arch, e in encode.items():
         print(f"  {arch:<7} encode {e['encode_one_context_s']:.3f} s, prefill {e['prefill_one_context_s']:.3f} s, ratio {e['encode_over_prefill']:.2f}x")
-    header = f"| arch | n | method | state (s) | state speed-up vs concat | TTFT (s) | TTFT speed-up vs concat |"
+    header = "| arch | n | method | state (s) | state speed-up vs concat | TTFT (s) | TTFT speed-up vs concat |"
     print("\n" + header + "\n|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['arch']} | {r['n']} | {r['method']} | {r['state_s']:.4f} | {r['state_speedup_vs_concat']:.1f}x | {r['ttft_s']:.4f} | {r['ttft_speedup_vs_concat']:.1f}x |")
