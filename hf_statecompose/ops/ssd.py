@@ -85,6 +85,18 @@ def ssd_scan_ref(
     return y, h, dt.sum(1)
 
 
+def _segment_sums(log_a):
+    """log_a [..., L] -> [..., L, L]: out[..., l, s] = Σ_{s<k<=l} log_a[..., k] for s <= l, -inf above.
+
+    Each entry is summed directly (a cumsum over k of the masked terms), never as a difference of prefix sums."""
+    length = log_a.shape[-1]
+    ones = torch.ones(length, length, dtype=torch.bool, device=log_a.device)
+    terms = log_a[..., :, None].expand(*log_a.shape, length)  # [..., k, s]
+    terms = terms.masked_fill(~ones.tril(-1), 0.0)  # keep k > s
+    sums = torch.cumsum(terms, dim=-2)  # [..., l, s] = Σ_{s<k<=l}
+    return sums.masked_fill(~ones.tril(), float("-inf"))
+
+
 def ssd_scan(
     x,
     dt,
@@ -135,18 +147,21 @@ def ssd_scan(
     L, G, J, P, N = chunk_size, groups, per_group, head_dim, state_size
     Bg = Bc.view(batch, n_chunks, L, G, N).transpose(2, 3)  # [b, c, g, s, n]
     Cg = Cc.view(batch, n_chunks, L, G, N).transpose(2, 3)  # [b, c, g, l, n]
-    log_a_cum = torch.cumsum(log_a.view(batch, n_chunks, L, G, J).permute(0, 1, 3, 4, 2), dim=-1)  # [b, c, g, j, l]
+    log_a = log_a.view(batch, n_chunks, L, G, J).permute(0, 1, 3, 4, 2)  # [b, c, g, j, l]
+    log_a_cum = torch.cumsum(log_a, dim=-1)
     x_dt = x_dt.view(batch, n_chunks, L, G, J, P).permute(0, 1, 3, 4, 2, 5)  # [b, c, g, j, s, p]
 
     # 1. within each chunk: y[l] = Σ_{s<=l} (C_l · B_s) exp(cum_l - cum_s) (xΔ)_s, per head
     scores = torch.matmul(Cg, Bg.transpose(-1, -2))  # [b, c, g, l, s], once per group
-    segment = log_a_cum[..., :, None] - log_a_cum[..., None, :]  # [b, c, g, j, l, s]; <= 0 where s <= l
-    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    decay_within = torch.exp(segment.masked_fill(~causal, float("-inf")))
+    # exponents as sums of the log decays between s and l, summed directly: the difference of two prefix
+    # sums (cum_l - cum_s) would lose ulp(|cum|) of absolute accuracy in every exponent
+    decay_within = torch.exp(_segment_sums(log_a))  # [b, c, g, j, l, s]
     y = torch.matmul(scores[:, :, :, None] * decay_within, x_dt)  # [b, c, g, j, l, p]
 
     # 2. state contributed by each chunk alone, as seen at its end: Σ_s exp(cum_end - cum_s) (xΔ)_s ⊗ B_s
-    decay_to_end = torch.exp(log_a_cum[..., -1:] - log_a_cum)  # [b, c, g, j, s]
+    # Σ_{k>s} log a_k, a suffix sum taken directly (not cum_end - cum_s, for the same reason)
+    suffix = torch.flip(torch.cumsum(torch.flip(log_a, [-1]), -1), [-1])
+    decay_to_end = torch.exp(F.pad(suffix[..., 1:], (0, 1)))  # [b, c, g, j, s]
     weighted_x = (x_dt * decay_to_end[..., None]).permute(0, 1, 2, 3, 5, 4).reshape(batch, n_chunks, G, J * P, L)
     chunk_states = torch.matmul(weighted_x, Bg).view(batch, n_chunks, heads, P, N)
 
