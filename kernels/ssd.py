@@ -12,7 +12,10 @@ The [B, T, H]-sized work (Δ = discretize_dt(dt), ΣΔ, the log-decay a_t = Δ_t
 the D term) stays in torch under autograd. The O(T·H·P·N) work runs in Triton inside
 :class:`_SSDChunkScan`, the chunked algorithm of the Mamba-2 paper (mamba-ssm's
 ``mamba_chunk_scan_combined``). Per chunk c of length L, cum_l = a_0 + ... + a_l inside the chunk
-(cum_last = cum_{L-1}); every exponent below is <= 0:
+(cum_last = cum_{L-1}); every exponent below is <= 0. Written as differences for brevity, each is summed
+directly from the a_j (same signs, no cancellation): cum_last - cum_s is the suffix sum Σ_{j>s} a_j (from the
+wrapper), cum_l - cum_s the segment sum Σ_{s<j<=l} a_j (in the chunk-scan kernel); a difference of two prefix
+sums would lose ulp(|cum|) of absolute accuracy in every exponent (fp32 y ~3e-6 off at |A| = 24, chunk 256):
 
     forward                                           backward (given dy, dS_final)
     cs_c  = Σ_s e^{cum_last-cum_s} Δ_s x_s ⊗ B_s       Q_c    = Σ_l e^{cum_l} dy_l ⊗ C_l
@@ -53,6 +56,10 @@ __all__ = ["ssd_scan_triton"]
 _DOT_PRECISION = "ieee" if getattr(torch.version, "hip", None) else "tf32x3"
 
 
+# test hook: an upper bound on _chunk_scan's row / key block (None: the heuristic alone)
+_BLOCK_M_CAP = None
+
+
 def _pow2(n: int, lo: int = 16, hi: int | None = None) -> int:
     size = max(lo, triton.next_power_of_2(max(int(n), 1)))
     return size if hi is None else min(size, hi)
@@ -71,7 +78,7 @@ def _add_exclusive(a1, b1, a2, b2):
 
 @triton.jit
 def _chunk_state_kernel(
-    U, V, DELTA, CUM, OUT,
+    U, V, DELTA, EXPO, OUT,
     T, L, nheads, K1, K2, ratio_u, ratio_v,
     s_ub, s_ut, s_uh, s_uk,
     s_vb, s_vt, s_vh, s_vk,
@@ -83,8 +90,9 @@ def _chunk_state_kernel(
 ):
     """OUT[b, h, c] = Σ_{t in chunk c} w_t (Δ_t if SCALE) U_t ⊗ V_t, a [K1, K2] tile per program.
 
-    w_t = exp(cum_last - cum_t) (decay to the chunk end: chunk states) or exp(cum_t) (FROM_START: decay
-    from the chunk start, the backward's Q_c). U / V are [B, T, H or G, K]; head h reads row h // ratio.
+    w_t = exp(EXPO_t): EXPO is the exclusive suffix sum Σ_{k>t in chunk} a_k (decay to the chunk end: chunk
+    states) or, FROM_START, the prefix sum cum_t (decay from the chunk start, the backward's Q_c); both
+    summed directly by the wrapper. U / V are [B, T, H or G, K]; head h reads row h // ratio.
     """
     n_k2 = tl.cdiv(K2, BLOCK_K2)
     n_tiles = tl.cdiv(K1, BLOCK_K1) * n_k2
@@ -99,8 +107,7 @@ def _chunk_state_kernel(
     U += b * s_ub + (h // ratio_u) * s_uh
     V += b * s_vb + (h // ratio_v) * s_vh
     DELTA += b * s_db + h * s_dh
-    CUM += b * s_cb + h * s_ch + t0 * s_ct
-    cum_last = tl.load(CUM + (L - 1) * s_ct)
+    EXPO += b * s_cb + h * s_ch + t0 * s_ct
     acc = tl.zeros((BLOCK_K1, BLOCK_K2), dtype=tl.float32)
     for l0 in range(0, L, BLOCK_T):
         l = l0 + tl.arange(0, BLOCK_T)
@@ -109,11 +116,7 @@ def _chunk_state_kernel(
         t = t0 + l
         u = tl.load(U + t[None, :] * s_ut + k1[:, None] * s_uk, mask=valid[None, :] & (k1 < K1)[:, None], other=0.0)
         v = tl.load(V + t[:, None] * s_vt + k2[None, :] * s_vk, mask=valid[:, None] & (k2 < K2)[None, :], other=0.0)
-        cum = tl.load(CUM + l * s_ct, mask=in_chunk, other=0.0)
-        if FROM_START:
-            expo = cum
-        else:
-            expo = cum_last - cum
+        expo = tl.load(EXPO + l * s_ct, mask=in_chunk, other=0.0)
         w = tl.exp(tl.where(valid, expo, float("-inf")))
         if SCALE:
             w = w * tl.load(DELTA + t * s_dt, mask=valid, other=0.0)
@@ -176,7 +179,7 @@ def _state_passing_kernel(
 
 @triton.jit
 def _chunk_scan_kernel(
-    U, V, W, S, DELTA, CUM, OUT,
+    U, V, W, S, DELTA, EXPO, LOGA, OUT,
     Z, SDOT, RSUM, INTRA,
     T, L, nheads, K1, K2, ratio_u, ratio_v, ratio_w, ratio_z,
     s_ub, s_ut, s_uh, s_uk,
@@ -196,8 +199,12 @@ def _chunk_scan_kernel(
 
         OUT_r = e^{sw_r} U_r S_c + Σ_k (U_r·V_k) e^{dec_rk} [Δ_k if COL_SCALE] W_k,   times Δ_r if ROW_SCALE
 
-    forward: keys k <= r, dec_rk = cum_r - cum_k, sw_r = cum_r (decay from the chunk start);
-    REVERSE: keys k >= r, dec_rk = cum_k - cum_r, sw_r = cum_last - cum_r (decay to the chunk end).
+    forward: keys k <= r, dec_rk = Σ_{k<j<=r} a_j, sw_r = EXPO_r = cum_r (decay from the chunk start);
+    REVERSE: keys k >= r, dec_rk = Σ_{r<j<=k} a_j, sw_r = EXPO_r = Σ_{j>r} a_j (decay to the chunk end).
+    a = LOGA (the log-decays); sw comes summed from the wrapper. dec is summed directly here, never as a
+    difference of prefix sums (cum_r - cum_k loses ulp(|cum|) of absolute accuracy): on the diagonal key
+    block a cumulative sum over the tile of the masked a_j, off it (row block R, key block K) a sum of
+    three direct sums: inside the later block, the blocks in between, inside the earlier block.
     U, V: [B, T, H or G, K1]; W, OUT: [B, T, H or G, K2]; S[b, h, c]: [K1, K2] by its strides.
 
     EPI == 1 (the dxΔ pass, Z = x): OUT = Δ_r dxΔ_r (= dx), RSUM_r = x_r·dxΔ_r (dΔ through xΔ) and
@@ -219,7 +226,8 @@ def _chunk_scan_kernel(
     W += b * s_wb + (h // ratio_w) * s_wh
     S += b * s_sb + h * s_sh + pid_c * s_sc
     DELTA += b * s_db + h * s_dh
-    CUM += b * s_cb + h * s_ch + t0 * s_ct
+    EXPO += b * s_cb + h * s_ch + t0 * s_ct
+    LOGA += b * s_cb + h * s_ch + t0 * s_ct
 
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     r_in = r < L
@@ -228,8 +236,14 @@ def _chunk_scan_kernel(
     k2 = tl.arange(0, BLOCK_K2)
     k2_ok = k2 < K2
     out_mask = r_ok[:, None] & k2_ok[None, :]
-    cum_r = tl.load(CUM + r * s_ct, mask=r_in, other=0.0)
-    cum_last = tl.load(CUM + (L - 1) * s_ct)
+    r0 = pid_m * BLOCK_M
+    # the rows' own share of dec off the diagonal: forward Σ_{j in R, j<=r} a_j (inclusive prefix),
+    # REVERSE Σ_{j in R, j>r} a_j (exclusive suffix: the next position's a, summed from the block end)
+    if REVERSE:
+        a_next = tl.load(LOGA + (r + 1) * s_ct, mask=(r + 1 < L) & (r + 1 < r0 + BLOCK_M), other=0.0)
+        part_r = tl.cumsum(a_next, 0, reverse=True)
+    else:
+        part_r = tl.cumsum(tl.load(LOGA + r * s_ct, mask=r_in, other=0.0), 0)
     if ROW_SCALE or EPI == 1:
         delta_r = tl.load(DELTA + t * s_dt, mask=r_ok, other=0.0)
     # Z rows are (re)loaded where they are used, not held in registers across the key loop
@@ -242,10 +256,7 @@ def _chunk_scan_kernel(
         u = tl.load(U + t[:, None] * s_ut + k1[None, :] * s_uk, mask=r_ok[:, None] & (k1 < K1)[None, :], other=0.0)
         s = tl.load(S + k1[:, None] * s_s1 + k2[None, :] * s_s2, mask=(k1 < K1)[:, None] & k2_ok[None, :], other=0.0)
         acc += tl.dot(u.to(tl.float32), s.to(tl.float32), input_precision=DOT_PREC)
-    if REVERSE:
-        state_expo = cum_last - cum_r
-    else:
-        state_expo = cum_r
+    state_expo = tl.load(EXPO + r * s_ct, mask=r_in, other=0.0)
     acc = acc * tl.exp(tl.where(r_ok, state_expo, float("-inf")))[:, None]
     if EPI != 0:
         z = tl.load(Z + t[:, None] * s_zt + k2[None, :] * s_zk, mask=out_mask, other=0.0).to(tl.float32)
@@ -275,13 +286,35 @@ def _chunk_scan_kernel(
             vt = tl.load(V + (t0 + k)[None, :] * s_vt + k1[:, None] * s_vk,
                          mask=k_ok[None, :] & (k1 < K1)[:, None], other=0.0)
             uv += tl.dot(u.to(tl.float32), vt.to(tl.float32), input_precision=DOT_PREC)
-        cum_k = tl.load(CUM + k * s_ct, mask=k_in, other=0.0)
+        if k0 == r0:
+            # diagonal block: dec_rk = Σ_j a_j over r < j <= k (REVERSE) or k < j <= r, a cumulative sum of
+            # the masked log-decays along the tile
+            if REVERSE:
+                a_k = tl.load(LOGA + k * s_ct, mask=k_in, other=0.0)
+                expo = tl.cumsum(tl.where(k[None, :] > r[:, None], a_k[None, :], 0.0), 1)
+            else:
+                a_r = tl.load(LOGA + r * s_ct, mask=r_in, other=0.0)
+                expo = tl.cumsum(tl.where(r[:, None] > k[None, :], a_r[:, None], 0.0), 0)
+        else:
+            # the blocks strictly between the row and key blocks, then the key block's own share: forward
+            # Σ_{j in K, j>k} a_j (exclusive suffix), REVERSE Σ_{j in K, j<=k} a_j (inclusive prefix)
+            if REVERSE:
+                gap_lo = r0 + BLOCK_M
+                gap_hi = k0
+                part_k = tl.cumsum(tl.load(LOGA + k * s_ct, mask=k_in, other=0.0), 0)
+            else:
+                gap_lo = k0 + BLOCK_M
+                gap_hi = r0
+                a_next = tl.load(LOGA + (k + 1) * s_ct, mask=(k + 1 < L) & (k + 1 < k0 + BLOCK_M), other=0.0)
+                part_k = tl.cumsum(a_next, 0, reverse=True)
+            between = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for j0 in range(gap_lo, gap_hi, BLOCK_M):
+                between += tl.load(LOGA + (j0 + tl.arange(0, BLOCK_M)) * s_ct)  # whole blocks, all < L
+            expo = part_r[:, None] + (part_k + tl.sum(between, 0))[None, :]
         if REVERSE:
             keep = k[None, :] >= r[:, None]
-            expo = cum_k[None, :] - cum_r[:, None]
         else:
             keep = k[None, :] <= r[:, None]
-            expo = cum_r[:, None] - cum_k[None, :]
         keep = keep & k_ok[None, :] & r_ok[:, None]
         uv = uv * tl.exp(tl.where(keep, expo, float("-inf")))
         if COL_SCALE:
@@ -327,17 +360,17 @@ def _chunk_scan_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def _chunk_state(u, v, delta, cum, L, nc, ratio_u, ratio_v, from_start, scale):
-    """[B, H, nc, K1, K2] float32 (see _chunk_state_kernel)."""
+def _chunk_state(u, v, delta, expo, L, nc, ratio_u, ratio_v, from_start, scale):
+    """[B, H, nc, K1, K2] float32 (see _chunk_state_kernel); expo: cum if from_start, else the suffix sums."""
     batch, length, heads = delta.shape
     k1, k2 = u.shape[-1], v.shape[-1]
     out = torch.empty((batch, heads, nc, k1, k2), device=u.device, dtype=torch.float32)
     block_t, block_k1, block_k2 = _pow2(L, hi=32), _pow2(k1, hi=64), _pow2(k2, hi=64)
     grid = (triton.cdiv(k1, block_k1) * triton.cdiv(k2, block_k2) * nc, batch * heads)
     _chunk_state_kernel[grid](
-        u, v, delta, cum, out,
+        u, v, delta, expo, out,
         length, L, heads, k1, k2, ratio_u, ratio_v,
-        *u.stride(), *v.stride(), *delta.stride(), *cum.stride(), *out.stride(),
+        *u.stride(), *v.stride(), *delta.stride(), *expo.stride(), *out.stride(),
         FROM_START=from_start, SCALE=scale,
         BLOCK_T=block_t, BLOCK_K1=block_k1, BLOCK_K2=block_k2, DOT_PREC=_DOT_PRECISION,
         num_warps=4, num_stages=2,
@@ -373,9 +406,9 @@ def _state_passing(chunk, cum, L, start, reverse, fwd_states=None):
     return final, (ddec.sum(0).view(batch, heads, nc) if reverse else None)
 
 
-def _chunk_scan(u, v, w, s, delta, cum, L, nc, ratios, reverse, row_scale=False, col_scale=False,
+def _chunk_scan(u, v, w, s, delta, expo, log_a, L, nc, ratios, reverse, row_scale=False, col_scale=False,
                 s_transposed=False, epi=0, z=None, ratio_z=1):
-    """OUT [B, T, H, K2] float32 (see _chunk_scan_kernel).
+    """OUT [B, T, H, K2] float32 (see _chunk_scan_kernel); expo: cum forward, the suffix sums if reverse.
 
     epi=1 returns (dx, rsum [B, T, H], sdot [B, T, H]); epi=2 returns (OUT, sdot, intra [B, H, nc·L]).
     """
@@ -385,6 +418,8 @@ def _chunk_scan(u, v, w, s, delta, cum, L, nc, ratios, reverse, row_scale=False,
     out = torch.empty((batch, length, heads, k2), device=dev, dtype=f32)
     block_k2 = _pow2(k2)
     block_m = _pow2(L, hi=64 if k2 <= 64 else (32 if k2 <= 128 else 16))
+    if _BLOCK_M_CAP is not None:  # tests: several row / key blocks per chunk in the interpreter
+        block_m = min(block_m, _BLOCK_M_CAP)
     # K1 in slices of <= 32 and 8 warps for the big tiles: the tf32x3 dots split every fp32 operand in two,
     # and with 64-wide slices / 4 warps these variants spilled registers when compiled for sm_90
     block_k1 = _pow2(k1, hi=32)
@@ -395,16 +430,16 @@ def _chunk_scan(u, v, w, s, delta, cum, L, nc, ratios, reverse, row_scale=False,
         (s.stride(4), s.stride(3)) if s_transposed else (s.stride(3), s.stride(4)))
     sdot = torch.empty((batch, length, heads), device=dev, dtype=f32) if epi else out
     rsum = torch.empty((batch, length, heads), device=dev, dtype=f32) if epi == 1 else sdot
-    intra = torch.zeros((n_m,) + tuple(cum.shape), device=dev, dtype=f32) if epi == 2 else out.view(1, -1, 1, 1)
+    intra = torch.zeros((n_m,) + tuple(expo.shape), device=dev, dtype=f32) if epi == 2 else out.view(1, -1, 1, 1)
     if z is None:
         z = out
     q_strides = sdot.stride() if epi else (0, 0, 0)
     grid = (n_m * nc, batch * heads)
     _chunk_scan_kernel[grid](
-        u, v, w, s, delta, cum, out,
+        u, v, w, s, delta, expo, log_a, out,
         z, sdot, rsum, intra,
         length, L, heads, k1, k2, *ratios, ratio_z,
-        *u.stride(), *v.stride(), *w.stride(), *s_strides, *delta.stride(), *cum.stride(), *out.stride(),
+        *u.stride(), *v.stride(), *w.stride(), *s_strides, *delta.stride(), *expo.stride(), *out.stride(),
         *z.stride(), *q_strides, *intra.stride(),
         REVERSE=reverse, ROW_SCALE=row_scale, COL_SCALE=col_scale, EPI=epi,
         BLOCK_M=block_m, BLOCK_K1=block_k1, BLOCK_K2=block_k2, DOT_PREC=_DOT_PRECISION,
@@ -425,8 +460,11 @@ def _chunk_scan(u, v, w, s, delta, cum, L, nc, ratios, reverse, row_scale=False,
 class _SSDChunkScan(torch.autograd.Function):
     """(x, Δ, log_a, B, C, h0) -> (y without the D term [B, T, H, P] fp32, final state [B, H, P, N] fp32).
 
-    log_a [B, H, nc·L] is Δ·A, zero-padded past T to whole chunks of length L.
-    Saved for backward: x, Δ, cum, B, C and the entering chunk states [B, H, nc, P, N] fp32.
+    log_a [B, H, nc·L] is Δ·A, zero-padded past T to whole chunks of length L. Every decay exponent is a
+    direct sum of log_a terms (same signs, no cancellation): cum (inclusive prefix sums in each chunk),
+    suffix (exclusive suffix sums, the decay to the chunk end) and, inside the chunk-scan kernel, the
+    segment sums Σ_{s<j<=l} a_j.
+    Saved for backward: x, Δ, log_a, cum, suffix, B, C and the entering chunk states [B, H, nc, P, N] fp32.
     """
 
     @staticmethod
@@ -434,18 +472,21 @@ class _SSDChunkScan(torch.autograd.Function):
         batch, length, heads, _ = x.shape
         ratio = heads // B.shape[2]
         nc = log_a.shape[-1] // L
-        cum = log_a.view(batch, heads, nc, L).cumsum(-1).view(batch, heads, nc * L)
-        states = _chunk_state(x, B, delta, cum, L, nc, 1, ratio, from_start=False, scale=True)
+        chunks = log_a.view(batch, heads, nc, L)
+        cum = chunks.cumsum(-1).view(batch, heads, nc * L)
+        # Σ_{j>t} a_j inside the chunk, summed directly (cum_last - cum_t would lose ulp(|cum|))
+        suffix = F.pad(chunks[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1)).reshape(batch, heads, nc * L)
+        states = _chunk_state(x, B, delta, suffix, L, nc, 1, ratio, from_start=False, scale=True)
         final, _ = _state_passing(states, cum, L, h0, reverse=False)  # states: now the entering S_c
-        y = _chunk_scan(C, B, x, states, delta, cum, L, nc, (ratio, ratio, 1), reverse=False,
+        y = _chunk_scan(C, B, x, states, delta, cum, log_a, L, nc, (ratio, ratio, 1), reverse=False,
                         col_scale=True, s_transposed=True)
-        ctx.save_for_backward(x, delta, cum, B, C, states)
+        ctx.save_for_backward(x, delta, log_a, cum, suffix, B, C, states)
         ctx.L, ctx.has_h0 = L, h0 is not None
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, delta, cum, B, C, states = ctx.saved_tensors
+        x, delta, log_a, cum, suffix, B, C, states = ctx.saved_tensors
         L = ctx.L
         batch, length, heads, _ = x.shape
         groups, n = B.shape[2], B.shape[3]
@@ -455,11 +496,12 @@ class _SSDChunkScan(torch.autograd.Function):
         # Q_c, then the backward chain: dstates[c] = dS_{c+1}, dh0 = dS_0
         dstates = _chunk_state(dy, C, delta, cum, L, nc, 1, ratio, from_start=True, scale=False)
         dh0, ddec = _state_passing(dstates, cum, L, dfinal, reverse=True, fwd_states=states)
-        dx, ddelta, v = _chunk_scan(B, C, dy, dstates, delta, cum, L, nc, (ratio, ratio, 1), reverse=True,
+        dx, ddelta, v = _chunk_scan(B, C, dy, dstates, delta, suffix, log_a, L, nc, (ratio, ratio, 1), reverse=True,
                                     s_transposed=True, epi=1, z=x)
-        dC, alpha, intra = _chunk_scan(dy, x, B, states, delta, cum, L, nc, (1, 1, ratio), reverse=False,
+        dC, alpha, intra = _chunk_scan(dy, x, B, states, delta, cum, log_a, L, nc, (1, 1, ratio), reverse=False,
                                        col_scale=True, epi=2, z=C, ratio_z=ratio)
-        dB = _chunk_scan(x, dy, C, dstates, delta, cum, L, nc, (1, 1, ratio), reverse=True, row_scale=True)
+        dB = _chunk_scan(x, dy, C, dstates, delta, suffix, log_a, L, nc, (1, 1, ratio), reverse=True,
+                         row_scale=True)
         # da_t (module docstring): read-outs of the entering state at l >= t, chunk-state inputs at s < t,
         # the whole-chunk decay, and the intra-chunk pairs s < t <= l (from the dC pass)
         pad = nc * L - length

@@ -131,6 +131,39 @@ def test_ssd_triton_strong_decay_stays_finite_and_close():
              grad_tol=2e-3)
 
 
+@pytest.mark.parametrize("block_cap", [None, 16])
+def test_ssd_triton_fp32_exponents_are_summed_directly(block_cap, monkeypatch):
+    """Strong decays (|A| up to 24): exponents taken as differences of prefix sums (cum_l - cum_s,
+    cum_last - cum_s) lose ulp(|cum|) and put y ~9e-7 / the final state ~6e-7 off the fp64 reference
+    here; summed directly (suffix sums, in-kernel segment sums) both stay at fp32 rounding (~1.3e-7 /
+    ~6e-8, as the torch op). block_cap=16: four row / key blocks per chunk, so the off-diagonal blocks
+    (with whole blocks in between) are summed too."""
+    import hf_statecompose.kernels.ssd as ssd
+
+    monkeypatch.setattr(ssd, "_BLOCK_M_CAP", block_cap, raising=False)
+    g = torch.Generator().manual_seed(0)
+    T, H, P, N = 128, 4, 8, 16
+    x = torch.randn(1, T, H, P, generator=g)
+    dt = torch.randn(1, T, H, generator=g) * 0.5 - 3
+    A = -torch.tensor([6.0, 12.0, 18.0, 24.0])
+    B, C = torch.randn(1, T, 1, N, generator=g), torch.randn(1, T, 1, N, generator=g)
+    y, h, _ = ssd_scan_triton(*(v.to(DEVICE) for v in (x, dt, A, B, C)), dt_softplus=True, chunk_size=64)
+    y64, h64, _ = ssd_scan_ref(x.double(), dt.double(), A.double(), B.double(), C.double(), dt_softplus=True)
+    for name, a, e in (("y", y, y64), ("final_state", h, h64)):
+        err = float((a.cpu().double() - e).abs().max() / e.abs().max())
+        assert err < 3e-7, f"{name}: rel err {err:.2e} against fp64"
+
+
+def test_ssd_triton_several_blocks_per_chunk(monkeypatch):
+    """Row / key blocks of 16 in chunks of 64 (the interpreter's other tests have one block per chunk, as
+    chunks of 256 have four on a GPU): off-diagonal decays, the blocks in between and the intra-chunk
+    log-decay gradient carried across key blocks, forward and reverse, with every gradient."""
+    import hf_statecompose.kernels.ssd as ssd
+
+    monkeypatch.setattr(ssd, "_BLOCK_M_CAP", 16, raising=False)
+    _compare(100, 64, torch.float32, 2, 16, 8, True, True, None, heads=2, A_scale=0.2)
+
+
 def test_ssd_triton_final_state_only_gradient():
     """Gradient through the final state alone (y unused, so C gets none): the backward chain and dh0."""
     leaves, _ = _leaves(40, 5, torch.float32, 2, 16, 8)
