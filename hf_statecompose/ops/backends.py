@@ -82,12 +82,16 @@ def _triton_op(op: str):
     return getattr(importlib.import_module(f"hf_statecompose.kernels.{module}"), name)
 
 
+def _dispatch(op: str, torch_fn, first_name: str, args, kwargs, backend: str):
+    """Run ``op`` on the backend chosen for the device of its first tensor argument."""
+    first = args[0] if args else kwargs[first_name]
+    fn = _triton_op(op) if resolve(backend, first.device, op) == "triton" else torch_fn
+    return fn(*args, **kwargs)
+
+
 def selective_scan(*args, backend: str = "auto", **kwargs):
     """Mamba-1 scan (contract of :func:`hf_statecompose.ops.selective_scan_ref`) on the chosen backend."""
-    u = args[0] if args else kwargs["u"]
-    if resolve(backend, u.device, "selective_scan") == "triton":
-        return _triton_op("selective_scan")(*args, **kwargs)
-    return selective_scan_torch(*args, **kwargs)
+    return _dispatch("selective_scan", selective_scan_torch, "u", args, kwargs, backend)
 
 
 def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -104,18 +108,12 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
 
 def ssd_scan(*args, backend: str = "auto", **kwargs):
     """Mamba-2 chunked SSD scan (contract of :func:`hf_statecompose.ops.ssd_scan_ref`)."""
-    x = args[0] if args else kwargs["x"]
-    if resolve(backend, x.device, "ssd_scan") == "triton":
-        return _triton_op("ssd_scan")(*args, **kwargs)
-    return _ssd_torch(*args, **kwargs)
+    return _dispatch("ssd_scan", _ssd_torch, "x", args, kwargs, backend)
 
 
 def causal_conv1d(*args, backend: str = "auto", **kwargs):
     """Causal depthwise conv continuing a window (contract of :func:`hf_statecompose.ops.causal_conv1d_ref`)."""
-    x = args[0] if args else kwargs["x"]
-    if resolve(backend, x.device, "causal_conv1d") == "triton":
-        return _triton_op("causal_conv1d")(*args, **kwargs)
-    return _conv_torch(*args, **kwargs)
+    return _dispatch("causal_conv1d", _conv_torch, "x", args, kwargs, backend)
 
 
 def compose_ssm(ssm_states, delta_sums, A, method, weights=None, backend: str = "auto"):

@@ -104,18 +104,19 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
         if needs_grad:  # out of place, so that autograd sees every step
             acc = blocks[0].to(compute) * W[0]
             for k in range(1, n):
-                acc = torch.addcmul(acc, blocks[k].to(compute), W[k]) if torch.is_tensor(W[k]) else acc + blocks[k] * W[k]
+                acc = acc + blocks[k].to(compute) * W[k]
             out[:, r0:r1] = acc.to(first.dtype)
             continue
-        # inference: one fused multiply-add pass per state, accumulated in place (into `out` when the
-        # states are in the compute dtype)
-        acc = out[:, r0:r1] if first.dtype == compute else torch.empty(blocks[0].shape, dtype=compute, device=first.device)
+        # inference: one fused multiply-add pass per state, accumulated in place (straight into `out`
+        # when the states are in the compute dtype)
+        direct = first.dtype == compute
+        acc = out[:, r0:r1] if direct else torch.empty(blocks[0].shape, dtype=compute, device=first.device)
         torch.mul(blocks[0], W[0], out=acc)
         for k in range(1, n):
             if torch.is_tensor(W[k]):
                 acc.addcmul_(blocks[k], W[k])
             else:
                 acc.add_(blocks[k], alpha=W[k])
-        if acc.data_ptr() != out[:, r0:r1].data_ptr():
+        if not direct:
             out[:, r0:r1] = acc.to(first.dtype)
     return out
