@@ -1,106 +1,103 @@
-"""The main job on an embedded tiny model: encode contexts once, store them, compose, generate.
+"""The main job on the embedded demo model: store contexts once, retrieve, compose, generate.
 
-    python -m hf_statecompose.demo [--arch mamba2|mamba] [--method picaso_r] [--max-new-tokens 24]
+    python -m hf_statecompose.demo [--arch mamba2|mamba] [--method picaso_r] [-k 4] [--store DIR]
 
-The embedded model is a tiny *random-weight* byte-level Mamba / Mamba-2 built from a fixed seed (no
-download): its text is meaningless, so the demo shows the mechanics and checks the exactness the
-library promises (one state + query == the concatenation), and times composition against re-reading
-the contexts. Retrieval over a real corpus and a trained default model come with the database issue.
+1. Load the embedded demo model (``hsc.load_demo``: a 3.6M-parameter Mamba-2, or Mamba-1, trained on
+   Wikipedia text and a synthetic fact-recall task; no download).
+2. Build a :class:`StateStore` from the bundled passages (``hf_statecompose/demo_data``: 12 synthetic
+   passages about 24 fictional towns + 60 held-out Wikipedia paragraphs, CC BY-SA 4.0), indexed with the
+   offline all-MiniLM-L6-v2 retriever. Each passage is encoded once.
+3. For questions whose answers are only in the passages: retrieve k states, compose them, generate; and
+   the same without context. Then which retrieved passage mattered (leave-one-out attribution).
+4. Check the exactness the library promises (one stored state + query generates exactly what
+   context + query generates) and time composition against re-reading the contexts.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
-from pathlib import Path
+from importlib import resources
 
 import torch
-from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
 
 import hf_statecompose as hsc
 
-CONTEXTS = [
-    "State space models carry a fixed-size state from token to token.",
-    "PICASO composes the states of several contexts without reading them again.",
-    "A conv window holds the last few inputs of the short causal convolution.",
-]
-QUERY = "Question: what do the contexts say?\nAnswer:"
 
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 3..258 (0 pad, 1 eos, 2 bos): enough for a demo, no download."""
-
-    pad_token_id, eos_token_id, bos_token_id, vocab_size = 0, 1, 2, 259
-
-    def encode(self, text: str) -> torch.LongTensor:
-        return torch.tensor([[b + 3 for b in text.encode("utf-8")]], dtype=torch.long)
-
-    def decode(self, ids, **kwargs) -> str:
-        data = bytes(int(i) - 3 for i in (ids.tolist() if torch.is_tensor(ids) else ids) if 3 <= int(i) < 259)
-        return data.decode("utf-8", errors="replace")
-
-
-def embedded_model(arch: str = "mamba2", seed: int = 0):
-    """A deterministic tiny random model (4 layers, hidden 64) for the byte tokenizer."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=ByteTokenizer.vocab_size, hidden_size=64, num_hidden_layers=4, state_size=16,
-                  pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    if arch == "mamba":
-        model = MambaForCausalLM(MambaConfig(**common))
-    elif arch == "mamba2":
-        model = Mamba2ForCausalLM(Mamba2Config(**common, num_heads=8, head_dim=16, n_groups=1, chunk_size=64))
-    else:
-        raise ValueError(f"unknown arch {arch!r}; choose 'mamba' or 'mamba2'")
-    return hsc.enable(model.eval())
-
-
-def composer_for(method: str, n: int) -> "hsc.StateComposer":
-    """``weighted`` needs weights: the demo gives every context the same one."""
-    return hsc.StateComposer(method, weights=[1 / n] * n if method == "weighted" else None)
+def bundled(name: str) -> list[dict]:
+    text = resources.files("hf_statecompose").joinpath("demo_data", name).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="mamba2", choices=["mamba", "mamba2"])
-    parser.add_argument("--method", default="picaso_r", choices=list(hsc.METHODS))
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--arch", default="mamba2", choices=["mamba2", "mamba"])
+    parser.add_argument("--method", default="picaso_r", choices=[m for m in hsc.METHODS if m != "weighted"])
+    parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--store", default=None, help="keep the store in this folder (default: a temporary one)")
     args = parser.parse_args(argv)
-    tok = ByteTokenizer()
-    model = embedded_model(args.arch)
-    print(f"model: tiny random {args.arch} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters), byte tokenizer")
 
-    with torch.no_grad(), tempfile.TemporaryDirectory() as store:
-        # 1. encode each context once and store it (safetensors + JSON metadata)
-        for i, text in enumerate(CONTEXTS):
-            state = hsc.ComposableMambaCache.encode(model, tok.encode(text))
-            hsc.ComposableMambaCache.save(state, Path(store) / f"ctx{i}.safetensors")
-        # 2. later: load the states (checked against the model), no token of the contexts is read again
-        states = [hsc.ComposableMambaCache.load(Path(store) / f"ctx{i}.safetensors", model=model) for i in range(len(CONTEXTS))]
-        print(f"stored {len(states)} states: " + ", ".join(f"{int(s.num_tokens[0])} tokens" for s in states))
+    model, tok = hsc.load_demo(args.arch)
+    print(f"model: demo {args.arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (hsc.load_demo)")
+    passages = bundled("passages.jsonl")
+    questions = bundled("questions.jsonl")
+    questions = questions[:: max(1, len(questions) // args.questions)][: args.questions]
+    with tempfile.TemporaryDirectory() as tmp:
+        store = hsc.StateStore(args.store or tmp, model, tok)
+        if len(store) == 0:
+            t0 = time.perf_counter()
+            store.add([p["text"] for p in passages], [{"source": p["source"]} for p in passages], show_progress=False)
+            print(f"store: encoded {len(passages)} passages once in {time.perf_counter() - t0:.1f} s -> {json.dumps(store.stats())}")
 
-        query = tok.encode(QUERY)
-        # 3. exactness: one state + query generates exactly what context + query generates
-        alone = model.generate(query, past_states=states[:1], max_new_tokens=args.max_new_tokens, do_sample=False)
-        full = model.generate(torch.cat([tok.encode(CONTEXTS[0]), query], 1), max_new_tokens=args.max_new_tokens, do_sample=False)
-        same = torch.equal(alone, full[:, -alone.shape[1]:])
-        print(f"one state + query == generate(context + query): {same}")
+        correct = 0
+        for q in questions:
+            with_context = hsc.generate_with_retrieval(model, tok, q["query"], store, k=args.k, composition=args.method,
+                                                       max_new_tokens=4, do_sample=False)
+            without = hsc.generate_with_retrieval(model, tok, q["query"], store, k=0, max_new_tokens=4, do_sample=False)
+            answer = with_context.text.split(".")[0] + "."
+            correct += answer == q["answer"]
+            print(f"\nquery: {q['query']!r}   expected {q['answer']!r}")
+            for rank, entry in enumerate(with_context.retrieved, 1):
+                print(f"  retrieved [{rank}] {entry.score:.2f} {entry.text[:70]!r}")
+            print(f"  {args.method} of {len(with_context.retrieved)} states -> {with_context.text!r}   | no context -> {without.text!r}")
+        print(f"\n{correct}/{len(questions)} answers right from composed states ({args.method}, k={args.k})")
 
-        # 4. compose all contexts and generate; compare the cost with re-reading the concatenation
-        composer = composer_for(args.method, len(states))
-        composer.compose(states, model=model)  # warm-up (first-call allocations)
+        q = questions[0]
+        retrieved = store.retrieve(q["query"], args.k)
+        attribution = hsc.leave_one_out(model, hsc.pipeline.context_order(retrieved), tok(q["query"]).input_ids,
+                                        tok(q["answer"]).input_ids, composition=args.method)
+        order = list(reversed(retrieved))
+        print(f"\nwhich context mattered for {q['query']!r} (loss rise when left out, nats/token):")
+        for i in attribution.ranking():
+            print(f"  {attribution.scores[i]:+.3f}  {order[i].text[:70]!r}")
+
+        wiki = next(p for p in passages if p["source"].startswith("Wikipedia"))
+        words = wiki["text"].split()
+        query = " ".join(words[:12])
+        out = hsc.generate_with_retrieval(model, tok, query, store, k=args.k, composition=args.method, max_new_tokens=24, do_sample=False)
+        print(f"\nWikipedia query {query!r}\n  -> {out.text!r}")
+
+        # exactness: one stored state + query == generate(context + query)
+        entry = store.retrieve(q["query"], 1)[0]
+        query_ids = tok(q["query"], return_tensors="pt").input_ids
+        alone = model.generate(query_ids, past_states=[entry.state], max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        full = model.generate(torch.cat([entry.state.token_ids, query_ids], 1), max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        same = torch.equal(alone[0, -8:], full[0, -8:])
+        print(f"\none stored state + query == generate(context + query): {same}")
+
+        states = [e.state for e in store.retrieve(q["query"], 10)]
+        composer = hsc.StateComposer(args.method)
+        composer.compose(states, model=model)  # warm-up
         t0 = time.perf_counter()
-        composed = composer.compose(states, model=model)
+        composer.compose(states, model=model)
         compose_s = time.perf_counter() - t0
+        ids = torch.cat([s.token_ids for s in states], 1)
         t0 = time.perf_counter()
-        model(torch.cat([tok.encode(c) for c in CONTEXTS], 1), use_cache=True, logits_to_keep=1)
+        hsc.ComposableMambaCache.encode(model, ids)
         concat_s = time.perf_counter() - t0
-        out = model.generate(query, past_states=[composed], max_new_tokens=args.max_new_tokens, do_sample=False)
-        print(f"composed with {args.method}: {compose_s * 1e3:.2f} ms (prefill of the concatenation: {concat_s * 1e3:.2f} ms)")
-        print("query:     ", QUERY.replace("\n", "\\n"))
-        print("generated: ", repr(tok.decode(out[0, query.shape[1]:])), "(random weights: meaningless text)")
-        for method in hsc.METHODS:
-            out = model.generate(query, past_states=states, composition=composer_for(method, len(states)), max_new_tokens=8, do_sample=False)
-            print(f"  {method:<10} -> first new token ids {out[0, query.shape[1]:].tolist()}")
+        print(f"10 contexts ({ids.shape[1]} tokens): {args.method} {compose_s * 1e3:.2f} ms vs re-reading them {concat_s * 1e3:.1f} ms")
     if not same:
         raise SystemExit("exactness check failed")
 

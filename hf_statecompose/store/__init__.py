@@ -1,0 +1,3 @@
+from .store import STORAGE_DTYPES, StateStore, StoreEntry
+
+__all__ = ["STORAGE_DTYPES", "StateStore", "StoreEntry"]

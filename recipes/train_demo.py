@@ -1,0 +1,272 @@
+"""Train the embedded demo models: a small Mamba-2 and a small Mamba-1 causal LM.
+
+    python recipes/train_demo.py --arch mamba2 --minutes 12
+    python recipes/train_demo.py --arch mamba  --minutes 18
+
+Data (offline, see :mod:`hf_statecompose.corpora`): the training articles of the Wikipedia excerpt in
+the gensim wheel (CC BY-SA 4.0; held-out articles are never seen) and the synthetic multi-context
+fact-recall task (a fresh random world per example: passages, then every fact asked back, the loss on
+the answers only): 3/8 and 5/8 of every batch. The tokenizer is a 4096-token byte-level BPE trained on the same
+training text (deterministic), shared by both models.
+
+Training runs through hf_statecompose's state-aware path (the same kernels ``encode`` uses; its Mamba-1
+scan has a hand-written backward), AdamW with warm-up and cosine decay over a step count fixed from the
+measured speed of the first steps so that the run takes about ``--minutes``. Output: an HF checkpoint
+(safetensors) with tokenizer, ``training_log.json`` and a model card (README.md, also written to
+``model_cards/``) whose figures are the ones this run measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN = 256
+
+
+def build_tokenizer(train_articles, seed: int = 0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_statecompose.corpora import recall_training_text
+
+    rng = random.Random(seed)
+    texts = [text for _, text in train_articles] + [recall_training_text(rng) for _ in range(2000)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>", padding_side="left", model_max_length=1 << 20,
+    )
+
+
+def build_model(arch: str, vocab_size: int, eos: int):
+    from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+
+    common = dict(vocab_size=vocab_size, hidden_size=256, num_hidden_layers=6, expand=2, conv_kernel=4,
+                  tie_word_embeddings=True, pad_token_id=eos, bos_token_id=eos, eos_token_id=eos)
+    if arch == "mamba2":
+        return Mamba2ForCausalLM(Mamba2Config(**common, state_size=64, num_heads=8, head_dim=64, n_groups=1, chunk_size=64))
+    return MambaForCausalLM(MambaConfig(**common, state_size=16))
+
+
+class Batches:
+    """3/8 random windows of the Wikipedia training stream, 5/8 packed synthetic recall examples."""
+
+    def __init__(self, tokenizer, train_articles, batch_size: int, seed: int):
+        self.tokenizer, self.batch_size = tokenizer, batch_size
+        self.rng = random.Random(seed)
+        eos = tokenizer.eos_token_id
+        stream = []
+        for _, text in train_articles:
+            stream += tokenizer(text)["input_ids"] + [eos]
+        self.wiki = torch.tensor(stream)
+        self.recall_buffer: list[int] = []
+
+    def recall_row(self):
+        """A row of packed recall examples; labels only on the answers (everything else is -100).
+
+        The facts themselves are random, so predicting them is irreducible noise that drowns the recall
+        signal in a model this small; the answers are the only learnable part."""
+        from hf_statecompose.corpora import recall_training_text
+
+        while len(self.recall_buffer) < SEQ_LEN:
+            text = recall_training_text(self.rng, max_towns=8)
+            ids, labels = [], []
+            for line_number, line in enumerate(text.split("\n")):
+                piece = self.tokenizer(("\n" if line_number else "") + line)["input_ids"]
+                ids += piece
+                is_question = line_number >= text.count("\n") // 2 + 1
+                if is_question:  # "Town relation value." -> learn " value." only
+                    prefix = len(self.tokenizer("\n" + line.rsplit(" ", 1)[0])["input_ids"])
+                    labels += [-100] * prefix + piece[prefix:]
+                else:
+                    labels += [-100] * len(piece)
+            ids.append(self.tokenizer.eos_token_id)
+            labels.append(-100)
+            self.recall_buffer += list(zip(ids, labels))
+        row, self.recall_buffer = self.recall_buffer[:SEQ_LEN], self.recall_buffer[SEQ_LEN:]
+        return torch.tensor([i for i, _ in row]), torch.tensor([label for _, label in row])
+
+    def __next__(self):
+        rows, labels = [], []
+        for i in range(self.batch_size):
+            if i % 8 < 3:  # 3/8 Wikipedia, 5/8 recall
+                start = self.rng.randrange(len(self.wiki) - SEQ_LEN)
+                rows.append(self.wiki[start : start + SEQ_LEN])
+                labels.append(rows[-1])
+            else:
+                row, label = self.recall_row()
+                rows.append(row)
+                labels.append(label)
+        return torch.stack(rows), torch.stack(labels)
+
+
+@torch.no_grad()
+def recall_probe(model, tokenizer, seed: int = 4242):
+    """Mean answer loss of 20 recall questions (a fixed unseen world) with the answer's passage as a
+    prefix, and without: the gap is how much the model uses its context."""
+    from hf_statecompose.corpora import recall_world
+
+    world = recall_world(seed, towns=5)
+    device = next(model.parameters()).device
+    out = {True: [], False: []}
+    for q in world.questions:
+        answer = tokenizer(q.answer)["input_ids"]
+        for with_context in out:
+            prefix = world.passages[q.passages[0]] + "\n" if with_context else ""
+            ids = tokenizer(prefix + q.query)["input_ids"] + answer
+            ids = torch.tensor([ids], device=device)
+            labels = ids.clone()
+            labels[:, : -len(answer)] = -100
+            out[with_context].append(float(model(input_ids=ids, labels=labels).loss))
+    return sum(out[True]) / len(out[True]), sum(out[False]) / len(out[False])
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, held_out, seed: int = 1234):
+    """Held-out Wikipedia loss (first 4096 tokens of each held-out article, in 256-token windows, no
+    context carried) and recall accuracy with the right passages in context / without context."""
+    from hf_statecompose.corpora import recall_world
+
+    model.eval()
+    losses = []
+    for _, text in held_out:
+        ids = torch.tensor(tokenizer(text)["input_ids"][:4096])
+        for start in range(0, len(ids) - SEQ_LEN + 1, SEQ_LEN):
+            window = ids[start : start + SEQ_LEN][None]
+            losses.append(float(model(input_ids=window, labels=window).loss))
+    world = recall_world(seed, towns=50)
+    hits = {"with_context": 0, "no_context": 0}
+    for q in world.questions:
+        for mode in hits:
+            prompt = ("\n".join(world.passages[i] for i in q.passages) + "\n" if mode == "with_context" else "") + q.query
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            answer = tokenizer(q.answer)["input_ids"]
+            out = model.generate(ids, max_new_tokens=len(answer), do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            hits[mode] += tokenizer.decode(out[0, ids.shape[1]:]) == q.answer
+    model.train()
+    return {
+        "held_out_wikipedia_loss": sum(losses) / len(losses),
+        "held_out_wikipedia_windows": len(losses),
+        "recall_accuracy_with_context": hits["with_context"] / len(world.questions),
+        "recall_accuracy_no_context": hits["no_context"] / len(world.questions),
+        "recall_questions": len(world.questions),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="mamba2", choices=["mamba2", "mamba"])
+    parser.add_argument("--minutes", type=float, default=12.0, help="training time budget (excluding data prep and evaluation)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="default: hf_statecompose/demo_models/<arch>")
+    parser.add_argument("--tokenizer-from", default=None, help="a folder with the tokenizer to reuse (default: another demo model's, if trained; else train one)")
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    sys.path.insert(0, str(ROOT))
+    import hf_statecompose as hsc
+    from hf_statecompose.corpora import wikipedia_split
+
+    out = Path(args.out or ROOT / "hf_statecompose" / "demo_models" / args.arch)
+    t0 = time.time()
+    train_articles, held_out = wikipedia_split()
+    # BPE training breaks ties in no fixed order: train the tokenizer once, reuse it for the other model
+    shared = args.tokenizer_from or next(
+        (str(p.parent) for p in sorted((ROOT / "hf_statecompose" / "demo_models").glob("*/tokenizer.json")) if p.parent != out), None
+    )
+    if shared:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(shared, local_files_only=True)
+        print(f"tokenizer: reused from {shared}", flush=True)
+    else:
+        tokenizer = build_tokenizer(train_articles)
+    batches = Batches(tokenizer, train_articles, args.batch_size, args.seed)
+    print(f"data: {len(train_articles)} training articles ({len(batches.wiki)} tokens), {len(held_out)} held out "
+          f"({', '.join(t for t, _ in held_out)}); prep {time.time() - t0:.0f}s", flush=True)
+    model = hsc.enable(build_model(args.arch, len(tokenizer), tokenizer.eos_token_id))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device).train()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {args.arch}, {params / 1e6:.2f}M parameters, device {device}", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95))
+
+    def step_fn(batch):
+        batch, labels = batch[0].to(device), batch[1].to(device)
+        cache = hsc.ComposableMambaCache.empty_for(model)
+        loss = model(input_ids=batch, labels=labels, cache_params=cache, use_cache=True).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    warmup, probe = 30, 10
+    log, total_steps, step = [], None, 0
+    start = time.time()
+    while total_steps is None or step < total_steps:
+        progress = 0.0 if total_steps is None else step / total_steps
+        lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = step_fn(next(batches))
+        step += 1
+        if step == probe:
+            per_step = (time.time() - start) / probe
+            total_steps = max(probe + 1, int(args.minutes * 60 / per_step))
+            print(f"{per_step:.2f}s/step -> {total_steps} steps", flush=True)
+        log.append({"step": step, "loss": loss, "lr": lr, "seconds": time.time() - start})
+        if step % 50 == 0:
+            print(f"step {step}/{total_steps} loss {loss:.3f} lr {lr:.2e} {time.time() - start:.0f}s", flush=True)
+        if step % 100 == 0:
+            model.eval()
+            with_context, without = recall_probe(model, tokenizer)
+            model.train()
+            log[-1].update(recall_answer_loss_with_context=with_context, recall_answer_loss_without=without)
+            print(f"  recall answer loss: with its passage {with_context:.3f}, without {without:.3f}", flush=True)
+    train_seconds = time.time() - start
+    model.eval()
+    metrics = evaluate(model, tokenizer, held_out)
+    print(json.dumps(metrics, indent=1), flush=True)
+
+    out.mkdir(parents=True, exist_ok=True)
+    hsc.disable(model)
+    model.to("cpu").save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    summary = {
+        "arch": args.arch, "parameters": params, "steps": step, "batch_size": args.batch_size, "seq_len": SEQ_LEN,
+        "tokens_seen": step * args.batch_size * SEQ_LEN, "train_seconds": round(train_seconds, 1), "device": device,
+        "threads": args.threads, "lr": args.lr, "seed": args.seed,
+        "final_train_loss_mean_last_50": sum(r["loss"] for r in log[-50:]) / len(log[-50:]),
+        "held_out_articles": [t for t, _ in held_out], **metrics,
+    }
+    (out / "training_log.json").write_text(json.dumps({"summary": summary, "log": log[:: max(1, len(log) // 400)]}, indent=1))
+    from model_card import write_model_card
+
+    write_model_card(out, summary)
+    print(f"saved to {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
