@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 METHODS = ("concat", "soup", "caso", "picaso_s", "picaso_r", "piconcat_r")
+COLORS = {"baseline": "black", "concat": "tab:blue", "soup": "tab:orange", "caso": "tab:green", "picaso_s": "tab:red",
+          "picaso_r": "tab:purple", "piconcat_r": "tab:brown"}
 LABELS = {"baseline": "Baseline", "concat": "Concat", "soup": "Soup", "caso": "CASO", "picaso_s": "PICASO-S",
           "picaso_r": "PICASO-R", "piconcat_r": "PIConcat-R"}
 DATASETS = ("wikipedia", "recall")
@@ -146,10 +148,10 @@ def plot(results: list[dict], path: Path) -> None:
         title = f"{result['model']} · {result['dataset']} ({result['samples']} samples)"
         for method, values in result["loss"].items():
             style = "--" if method == "baseline" else "-o"
-            axes[row][0].plot(ks, values, style, label=LABELS[method], markersize=3)
+            axes[row][0].plot(ks, values, style, label=LABELS[method], markersize=3, color=COLORS[method])
         axes[row][0].set(xlabel="retrieved contexts k", ylabel="continuation loss (nats/token)", title=title)
         for method, values in result["seconds"].items():
-            axes[row][1].plot(ks[1:], [v * 1e3 for v in values[1:]], "-o", label=LABELS[method], markersize=3)
+            axes[row][1].plot(ks[1:], [v * 1e3 for v in values[1:]], "-o", label=LABELS[method], markersize=3, color=COLORS[method])
         axes[row][1].set(xlabel="retrieved contexts k", ylabel="time to the state (ms)", yscale="log", title=title)
         axes[row][0].legend(fontsize=7)
         axes[row][1].legend(fontsize=7)
@@ -187,7 +189,14 @@ def main(argv=None):
     parser.add_argument("--storage-dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="benchmarks/results/eval")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot and table of --all from the JSON in --out")
     args = parser.parse_args(argv)
+    if args.replot:
+        out = Path(args.out)
+        results = [json.loads((out / f"picaso_eval_{a}_{d}.json").read_text()) for a in ("mamba2", "mamba") for d in DATASETS]
+        plot(results, out / "picaso_eval_all.png")
+        (out / "picaso_eval_all.md").write_text(table(results) + "\n")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
