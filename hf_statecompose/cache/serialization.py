@@ -65,12 +65,18 @@ def save_state(state, path) -> None:
         "tensor_digest": _digest(tensors),
     }
     payload = save(tensors, metadata={"hf_statecompose": json.dumps(meta, default=repr)})
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
+    atomic_write(path, payload)
+
+
+def atomic_write(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never half:
+    a temporary file in the same folder, fsynced, renamed over ``path``, then the folder fsynced."""
+    path = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -78,6 +84,11 @@ def save_state(state, path) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    directory_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_fd)
+    finally:
+        os.close(directory_fd)
 
 
 def _read_metadata(path) -> dict:

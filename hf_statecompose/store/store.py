@@ -32,7 +32,6 @@ import contextlib
 import fcntl
 import json
 import os
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ import torch
 
 from ..cache.composable_cache import ComposableMambaCache
 from ..cache.fingerprint import architecture_of, model_fingerprint
-from ..cache.serialization import _digest
+from ..cache.serialization import _digest, atomic_write
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -70,18 +69,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
+    atomic_write(path, data)
 
 
 def _read_json(path: Path, what: str) -> dict:
