@@ -10,9 +10,10 @@
   (retrieved, composed) context; a fresh random world per seed means nothing can be memorised. Facts
   are terse records, ``"Gasol river Iron."``, asked back as ``"Gasol river"`` → ``" Iron."``. Why so
   terse: a model this small has to learn recall in minutes, which needs the key right before the value
-  (inside the 4-token conv window) and a one-token key (a town name; 256 possible names). Earlier
-  designs, English sentences (``"Gasol lies on the river Iron."``) and four facts per town (a key of
-  town *and* relation), showed no recall at all after 1000 training steps.
+  (inside the 4-token conv window) and a one-token key (a town name; 256 possible names), and the
+  training loss on the answers only (``recipes/train_demo.py``). Earlier designs, English sentences
+  (``"Gasol lies on the river Iron."``) and four facts per town (a key of town *and* relation),
+  showed no recall at all after 800 training steps.
 """
 from __future__ import annotations
 
