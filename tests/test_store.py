@@ -295,3 +295,36 @@ def test_two_processes_adding_at_once_do_not_corrupt_the_store(tmp_path):
     for entry in store.entries()[::5]:
         assert_same_state(store.get(entry.id), encode_alone(model, entry.text))
     assert json.loads((Path(path) / "store.json").read_text())["embedding_dim"] == 64
+
+
+COMPACTOR_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from helpers import tiny_model
+from store_helpers import BagOfWords, CharTokenizer
+import hf_statecompose as hsc
+store = hsc.StateStore({path!r}, tiny_model("mamba2"), CharTokenizer(), retriever=BagOfWords())
+victims = [e.id for e in store.entries() if e.text.startswith("victim")]
+for victim in victims:  # every round rewrites a shard under the reader's feet
+    store.delete(victim)
+    store.compact()
+print("done", len(victims))
+"""
+
+
+def test_readers_keep_working_while_another_process_compacts(tmp_path):
+    model = tiny_model("mamba2")
+    store = make_store(tmp_path / "s", model)
+    keep = store.add(TEXTS[:6], batch_size=2, show_progress=False)
+    store.add([f"victim {i} " + TEXTS[i % 6] for i in range(12)], batch_size=2, show_progress=False)
+    expected = {entry_id: store.get(entry_id) for entry_id in keep}
+    proc = _run(COMPACTOR_SCRIPT.format(tests=TESTS, path=str(tmp_path / "s")))
+    reads = 0
+    while proc.poll() is None or reads == 0:
+        for entry_id, state in zip(keep, make_store(tmp_path / "s", model).get(keep)):
+            assert_same_state(state, expected[entry_id])
+        assert store.retrieve("honey bees summer", k=1)[0].text == TEXTS[4]  # one long-lived reader too
+        reads += 1
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "done 12" in out, err[-2000:]
+    assert sorted(store.ids()) == sorted(keep) and reads > 1

@@ -72,9 +72,13 @@ def _atomic_write(path: Path, data: bytes) -> None:
     atomic_write(path, data)
 
 
-def _read_json(path: Path, what: str) -> dict:
+def _read_json(path: Path, what: str, missing_ok: bool = False) -> dict | None:
     try:
         return json.loads(path.read_text())
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise ValueError(f"{path}: the store's {what} is missing (files removed by hand?)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: the store's {what} is unreadable or corrupted ({error})") from None
 
@@ -172,7 +176,9 @@ class StateStore:
                 del self._manifests[sid]
                 self._embeddings.pop(sid, None)
         for sid in sorted(present - set(self._manifests)):
-            manifest = _read_json(shard_dir / f"{sid}.json", f"shard manifest {sid}")
+            manifest = _read_json(shard_dir / f"{sid}.json", f"shard manifest {sid}", missing_ok=True)
+            if manifest is None:  # compacted away since the listing; its replacement is listed
+                continue
             if manifest.get("format_version") != FORMAT_VERSION or "entries" not in manifest:
                 raise ValueError(f"{shard_dir / sid}.json is not a shard manifest of this store format")
             self._manifests[sid] = manifest
