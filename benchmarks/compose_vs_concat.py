@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 
 # benchmarks/kernels.py shares this folder: with the folder first on sys.path, transformers' probe for the
 # PyPI `kernels` package would import that script. Take the folder off the path before importing it.
@@ -36,6 +32,7 @@ from transformers import Mamba2ForCausalLM, MambaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import hf_statecompose as hsc  # noqa: E402
+from hf_statecompose.benchmarking import git_commit, median_time, write_result  # noqa: E402
 
 hf_logging.set_verbosity_error()
 METHODS = ["soup", "caso", "picaso_s", "picaso_r", "piconcat_r"]
@@ -46,15 +43,6 @@ CONFIGS = {
     "mamba2": (Mamba2ForCausalLM, dict(vocab_size=50280, hidden_size=768, state_size=128, num_hidden_layers=24, expand=2,
                                        num_heads=24, head_dim=64, n_groups=1, chunk_size=256)),
 }
-
-
-def median_time(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def check_correctness(model, states):
@@ -144,21 +132,14 @@ def main():
     for r in rows:
         print(f"| {r['arch']} | {r['n']} | {r['method']} | {r['state_s']:.4f} | {r['state_speedup_vs_concat']:.1f}x | {r['ttft_s']:.4f} | {r['ttft_speedup_vs_concat']:.1f}x |")
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
     result = dict(
-        benchmark="compose_vs_concat", commit=commit, torch=torch.__version__, transformers=transformers.__version__,
+        benchmark="compose_vs_concat", commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
         python=platform.python_version(), machine=platform.machine(), threads=torch.get_num_threads(),
         dtype="float32", device="cpu", context_length=args.context_length, query_length=args.query_length,
         repeats=args.repeats, statistic="median", baseline="concat = transformers prefill of the concatenated contexts",
         configs={a: CONFIGS[a][1] for a in args.arch}, encode=encode, rows=rows,
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=2)
-    print(f"\nwrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,10 @@ GPU only: Triton selective scan / SSD scan vs mamba-ssm's ``selective_scan_fn`` 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 
 # This file is named kernels.py: with its folder first on sys.path, transformers' probe for the PyPI
 # `kernels` package would import this script instead. Take the folder off the path before importing it.
@@ -43,6 +40,7 @@ from transformers import Mamba2ForCausalLM, MambaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import hf_statecompose as hsc  # noqa: E402
+from hf_statecompose.benchmarking import git_commit, median_time, write_result  # noqa: E402
 from hf_statecompose.cache.fingerprint import base_model_of  # noqa: E402
 from hf_statecompose.composition.weights import WEIGHT_FUNCTIONS  # noqa: E402
 from hf_statecompose.ops import backends  # noqa: E402
@@ -63,22 +61,6 @@ STATE_SHAPES = {
     "mamba2-2.7b": ((1, 80, 64, 128), 64, "mamba2"),
 }
 COMPOSE_METHODS = ["soup", "caso", "picaso_s", "picaso_r"]
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_time(fn, repeats, device=torch.device("cpu")):
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def rel_err(a, b):
@@ -259,11 +241,7 @@ def main():
 
     result = dict(benchmark="kernels", torch=torch.__version__, transformers=transformers.__version__,
                   python=platform.python_version(), machine=platform.machine(), processor=platform.processor(),
-                  threads=torch.get_num_threads(), statistic="median")
-    try:
-        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        result["commit"] = "unknown"
+                  threads=torch.get_num_threads(), statistic="median", commit=git_commit())
 
     if not args.skip_encode:
         encode = []
@@ -304,10 +282,7 @@ def main():
     if gpu_note:
         print(f"\nGPU scans not measured: {gpu_note}")
         result["gpu_note"] = gpu_note
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=2)
-    print(f"\nwrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

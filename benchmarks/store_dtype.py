@@ -12,16 +12,16 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-if sys.path and Path(sys.path[0]).resolve() == HERE:  # benchmarks/kernels.py would shadow the 'kernels' package
-    sys.path.pop(0)
+# benchmarks/kernels.py would shadow the 'kernels' package that transformers probes for
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 
 import hf_statecompose as hsc  # noqa: E402
+from hf_statecompose.benchmarking import write_result  # noqa: E402
 from hf_statecompose.eval import build_samples, evaluate  # noqa: E402
 
 
@@ -69,9 +69,7 @@ def main(argv=None):
         print(f"| {r['model']} | {r['dataset']} | {b['fp32']} | {b['bf16'] / b['fp32']:.3f} | {s['bf16'] / s['fp32']:.3f} | "
               f"{r['bf16_state_relative_error_max']:.1e} | {lo['fp32']['picaso_r']:.4f} → {lo['bf16']['picaso_r']:.4f} | "
               f"{lo['fp32']['soup']:.4f} → {lo['bf16']['soup']:.4f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "threads": torch.get_num_threads(), "torch": torch.__version__}, indent=1))
-    print(f"wrote {args.out}")
+    write_result({"rows": rows, "threads": torch.get_num_threads(), "torch": torch.__version__}, args.out)
 
 
 if __name__ == "__main__":

@@ -14,28 +14,19 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-if sys.path and Path(sys.path[0]).resolve() == HERE:  # benchmarks/kernels.py would shadow the 'kernels' package
-    sys.path.pop(0)
+# benchmarks/kernels.py would shadow the 'kernels' package that transformers probes for
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
 import torch  # noqa: E402
 
 import hf_statecompose as hsc  # noqa: E402
+from hf_statecompose.benchmarking import median_time, write_result  # noqa: E402
 from hf_statecompose.ops.selective_scan import selective_scan, selective_scan_ref  # noqa: E402
 
 
 def timed(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(fn, repeats, warmup=1)
 
 
 def scan_case(repeats):
@@ -94,8 +85,7 @@ def main(argv=None):
     print("| arch | ours (s/step) | transformers (s/step) | speed-up | tokens/s (ours) |\n|---|---:|---:|---:|---:|")
     for arch, r in result["step"].items():
         print(f"| {arch} | {r['ours_s']:.2f} | {r['transformers_s']:.2f} | {r['speedup']:.1f}x | {r['tokens_per_s_ours']:.0f} |")
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
