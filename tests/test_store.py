@@ -219,7 +219,7 @@ import hf_statecompose as hsc
 from hf_statecompose.store import store as store_module
 
 mode, commits = {mode!r}, [0]
-original = store_module._atomic_write
+original = store_module.atomic_write
 
 def write(path, data):
     is_manifest = path.parent.name == "shards" and path.suffix == ".json"
@@ -234,7 +234,7 @@ def write(path, data):
     if is_manifest:
         commits[0] += 1
 
-store_module._atomic_write = write
+store_module.atomic_write = write
 store = hsc.StateStore({path!r}, tiny_model("mamba2"), CharTokenizer(), retriever=BagOfWords())
 store.add(TEXTS, batch_size=2, show_progress=False)
 print("not killed")

@@ -84,11 +84,16 @@ def atomic_write(path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    directory_fd = os.open(directory, os.O_RDONLY)
+    fsync_dir(directory)
+
+
+def fsync_dir(directory) -> None:
+    """Make a rename or unlink in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(directory_fd)
+        os.fsync(fd)
     finally:
-        os.close(directory_fd)
+        os.close(fd)
 
 
 def _read_metadata(path) -> dict:

@@ -41,7 +41,7 @@ import torch
 
 from ..cache.composable_cache import ComposableMambaCache
 from ..cache.fingerprint import architecture_of, model_fingerprint
-from ..cache.serialization import _digest, atomic_write
+from ..cache.serialization import _digest, atomic_write, fsync_dir
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,18 +60,6 @@ class StoreEntry:
 
 
 # ------------------------------------------------------------------------------------ atomic files
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    atomic_write(path, data)
-
-
 def _read_json(path: Path, what: str, missing_ok: bool = False) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -133,7 +121,7 @@ class StateStore:
                     "embedding_dim": None,
                     "info": dict(info or {}),
                 }
-                _atomic_write(header_path, json.dumps(header, indent=1).encode())
+                atomic_write(header_path, json.dumps(header, indent=1).encode())
         self.header = _read_json(header_path, "header (store.json)")
         if self.header.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{header_path}: unsupported store format version {self.header.get('format_version')!r}")
@@ -155,6 +143,7 @@ class StateStore:
         self._manifests: dict[str, dict] = {}  # shard id -> manifest
         self._embeddings: dict[str, torch.Tensor] = {}  # shard id -> [n, E]
         self._entries: dict[str, tuple[str, int]] = {}  # entry id -> (shard id, row)
+        self._flat: tuple[list[str], torch.Tensor] | None = None  # live ids and their embeddings, for retrieve
 
     # ------------------------------------------------------------------------------------ locking
     @contextlib.contextmanager
@@ -183,11 +172,13 @@ class StateStore:
                 raise ValueError(f"{shard_dir / sid}.json is not a shard manifest of this store format")
             self._manifests[sid] = manifest
         deleted = {p.name for p in (self.path / "deleted").iterdir()}
-        self._entries = {}
+        entries = {}
         for sid in sorted(self._manifests):
             for row, entry in enumerate(self._manifests[sid]["entries"]):
                 if entry["id"] not in deleted:
-                    self._entries[entry["id"]] = (sid, row)
+                    entries[entry["id"]] = (sid, row)
+        if entries != self._entries:
+            self._entries, self._flat = entries, None
 
     def __len__(self) -> int:
         self.refresh()
@@ -287,12 +278,12 @@ class StateStore:
         payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
         shard_dir = self.path / "shards"
         with self._locked():  # (compaction removes uncommitted tensors: never run it between our two writes)
-            _atomic_write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
+            atomic_write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
             if self.header.get("embedding_dim") is None:
                 self._record_embedding_dim(int(embeddings.shape[1]))
             elif self.header["embedding_dim"] != embeddings.shape[1]:
                 raise ValueError(f"the retriever returned {embeddings.shape[1]}-dim vectors; the store holds {self.header['embedding_dim']}-dim ones")
-            _atomic_write(shard_dir / f"{sid}.json", json.dumps(manifest).encode())  # ... then the commit
+            atomic_write(shard_dir / f"{sid}.json", json.dumps(manifest).encode())  # ... then the commit
         return [r["id"] for r in records]
 
     def _record_embedding_dim(self, dim: int) -> None:
@@ -300,7 +291,7 @@ class StateStore:
         if header.get("embedding_dim") not in (None, dim):
             raise ValueError(f"the retriever returned {dim}-dim vectors; the store holds {header['embedding_dim']}-dim ones")
         header["embedding_dim"] = dim
-        _atomic_write(self.path / "store.json", json.dumps(header, indent=1).encode())
+        atomic_write(self.path / "store.json", json.dumps(header, indent=1).encode())
         self.header = header
 
     def _entry_tensors(self, state: ComposableMambaCache, row: int, tokens: list[int]) -> dict[str, torch.Tensor]:
@@ -401,21 +392,23 @@ class StateStore:
         excluded = set(exclude)
         for attempt in range(3):
             self.refresh()
-            candidates = [(sid, row, entry_id) for entry_id, (sid, row) in self._entries.items() if entry_id not in excluded]
-            if k == 0 or not candidates:
-                return []
             try:
-                matrix = {sid: self._shard_embeddings(sid) for sid in sorted({sid for sid, _, _ in candidates})}
+                ids, matrix = self._flat_index()
                 break
             except FileNotFoundError:
                 if attempt == 2:
                     raise
                 self._manifests.clear()  # compacted meanwhile by another process
                 self._embeddings.clear()
-        vectors = torch.stack([matrix[sid][row] for sid, row, _ in candidates])
-        scores = vectors @ self._embed([query])[0]
-        top = torch.topk(scores, min(k, len(candidates)))
-        picked = [candidates[i][2] for i in top.indices.tolist()]
+                self._flat = None
+        count = len(ids) - sum(1 for i in excluded if i in self._entries)
+        if k == 0 or count == 0:
+            return []
+        scores = matrix @ self._embed([query])[0]
+        if excluded:
+            scores[[n for n, entry_id in enumerate(ids) if entry_id in excluded]] = float("-inf")
+        top = torch.topk(scores, min(k, count))
+        picked = [ids[i] for i in top.indices.tolist()]
         entries = [self._entry(i) for i in picked]
         for entry, score in zip(entries, top.values.tolist()):
             entry.score = float(score)
@@ -423,6 +416,18 @@ class StateStore:
             for entry, state in zip(entries, self.get(picked)):
                 entry.state = state
         return entries
+
+    def _flat_index(self) -> tuple[list[str], torch.Tensor]:
+        """Live entry ids and their embeddings as one matrix, rebuilt only when the entries change."""
+        if self._flat is None:
+            groups: dict[str, tuple[list[str], list[int]]] = {}  # shard -> (entry ids, rows)
+            for entry_id, (sid, row) in self._entries.items():
+                ids, rows = groups.setdefault(sid, ([], []))
+                ids.append(entry_id)
+                rows.append(row)
+            matrix = torch.cat([self._shard_embeddings(sid)[rows] for sid, (_, rows) in groups.items()]) if groups else torch.zeros(0, 0)
+            self._flat = ([i for ids, _ in groups.values() for i in ids], matrix)
+        return self._flat
 
     # ------------------------------------------------------------------------------------ delete / compact
     def delete(self, ids: Sequence[str] | str) -> None:
@@ -434,7 +439,7 @@ class StateStore:
             raise KeyError(f"no entries {missing[:5]} in the store at {self.path}")
         with self._locked():
             for entry_id in ids:
-                _atomic_write(self.path / "deleted" / entry_id, b"")
+                atomic_write(self.path / "deleted" / entry_id, b"")
         self.refresh()
 
     def compact(self) -> dict:
@@ -460,14 +465,14 @@ class StateStore:
                         tensors = {name: handle.get_tensor(name) for name in handle.keys() if not name.split(".")[0] in {r["id"] for r in gone}}
                     tensors["embeddings"] = tensors["embeddings"][rows].contiguous()
                     new_sid = uuid.uuid4().hex
-                    _atomic_write(shard_dir / f"{new_sid}.safetensors", save(tensors, metadata={"hf_statecompose_store": "shard"}))
+                    atomic_write(shard_dir / f"{new_sid}.safetensors", save(tensors, metadata={"hf_statecompose_store": "shard"}))
                     new_manifest = {"format_version": FORMAT_VERSION, "entries": keep, "embeddings_checksum": _digest({"embeddings": tensors["embeddings"]}),
                                     "shared_checksum": manifest["shared_checksum"]}
-                    _atomic_write(shard_dir / f"{new_sid}.json", json.dumps(new_manifest).encode())
+                    atomic_write(shard_dir / f"{new_sid}.json", json.dumps(new_manifest).encode())
                 # the old manifest goes first (uncommits the shard), then its tensors
                 os.unlink(shard_dir / f"{sid}.json")
                 os.unlink(shard_dir / f"{sid}.safetensors")
-                _fsync_dir(shard_dir)
+                fsync_dir(shard_dir)
                 removed_entries += len(gone)
                 rewritten += 1
             committed = {p.stem for p in shard_dir.glob("*.json")}
