@@ -5,6 +5,7 @@
     python -m hf_statecompose stats  STORE
     python -m hf_statecompose delete STORE ID [ID ...]
     python -m hf_statecompose compact STORE
+    python -m hf_statecompose lm-eval run --model statecompose --model_args ... --tasks ...
 
 (also installed as the console script ``hf-statecompose``). ``--model`` is ``demo`` (the embedded
 Mamba-2), ``demo-mamba`` (the embedded Mamba-1) or a local checkpoint folder; ``build`` records it in
@@ -41,26 +42,18 @@ def read_passages(path: str, text_field: str = "text") -> tuple[list[str], list[
     source = Path(path)
     if not source.is_file():
         raise SystemExit(f"no input file {path}")
-    texts, metadata = [], []
     if source.suffix == ".jsonl":
-        for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise SystemExit(f"{path}:{number}: not JSON ({error})") from None
-            if isinstance(record, str):
-                record = {text_field: record}
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise SystemExit(f"{path}:{number}: expected an object with a string field {text_field!r}")
-            texts.append(record.pop(text_field))
-            metadata.append(record)
-    else:
-        for block in source.read_text(encoding="utf-8").split("\n\n"):
-            if block.strip():
-                texts.append(" ".join(block.split()))
-                metadata.append({})
+        from .store.passages import parse_passages_jsonl
+
+        try:
+            return parse_passages_jsonl(source.read_text(encoding="utf-8"), path, text_field)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+    texts, metadata = [], []
+    for block in source.read_text(encoding="utf-8").split("\n\n"):
+        if block.strip():
+            texts.append(" ".join(block.split()))
+            metadata.append({})
     if not texts:
         raise SystemExit(f"{path} holds no passages")
     return texts, metadata
@@ -79,8 +72,14 @@ def open_store(path: str, model_spec: str | None, storage_dtype: str | None = No
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "lm-eval":  # lm-eval's own CLI with the `statecompose` model and our tasks
+        from .lmeval import run_cli
+
+        return run_cli(argv[1:])
     parser = argparse.ArgumentParser(prog="hf-statecompose", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("lm-eval", help="lm-eval's command line with the `statecompose` model and the bundled tasks (see README)", add_help=False)
     build = sub.add_parser("build", help="encode passages into a store (creates or extends it)")
     build.add_argument("store")
     build.add_argument("input", help=".jsonl (one {'text': ...} per line) or a text file (blank-line-separated passages)")

@@ -63,3 +63,72 @@ def write_model_card(out: Path, summary: dict) -> None:
     cards = ROOT / "model_cards"
     cards.mkdir(exist_ok=True)
     (cards / f"demo-{summary['arch']}.md").write_text(text)
+
+
+def render_adapter(results: dict) -> str:
+    """The card of a LoRA adapter trained by ``recipes/finetune.py``, from its ``results.json``."""
+    cfg, tr = results["config"], results["training"]
+    name, arch = cfg["name"], cfg["arch"]
+    objective = {"bptc": "BPTC (backpropagation through the composition and the context encodings)",
+                 "bp2c": "BP2C (gradient stopped at the composed state)"}[cfg["objective"]]
+    rows = []
+    for task in sorted(set(results.get("before", {})) | set(results.get("after", {}))):
+        before, after = results.get("before", {}).get(task, {}), results.get("after", {}).get(task, {})
+        for metric in sorted(set(before) | set(after)):
+            if metric in ("k", "alias", "sample_len"):
+                continue
+            b, a = before.get(metric), after.get(metric)
+            fmt = lambda v: "–" if v is None else f"{v:.4f}"  # noqa: E731
+            docs = after.get("sample_len", before.get("sample_len"))
+            rows.append(f"| {task} (k={after.get('k', before.get('k'))}, {docs} docs) | {metric.removesuffix(',none')} | {fmt(b)} | {fmt(a)} |")
+    table = "\n".join(["| task | metric | base model | with this adapter |", "|---|---|---:|---:|", *rows]) if rows else "(not evaluated)"
+    base = "hsc.load_demo()" if arch == "mamba2" else 'hsc.load_demo("mamba")'
+    return f"""---
+license: cc-by-sa-4.0
+library_name: peft
+base_model: hf_statecompose/demo-{arch}
+tags: [mamba, {arch}, lora, hf_statecompose, composition, {cfg['objective']}]
+---
+
+# {name}: LoRA adapter for composed states ({cfg['objective'].upper()})
+
+A LoRA adapter (r = {cfg['lora']['r']}, alpha = {cfg['lora']['alpha']}, on `{', '.join(cfg['lora']['target_modules'][arch] if isinstance(cfg['lora']['target_modules'], dict) else cfg['lora']['target_modules'])}`;
+{tr['trainable_parameters']:,} trainable parameters) for the embedded demo {NAMES[arch]} of `hf_statecompose`, fine-tuned
+to read a **composition of context states** ({cfg['composition']}): {objective}. A demo adapter: what it
+changes (little, see below and the repository README, "Fine-tuning for composition") was measured, not tuned for.
+
+## Use
+```python
+import hf_statecompose as hsc
+from peft import PeftModel
+
+base, tok = {base}
+model = PeftModel.from_pretrained(base, "adapters/{name}")       # this folder
+# states must be encoded by the adapted model (its fingerprint includes the adapter)
+states = [hsc.ComposableMambaCache.encode(model, tok(c, return_tensors="pt").input_ids) for c in contexts]
+out = model.generate(tok(query, return_tensors="pt").input_ids, past_states=states, composition="{cfg['composition']}", max_new_tokens=8)
+```
+With lm-eval: `hf-statecompose lm-eval run --model statecompose --model_args pretrained=demo{'' if arch == 'mamba2' else '-mamba'},peft=adapters/{name},passages=bundled,k=5 --tasks statecompose_recall_mc`.
+
+## Training
+`accelerate launch recipes/finetune.py --experiment {name}` (config: `recipes/configs/finetune.json`):
+{tr['steps']} steps of {cfg['batch_size']} rows, k ∈ [{cfg['k_min']}, {cfg['k_max']}] contexts sampled per batch,
+{1 - cfg['recall_fraction']:.0%} Wikipedia rows (training articles; query 64 tokens, target 64 tokens, contexts retrieved
+from training segments) and {cfg['recall_fraction']:.0%} synthetic recall rows; AdamW lr {cfg['lr']}, warm-up + cosine, seed {cfg['seed']};
+{tr['train_seconds'] / 60:.1f} min on {results['device']} ({tr['seconds_per_step_mean']:.2f} s/step);
+training loss {tr['loss_first_10']:.3f} (first 10 steps) → {tr['loss_last_10']:.3f} (last 10).
+
+## Evaluation (lm-eval, bundled tasks; `python recipes/finetune.py --evaluate adapters/{name}`)
+{table}
+
+Licence: the demo models' (CC BY-SA 4.0, trained on Wikipedia text).
+"""
+
+
+def write_adapter_card(out: Path, results: dict) -> None:
+    text = render_adapter(results)
+    (Path(out) / "README.md").write_text(text)
+    if Path(out).resolve().is_relative_to(ROOT):  # a run inside the repository: its card goes to model_cards/
+        cards = ROOT / "model_cards"
+        cards.mkdir(exist_ok=True)
+        (cards / f"{results['config']['name']}.md").write_text(text)

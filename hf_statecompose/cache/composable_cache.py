@@ -82,17 +82,28 @@ class ComposableMambaCache(DynamicCache):
         )
 
     @classmethod
-    @torch.no_grad()
     def encode(
-        cls, model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, backend: str | None = None
+        cls,
+        model,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        backend: str | None = None,
+        enable_grad: bool = False,
     ):
         """Encode contexts into a state: one prefill of the backbone, no logits.
 
         ``input_ids`` is ``[B, T]`` (or ``[T]``); a batch of contexts of different lengths must be left
         padded, with ``attention_mask`` marking real tokens. Padding neither decays nor feeds the state,
         so every row equals encoding that context alone. ``backend`` (``"auto"``, ``"torch"``,
-        ``"triton"``) overrides the model's kernels for this call only.
+        ``"triton"``) overrides the model's kernels for this call only. ``enable_grad=True`` keeps the
+        autograd graph from the model's weights to the state (backpropagation through the context
+        encodings, ``hf_statecompose.training``); by default encoding runs under ``torch.no_grad()``.
         """
+        with torch.set_grad_enabled(enable_grad and torch.is_grad_enabled()):
+            return cls._encode(model, input_ids, attention_mask, backend)
+
+    @classmethod
+    def _encode(cls, model, input_ids, attention_mask, backend):
         from ..generation.integration import enable, using_backend
 
         enable(model)

@@ -195,7 +195,10 @@ def _wrap_forward(model, original):
     @functools.wraps(original)
     def forward(*args, past_states=None, composition="picaso_r", **kwargs):
         if past_states is None:
+            if isinstance(kwargs.get("cache_params"), ComposableMambaCache):
+                _refuse_layer_checkpointing(model)
             return original(*args, **kwargs)
+        _refuse_layer_checkpointing(model)
         if kwargs.get("cache_params") is not None:
             raise ValueError("pass either past_states or cache_params, not both")
         batch = _batch_size_of(args, kwargs, ("input_ids", "inputs_embeds"))
@@ -204,6 +207,21 @@ def _wrap_forward(model, original):
         return original(*args, **kwargs)
 
     return forward
+
+
+def _refuse_layer_checkpointing(model):
+    """transformers' layer checkpointing replays each layer in the backward pass with the cache it was
+    given, which our mixers have updated by then: the replay would start from the wrong state and the
+    gradients would be silently wrong. Refuse instead."""
+    if not (model.training and torch.is_grad_enabled()):
+        return
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in base_model_of(model).layers):
+        raise ValueError(
+            "gradient checkpointing of the layers (model.activation_checkpointing_enable()) cannot be combined with "
+            "past_states or a ComposableMambaCache while training: the backward replay would start from the updated "
+            "state. Disable it (model.activation_checkpointing_disable()) and, to save memory on the contexts, use "
+            "hf_statecompose.training.composition_loss(..., checkpoint_contexts=True)"
+        )
 
 
 def _wrap_generate(model, original):
