@@ -22,12 +22,10 @@ from pathlib import Path
 
 
 def load_model(spec: str):
-    from .pipeline import load_demo
+    from .pipeline import DEMO_SPECS, load_demo
 
-    if spec in ("demo", "demo-mamba2"):
-        return load_demo("mamba2")
-    if spec == "demo-mamba":
-        return load_demo("mamba")
+    if spec in DEMO_SPECS:
+        return load_demo(DEMO_SPECS[spec])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .generation.integration import enable

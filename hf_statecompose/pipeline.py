@@ -9,6 +9,8 @@ import torch
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
 DEMO_ARCHS = ("mamba2", "mamba")
+# names that mean an embedded demo checkpoint (CLI --model, lm-eval pretrained=, recipes' model=)
+DEMO_SPECS = {"demo": "mamba2", "demo-mamba2": "mamba2", "demo-mamba": "mamba"}
 
 
 def load_demo(arch: str = "mamba2", device=None):

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cache.composable_cache import ComposableMambaCache
+
 OBJECTIVES = ("bptc", "bp2c")
 
 
@@ -50,8 +52,6 @@ def encode_contexts(model, contexts: list[torch.Tensor], objective: str = "bptc"
     ``checkpoint=True`` (BPTC only) keeps no activations of the context tokens: the encode is run again
     in the backward pass (``torch.utils.checkpoint``), trading compute for memory. (transformers' own
     layer checkpointing cannot be used with a cache: its replay would start from the updated state.)"""
-    from .cache.composable_cache import ComposableMambaCache
-
     _check_objective(objective)
     if not contexts:
         return []
@@ -71,8 +71,6 @@ def encode_contexts(model, contexts: list[torch.Tensor], objective: str = "bptc"
 
 def _checkpointed_encode(model, ids, mask):
     from torch.utils.checkpoint import checkpoint
-
-    from .cache.composable_cache import ComposableMambaCache
 
     first = {}
 
@@ -136,8 +134,6 @@ def composition_loss(model, examples: list[CompositionExample], objective: str =
         sel = torch.tensor(with_contexts, device=device)
         total = total + _summed_loss(model, ids[sel], mask[sel], label_ids[sel], weights[sel], past_states=per_row, composition=composition)
     if without:
-        from .cache.composable_cache import ComposableMambaCache
-
         sel = torch.tensor(without, device=device)
         # an empty state: the same values as the plain model, through our kernels (stock Mamba-1 trains ~20x slower on CPU)
         empty = ComposableMambaCache.empty_for(unwrap(model))

@@ -74,6 +74,8 @@ def main(argv=None):
 
 
 def table(result: dict) -> str:
+    from hf_statecompose.eval import LABELS
+
     ks = [k for k in (1, 2, 5, 10) if k < len(result["k"])]
     lines = [f"| dataset | model | method | k=0 | {' | '.join(f'k={k}' for k in ks)} |", "|---|---|---|---:|" + "---:|" * len(ks)]
     datasets = next(iter(result["variants"].values())).keys()
@@ -81,7 +83,7 @@ def table(result: dict) -> str:
         for name, per in result["variants"].items():
             loss = per[dataset]["loss"]
             for method in ("picaso_r", "concat"):
-                label = {"picaso_r": "PICASO-R", "concat": "Concat"}[method]
+                label = LABELS[method]
                 lines.append(f"| {dataset} | {name} | {label} | {loss['baseline'][0]:.3f} | "
                              + " | ".join(f"{loss[method][k]:.3f}" for k in ks) + " |")
     return "\n".join(lines)

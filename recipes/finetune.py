@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import torch
+from model_card import write_adapter_card  # recipes/ (this script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "finetune.json"
@@ -125,10 +126,10 @@ def wiki_pool(tokenizer, segments_wanted: int, segment_tokens: int, seed: int, n
     similarity.fill_diagonal_(-float("inf"))
     top = similarity.topk(min(neighbours, len(pool) - 1), dim=1).indices.tolist()
     log(f"wiki pool: embedded {len(pool)} segments in {time.time() - start:.0f}s (cached in {path})")
+    from hf_statecompose.cache.serialization import atomic_write
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"segments": pool, "neighbours": top}))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps({"segments": pool, "neighbours": top}).encode())
     return pool, top
 
 
@@ -180,17 +181,12 @@ class Sampler:
 
 # ------------------------------------------------------------------------------------------------ model
 def load_base(cfg: dict):
-    """The model to adapt: ``model`` = ``demo`` (the embedded checkpoint of ``arch``) or a local folder."""
-    import hf_statecompose as hsc
+    """The model to adapt, enabled: ``model`` = ``demo`` (the embedded checkpoint of ``arch``), any
+    ``--model`` spec of the CLI (``demo-mamba``, ...) or a local checkpoint folder."""
+    from hf_statecompose.cli import load_model
 
     spec = cfg.get("model", "demo")
-    if spec == "demo":
-        return hsc.load_demo(cfg["arch"])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    return hsc.enable(model.eval()), tokenizer
+    return load_model(f"demo-{cfg['arch']}" if spec == "demo" else spec)
 
 
 def add_lora(model, cfg: dict):
@@ -301,9 +297,6 @@ def train(cfg: dict, log=print) -> dict:
             results["after"] = lm_eval_suite(model, tokenizer, cfg, log=say)
         results["log"] = log_rows
         (out / "results.json").write_text(json.dumps(results, indent=1))
-        sys.path.insert(0, str(ROOT / "recipes"))
-        from model_card import write_adapter_card
-
         write_adapter_card(out, results)
         say(f"saved adapter, results.json and model card to {out}")
     return results
@@ -330,9 +323,6 @@ def evaluate_adapters(folders: list[str], log=print) -> list[dict]:
         log(f"evaluating {folder} (lm-eval)")
         results["after"] = lm_eval_suite(PeftModel.from_pretrained(base, folder).eval(), tokenizer, cfg, log=log)
         (folder / "results.json").write_text(json.dumps(results, indent=1))
-        sys.path.insert(0, str(ROOT / "recipes"))
-        from model_card import write_adapter_card
-
         write_adapter_card(folder, results)
         out.append(results)
     return out

@@ -57,12 +57,18 @@ same licence. Architecture: transformers' `{'Mamba2ForCausalLM' if arch == 'mamb
 """
 
 
-def write_model_card(out: Path, summary: dict) -> None:
-    text = render(summary)
+def _write(out: Path, card: str, text: str) -> None:
+    """The card as the checkpoint's README.md (what the Hub shows) and, for a folder inside the
+    repository, as ``model_cards/<card>.md``."""
     (Path(out) / "README.md").write_text(text)
-    cards = ROOT / "model_cards"
-    cards.mkdir(exist_ok=True)
-    (cards / f"demo-{summary['arch']}.md").write_text(text)
+    if Path(out).resolve().is_relative_to(ROOT):
+        cards = ROOT / "model_cards"
+        cards.mkdir(exist_ok=True)
+        (cards / f"{card}.md").write_text(text)
+
+
+def write_model_card(out: Path, summary: dict) -> None:
+    _write(out, f"demo-{summary['arch']}", render(summary))
 
 
 def render_adapter(results: dict) -> str:
@@ -126,9 +132,4 @@ Licence: the demo models' (CC BY-SA 4.0, trained on Wikipedia text).
 
 
 def write_adapter_card(out: Path, results: dict) -> None:
-    text = render_adapter(results)
-    (Path(out) / "README.md").write_text(text)
-    if Path(out).resolve().is_relative_to(ROOT):  # a run inside the repository: its card goes to model_cards/
-        cards = ROOT / "model_cards"
-        cards.mkdir(exist_ok=True)
-        (cards / f"{results['config']['name']}.md").write_text(text)
+    _write(out, results["config"]["name"], render_adapter(results))

@@ -34,7 +34,6 @@ from . import TASKS_DIR
 
 logger = logging.getLogger("hf_statecompose")
 
-DEMO_SPECS = {"demo": "mamba2", "demo-mamba2": "mamba2", "demo-mamba": "mamba"}
 BUNDLED_PASSAGES = TASKS_DIR / "passages.jsonl"
 
 
@@ -44,9 +43,9 @@ def cache_root() -> Path:
 
 
 def _resolve_pretrained(pretrained):
-    if isinstance(pretrained, str) and pretrained in DEMO_SPECS:
-        from ..pipeline import DEMO_DIR
+    from ..pipeline import DEMO_DIR, DEMO_SPECS
 
+    if isinstance(pretrained, str) and pretrained in DEMO_SPECS:
         return str(DEMO_DIR / DEMO_SPECS[pretrained])
     return pretrained
 
@@ -231,9 +230,7 @@ class StateComposeLM(HFLM):
             self._retrievals.move_to_end(key)
             return self._retrievals[key]
         retrieved = self.store.retrieve(query, self.k, exclude=list(exclude))
-        states = context_order(retrieved) if retrieved else None
-        if states is not None:
-            states = [s.to(self.device) if hasattr(s, "to") else s for s in states]
+        states = [s.to(self.device) for s in context_order(retrieved)] if retrieved else None
         self._retrievals[key] = states
         while len(self._retrievals) > 64:
             self._retrievals.popitem(last=False)
