@@ -21,18 +21,14 @@ import os
 import platform
 import sys
 
-# benchmarks/kernels.py shares this folder: with the folder first on sys.path, transformers' probe for the
-# PyPI `kernels` package would import that script. Take the folder off the path before importing it.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import Mamba2ForCausalLM, MambaForCausalLM  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+import torch
+import transformers
+from transformers import Mamba2ForCausalLM, MambaForCausalLM
+from transformers.utils import logging as hf_logging
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.benchmarking import git_commit, median_time, write_result  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.benchmarking import git_commit, median_time, write_result
 
 hf_logging.set_verbosity_error()
 METHODS = ["soup", "caso", "picaso_s", "picaso_r", "piconcat_r"]

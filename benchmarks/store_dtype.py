@@ -8,21 +8,19 @@ the store (bf16 / fp32), the relative error of the bf16 states, and the continua
 retrieved contexts composed by PICASO-R and Soup from either store (the same samples, the same run).
 Writes benchmarks/results/store_dtype.json.
 """
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# benchmarks/kernels.py would shadow the 'kernels' package that transformers probes for
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-import argparse  # noqa: E402
-import tempfile  # noqa: E402
 
-import torch  # noqa: E402
+import argparse
+import tempfile
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.benchmarking import write_result  # noqa: E402
-from hf_statecompose.eval import build_samples, evaluate  # noqa: E402
+import torch
+
+import hf_statecompose as hsc
+from hf_statecompose.benchmarking import write_result
+from hf_statecompose.demo.eval import build_samples, evaluate
 
 
 def state_error(store32, store16) -> float:

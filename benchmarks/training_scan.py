@@ -10,19 +10,17 @@
    ``recipes/train_demo.py`` does) against stock transformers' forward, same run.
 Medians of ``--repeats`` after one warm-up. Writes benchmarks/results/training_scan.json.
 """
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# benchmarks/kernels.py would shadow the 'kernels' package that transformers probes for
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-import argparse  # noqa: E402
-import torch  # noqa: E402
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.benchmarking import median_time, write_result  # noqa: E402
-from hf_statecompose.ops.selective_scan import selective_scan, selective_scan_ref  # noqa: E402
+import argparse
+import torch
+
+import hf_statecompose as hsc
+from hf_statecompose.benchmarking import median_time, write_result
+from hf_statecompose.ops.selective_scan import selective_scan, selective_scan_ref
 
 
 def timed(fn, repeats):

@@ -1,11 +1,13 @@
 """hf_statecompose: start Mamba / Mamba-2 generation from a composition of precomputed context states."""
-from .cache import ComposableMambaCache, model_fingerprint
+from .state import ComposableMambaCache, model_fingerprint
+from .models import encode
 from .composition import METHODS, StateComposer, compose_states
 from .generation import disable, enable, get_backend, is_enabled, set_backend
 from .attribution import Attribution, leave_one_out
-from .pipeline import RetrievalGeneration, continuation_losses, generate_with_retrieval, load_demo
+from .pipeline import RetrievalGeneration, continuation_losses, generate_with_retrieval
 from .store import StateStore, StoreEntry
 from .training import CompositionExample, composition_loss
+from .demo import load_demo
 
 __version__ = "0.1.0"
 
@@ -46,6 +48,7 @@ __all__ = [
     "compose_states",
     "disable",
     "enable",
+    "encode",
     "get_backend",
     "is_enabled",
     "model_fingerprint",

@@ -38,7 +38,7 @@ def git_commit() -> str:
 
 def write_result(result: dict, path) -> None:
     """Write a benchmark's JSON atomically (a crash leaves the previous file) and say where."""
-    from .cache.serialization import atomic_write
+    from .state.files import atomic_write
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write(path, json.dumps(result, indent=2).encode())

@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def load_model(spec: str):
-    from .pipeline import DEMO_SPECS, load_demo
+    from .demo import DEMO_SPECS, load_demo
 
     if spec in DEMO_SPECS:
         return load_demo(DEMO_SPECS[spec])

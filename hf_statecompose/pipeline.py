@@ -1,39 +1,13 @@
-"""The whole job in one call: retrieve stored states, compose, generate. And the embedded demo models."""
+"""The whole job in one call: retrieve stored states, compose, generate; and losses of continuations."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable
 
 import torch
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
-DEMO_ARCHS = ("mamba2", "mamba")
-# names that mean an embedded demo checkpoint (CLI --model, lm-eval pretrained=, recipes' model=)
-DEMO_SPECS = {"demo": "mamba2", "demo-mamba2": "mamba2", "demo-mamba": "mamba"}
-
-
-def load_demo(arch: str = "mamba2", device=None):
-    """``(model, tokenizer)`` of an embedded demo model (``"mamba2"``, default, or ``"mamba"``), enabled.
-
-    Small (3.6M parameters) Mamba-2 / Mamba-1 causal LMs trained by ``recipes/train_demo.py`` on the
-    Wikipedia excerpt of the gensim wheel and a synthetic fact-recall task; see ``model_cards/``.
-    Loaded from the package's files, never from the Hub.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .generation.integration import enable
-
-    if arch not in DEMO_ARCHS:
-        raise ValueError(f"unknown demo arch {arch!r}; choose one of {DEMO_ARCHS}")
-    path = DEMO_DIR / arch
-    if not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(f"the demo checkpoint {path} is missing; train it with: python recipes/train_demo.py --arch {arch}")
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if device is not None:
-        model.to(device)
-    return enable(model.eval()), tokenizer
+from .generation.integration import enable
+from .state.cache import ComposableMambaCache
 
 
 @dataclass
@@ -68,8 +42,6 @@ def generate_with_retrieval(
     ``k=0`` (or an empty store) generates from the query alone. ``generate_kwargs`` go to
     ``model.generate`` (default ``max_new_tokens=32``, greedy).
     """
-    from .generation.integration import enable
-
     enable(model)
     if not isinstance(query, str) or not query:
         raise ValueError("query must be a non-empty string")
@@ -119,8 +91,6 @@ def continuation_losses(model, states: list, query_ids: torch.LongTensor, contin
     if without:
         out[without] = losses(model(input_ids=ids).logits).cpu().expand(len(without))
     if with_state:
-        from .cache.composable_cache import ComposableMambaCache
-
         stacked = ComposableMambaCache.stack([states[i] for i in with_state])
         logits = model(input_ids=ids.expand(len(with_state), -1), past_states=[stacked]).logits
         out[with_state] = losses(logits).cpu()

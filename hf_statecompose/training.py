@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache.composable_cache import ComposableMambaCache
+from .state.cache import ComposableMambaCache
 
 OBJECTIVES = ("bptc", "bp2c")
 

@@ -3,7 +3,7 @@
     python recipes/compare_finetuned.py --arch mamba2 --adapters adapters/bp2c-mamba2 adapters/bptc-mamba2
 
 For the base demo model and for the base model with each adapter, runs the evaluation protocol of
-``python -m hf_statecompose.eval`` (held-out Wikipedia segments and an unseen synthetic recall world;
+``python -m hf_statecompose.demo.eval`` (held-out Wikipedia segments and an unseen synthetic recall world;
 k = 0…k_max retrieved contexts, composed most relevant last) with ``picaso_r`` and ``concat``. Each
 variant encodes its own store (a state belongs to the model that encoded it; the adapter changes the
 states). Writes ``finetune_<arch>.json``, ``.md`` (table) and ``.png`` (loss vs k) to ``--out``, with
@@ -45,7 +45,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(args.threads)
-    from hf_statecompose.eval import evaluate
+    from hf_statecompose.demo.eval import evaluate
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +74,7 @@ def main(argv=None):
 
 
 def table(result: dict) -> str:
-    from hf_statecompose.eval import LABELS
+    from hf_statecompose.demo.eval import LABELS
 
     ks = [k for k in (1, 2, 5, 10) if k < len(result["k"])]
     lines = [f"| dataset | model | method | k=0 | {' | '.join(f'k={k}' for k in ks)} |", "|---|---|---|---:|" + "---:|" * len(ks)]

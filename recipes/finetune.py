@@ -18,7 +18,7 @@ contexts:
   contexts are the k segments of the training pool most similar to the query text (all-MiniLM-L6-v2,
   the segment itself excluded), most relevant last: the evaluation's protocol on training data.
 * ``recall_fraction``, **synthetic recall**: a fresh world of ``recall_towns`` fictional towns
-  (``hf_statecompose.corpora``); the query asks one town's fact (``"Gasol river"``), the target is the
+  (``hf_statecompose.demo.corpora``); the query asks one town's fact (``"Gasol river"``), the target is the
   answer (``" Iron."``); the contexts are the passage holding the answer and k−1 other passages of
   the same world, in random order (k = 0: no context).
 
@@ -100,7 +100,7 @@ def _cache_dir() -> Path:
 def wiki_pool(tokenizer, segments_wanted: int, segment_tokens: int, seed: int, neighbours: int = 10, log=print):
     """Segments of randomly chosen *training* articles and, for each, its ``neighbours`` most similar
     other segments by the retriever (cached on disk as JSON: the texts and the neighbour indices)."""
-    from hf_statecompose.corpora import segments, wikipedia_split
+    from hf_statecompose.demo.corpora import segments, wikipedia_split
 
     train, _ = wikipedia_split()
     rng = random.Random(seed)
@@ -126,7 +126,7 @@ def wiki_pool(tokenizer, segments_wanted: int, segment_tokens: int, seed: int, n
     similarity.fill_diagonal_(-float("inf"))
     top = similarity.topk(min(neighbours, len(pool) - 1), dim=1).indices.tolist()
     log(f"wiki pool: embedded {len(pool)} segments in {time.time() - start:.0f}s (cached in {path})")
-    from hf_statecompose.cache.serialization import atomic_write
+    from hf_statecompose.state.files import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps({"segments": pool, "neighbours": top}).encode())
@@ -158,7 +158,7 @@ class Sampler:
         return CompositionExample(ids[:q], ids[q:], contexts)
 
     def recall_row(self, k: int):
-        from hf_statecompose.corpora import recall_world
+        from hf_statecompose.demo.corpora import recall_world
         from hf_statecompose.training import CompositionExample
 
         world = recall_world(self.rng.randrange(1 << 30), towns=self.cfg["recall_towns"])

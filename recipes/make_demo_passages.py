@@ -1,9 +1,9 @@
-"""Write the demo's bundled passages: hf_statecompose/demo_data/passages.jsonl.
+"""Write the demo's bundled passages: hf_statecompose/demo/data/passages.jsonl.
 
     python recipes/make_demo_passages.py
 
 * 12 synthetic passages (24 fictional towns, seed 7, one fact each, two towns per passage) with the
-  questions they answer (hf_statecompose/demo_data/questions.jsonl);
+  questions they answer (hf_statecompose/demo/data/questions.jsonl);
 * 60 paragraphs of the held-out Wikipedia articles of the gensim excerpt (never trained on), cut to
   at most 600 characters at a sentence end. Text © Wikipedia contributors, CC BY-SA 4.0.
 """
@@ -11,9 +11,9 @@ import json
 import re
 from pathlib import Path
 
-from hf_statecompose.corpora import recall_world, wikipedia_split
+from hf_statecompose.demo.corpora import recall_world, wikipedia_split
 
-OUT = Path(__file__).resolve().parents[1] / "hf_statecompose" / "demo_data"
+OUT = Path(__file__).resolve().parents[1] / "hf_statecompose" / "demo" / "data"
 
 
 def cut(paragraph: str, limit: int = 600) -> str:

@@ -10,7 +10,7 @@
   other held-out articles, cut at paragraph boundaries into documents of ~1500-2500 characters (four
   per article at most). None of this text is a passage.
 * ``recall_mc.jsonl`` (task ``statecompose_recall_mc``, multiple_choice): every question of the
-  synthetic recall world ``recall_world(2026, towns=60)`` (the one ``hf_statecompose.eval`` uses); the
+  synthetic recall world ``recall_world(2026, towns=60)`` (the one ``hf_statecompose.demo.eval`` uses); the
   choices are the right value and three other values of the same relation, shuffled. Every passage of
   the world is a passage.
 * ``passages.jsonl``: the passages of both (``{"text", "source", ...}``), what ``passages=bundled`` indexes.
@@ -52,8 +52,8 @@ def rolling_documents(text: str, low: int = 1500, high: int = 2500) -> list[str]
 def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
-    from hf_statecompose.corpora import RELATIONS, recall_world, segments, wikipedia_split
-    from hf_statecompose.pipeline import DEMO_DIR
+    from hf_statecompose.demo.corpora import RELATIONS, recall_world, segments, wikipedia_split
+    from hf_statecompose.demo import DEMO_DIR
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(TASKS_DIR))

@@ -33,7 +33,7 @@ not be used for anything but exercising and measuring the library.
     (`gensim/test/test_data/enwiki-latest-pages-articles1*.bz2`). Text © Wikipedia contributors,
     licensed [CC BY-SA 4.0](https://creativecommons.org/licenses/by-sa/4.0/); the held-out articles
     ({', '.join(s['held_out_articles'])}) were never trained on;
-  - a synthetic multi-context fact-recall task (`hf_statecompose.corpora`): 2–8 fictional towns with
+  - a synthetic multi-context fact-recall task (`hf_statecompose.demo.corpora`): 2–8 fictional towns with
     one fact each (terse records, `Gasol river Iron.`, two towns per passage), shuffled, then every
     fact asked back (`Gasol river` → ` Iron.`), the loss taken on the answers only (the facts are
     random: predicting them is noise). A fresh random world per example, so facts can only come from

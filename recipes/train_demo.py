@@ -3,7 +3,7 @@
     python recipes/train_demo.py --arch mamba2 --minutes 12
     python recipes/train_demo.py --arch mamba  --minutes 18
 
-Data (offline, see :mod:`hf_statecompose.corpora`): the training articles of the Wikipedia excerpt in
+Data (offline, see :mod:`hf_statecompose.demo.corpora`): the training articles of the Wikipedia excerpt in
 the gensim wheel (CC BY-SA 4.0; held-out articles are never seen) and the synthetic multi-context
 fact-recall task (a fresh random world per example: passages, then every fact asked back, the loss on
 the answers only): 3/8 and 5/8 of every batch. The tokenizer is a 4096-token byte-level BPE trained on the same
@@ -36,7 +36,7 @@ def build_tokenizer(train_articles, seed: int = 0):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from hf_statecompose.corpora import recall_training_text
+    from hf_statecompose.demo.corpora import recall_training_text
 
     rng = random.Random(seed)
     texts = [text for _, text in train_articles] + [recall_training_text(rng) for _ in range(2000)]
@@ -81,7 +81,7 @@ class Batches:
 
         The facts themselves are random, so predicting them is irreducible noise that drowns the recall
         signal in a model this small; the answers are the only learnable part."""
-        from hf_statecompose.corpora import recall_training_text
+        from hf_statecompose.demo.corpora import recall_training_text
 
         while len(self.recall_buffer) < SEQ_LEN:
             text = recall_training_text(self.rng, max_towns=8)
@@ -119,7 +119,7 @@ class Batches:
 def recall_probe(model, tokenizer, seed: int = 4242):
     """Mean answer loss of 20 recall questions (a fixed unseen world) with the answer's passage as a
     prefix, and without: the gap is how much the model uses its context."""
-    from hf_statecompose.corpora import recall_world
+    from hf_statecompose.demo.corpora import recall_world
 
     world = recall_world(seed, towns=5)
     device = next(model.parameters()).device
@@ -140,7 +140,7 @@ def recall_probe(model, tokenizer, seed: int = 4242):
 def evaluate(model, tokenizer, held_out, seed: int = 1234):
     """Held-out Wikipedia loss (first 4096 tokens of each held-out article, in 256-token windows, no
     context carried) and recall accuracy with the right passages in context / without context."""
-    from hf_statecompose.corpora import recall_world
+    from hf_statecompose.demo.corpora import recall_world
 
     model.eval()
     losses = []
@@ -175,7 +175,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="default: hf_statecompose/demo_models/<arch>")
+    parser.add_argument("--out", default=None, help="default: hf_statecompose/demo/models/<arch>")
     parser.add_argument("--tokenizer-from", default=None, help="a folder with the tokenizer to reuse (default: another demo model's, if trained; else train one)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args(argv)
@@ -183,14 +183,14 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     sys.path.insert(0, str(ROOT))
     import hf_statecompose as hsc
-    from hf_statecompose.corpora import wikipedia_split
+    from hf_statecompose.demo.corpora import wikipedia_split
 
-    out = Path(args.out or ROOT / "hf_statecompose" / "demo_models" / args.arch)
+    out = Path(args.out or ROOT / "hf_statecompose" / "demo" / "models" / args.arch)
     t0 = time.time()
     train_articles, held_out = wikipedia_split()
     # BPE training breaks ties in no fixed order: train the tokenizer once, reuse it for the other model
     shared = args.tokenizer_from or next(
-        (str(p.parent) for p in sorted((ROOT / "hf_statecompose" / "demo_models").glob("*/tokenizer.json")) if p.parent != out), None
+        (str(p.parent) for p in sorted((ROOT / "hf_statecompose" / "demo" / "models").glob("*/tokenizer.json")) if p.parent != out), None
     )
     if shared:
         from transformers import AutoTokenizer

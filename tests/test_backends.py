@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
-from hf_statecompose.ops import backends, causal_conv1d_ref, compiled, selective_scan_ref, ssd_scan_ref
+from hf_statecompose.ops import backends, causal_conv1d_ref, selective_scan_ref, ssd_scan_ref
+from hf_statecompose.ops.selective_scan import compiled
 from helpers import random_ids, relative_error, tiny_model
 
 

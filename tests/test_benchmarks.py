@@ -1,7 +1,4 @@
-"""Every benchmark script starts (its imports and argument parsing), run as `python benchmarks/<name>.py`.
-
-benchmarks/kernels.py shares a name with the PyPI `kernels` package that transformers probes for: run as a
-script, its folder is on sys.path, and each script must take it off before importing transformers."""
+"""Every benchmark script starts (its imports and argument parsing), run as `python benchmarks/<name>.py`."""
 import glob
 import os
 import subprocess

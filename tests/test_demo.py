@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
-from hf_statecompose.corpora import recall_world
-from hf_statecompose.pipeline import DEMO_DIR
+from hf_statecompose.demo.corpora import recall_world
+from hf_statecompose.demo import DEMO_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,13 +68,13 @@ def test_leave_one_out_finds_the_passage_that_holds_the_answer(demo):
 def test_cli_build_query_stats_delete_compact(tmp_path, capsys):
     from hf_statecompose.cli import main
 
-    rows = [json.loads(line) for line in (ROOT / "hf_statecompose" / "demo_data" / "passages.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (ROOT / "hf_statecompose" / "demo" / "data" / "passages.jsonl").read_text().splitlines()]
     source = tmp_path / "passages.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows[:12] + rows[12:18]))
     store = str(tmp_path / "store")
     assert main(["build", store, str(source), "--model", "demo", "--batch-size", "8"]) == 0
     assert '"entries": 18' in capsys.readouterr().out
-    questions = [json.loads(line) for line in (ROOT / "hf_statecompose" / "demo_data" / "questions.jsonl").read_text().splitlines()][:8]
+    questions = [json.loads(line) for line in (ROOT / "hf_statecompose" / "demo" / "data" / "questions.jsonl").read_text().splitlines()][:8]
     right = 0
     for question in questions:
         assert main(["query", store, question["query"], "-k", "1", "--max-new-tokens", "4", "--json"]) == 0
@@ -106,7 +106,7 @@ def test_module_and_console_entry_points_run():
 
 
 def test_evaluation_protocol_on_recall(tmp_path):
-    from hf_statecompose.eval import METHODS, evaluate, plot, table
+    from hf_statecompose.demo.eval import EVALUATED_METHODS as METHODS, evaluate, plot, table
 
     model, tok = hsc.load_demo("mamba2")
     result = evaluate(model, tok, "recall", queries=4, k_max=3, log=lambda *a: None)

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.corpora import recall_world  # noqa: E402
+from hf_statecompose.demo.corpora import recall_world  # noqa: E402
 from hf_statecompose.pipeline import context_order  # noqa: E402
 from store_helpers import TEXTS, BagOfWords  # noqa: E402
 

@@ -213,7 +213,7 @@ def test_recipe_runs_three_bptc_steps_on_a_tiny_model(recipe, tmp_path, monkeypa
     """The whole recipe (data, LoRA, accelerate, save, results, card) on a tiny model with the demo tokenizer."""
     from transformers import AutoTokenizer, Mamba2Config, Mamba2ForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(ROOT / "hf_statecompose" / "demo_models" / "mamba2")
+    tok = AutoTokenizer.from_pretrained(ROOT / "hf_statecompose" / "demo" / "models" / "mamba2")
     torch.manual_seed(0)
     config = Mamba2Config(vocab_size=len(tok), hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, num_heads=8,
                           head_dim=8, n_groups=1, chunk_size=16, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)

@@ -15,7 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from hf_statecompose.kernels.ssd import ssd_scan_triton  # noqa: E402
+from hf_statecompose.ops.ssd.triton_kernel import ssd_scan_triton  # noqa: E402
 from hf_statecompose.ops.ssd import ssd_scan_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,7 +138,7 @@ def test_ssd_triton_fp32_exponents_are_summed_directly(block_cap, monkeypatch):
     here; summed directly (suffix sums, in-kernel segment sums) both stay at fp32 rounding (~1.3e-7 /
     ~6e-8, as the torch op). block_cap=16: four row / key blocks per chunk, so the off-diagonal blocks
     (with whole blocks in between) are summed too."""
-    import hf_statecompose.kernels.ssd as ssd
+    import hf_statecompose.ops.ssd.triton_kernel as ssd
 
     monkeypatch.setattr(ssd, "_BLOCK_M_CAP", block_cap, raising=False)
     g = torch.Generator().manual_seed(0)
@@ -158,7 +158,7 @@ def test_ssd_triton_several_blocks_per_chunk(monkeypatch):
     """Row / key blocks of 16 in chunks of 64 (the interpreter's other tests have one block per chunk, as
     chunks of 256 have four on a GPU): off-diagonal decays, the blocks in between and the intra-chunk
     log-decay gradient carried across key blocks, forward and reverse, with every gradient."""
-    import hf_statecompose.kernels.ssd as ssd
+    import hf_statecompose.ops.ssd.triton_kernel as ssd
 
     monkeypatch.setattr(ssd, "_BLOCK_M_CAP", 16, raising=False)
     _compare(100, 64, torch.float32, 2, 16, 8, True, True, None, heads=2, A_scale=0.2)
@@ -212,7 +212,7 @@ import contextlib, io, json, re
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-import hf_statecompose.kernels.ssd as ssd
+import hf_statecompose.ops.ssd.triton_kernel as ssd
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_statecompose.composition.weights import caso_weights, picaso_r_weights, picaso_s_weights, soup_weights
+from hf_statecompose.ops.compose.weights import caso_weights, picaso_r_weights, picaso_s_weights, soup_weights
 
 
 def brute_force(decays: torch.Tensor, orders) -> torch.Tensor:

@@ -25,11 +25,12 @@ from typing import Sequence
 
 import torch
 
-from ..cache.composable_cache import ComposableMambaCache
-from ..cache.validation import check_compatible, check_finite
+from ..models import encode
 from ..ops.backends import check_backend_name, compose_ssm
+from ..ops.compose import MODEL_FREE_METHODS
+from ..state.cache import ComposableMambaCache
+from ..state.validation import check_compatible, check_finite
 
-MODEL_FREE_METHODS = ("soup", "weighted", "caso", "picaso_s", "picaso_r")
 MODEL_BASED_METHODS = ("concat", "piconcat_r")
 METHODS = MODEL_FREE_METHODS + MODEL_BASED_METHODS
 CONV_POLICIES = ("mean", "last", "weighted")
@@ -186,7 +187,7 @@ def _concat(states, model) -> ComposableMambaCache:
     for b in range(states[0].batch_size):
         rows.append(torch.cat([s.context_tokens(b) for s in states]))
     ids, mask = _left_pad(rows)
-    return ComposableMambaCache.encode(model, ids, attention_mask=mask if (mask == 0).any() else None)
+    return encode(model, ids, attention_mask=mask if (mask == 0).any() else None)
 
 
 def _piconcat_r(states, model) -> ComposableMambaCache:
@@ -199,7 +200,7 @@ def _piconcat_r(states, model) -> ComposableMambaCache:
         for k in range(n):
             sequences.append(torch.cat(tokens[k:] + tokens[:k]))
     ids, mask = _left_pad(sequences)
-    encoded = ComposableMambaCache.encode(model, ids, attention_mask=mask if (mask == 0).any() else None)
+    encoded = encode(model, ids, attention_mask=mask if (mask == 0).any() else None)
     out = encoded._empty_like()
     for i in range(encoded.num_layers):
         def mean_rows(t):

@@ -13,44 +13,16 @@ What ``enable`` changes, and why it changes nothing else:
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
 import torch
-from transformers.models.mamba.modeling_mamba import MambaMixer
-from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
-from ..cache.composable_cache import ComposableMambaCache
-from ..cache.fingerprint import architecture_of, base_model_of, model_fingerprint
-from ..cache.validation import check_against_model, check_is_state
-from ..models import mamba2_mixer_forward, mamba_mixer_forward
-from ..ops.backends import check_backend_name
-
-_PATH_FOR_MIXER = {MambaMixer: mamba_mixer_forward, Mamba2Mixer: mamba2_mixer_forward}
-_COMPOSABLE_MIXER_CLASSES: dict[type, type] = {}
-
-
-def _composable_mixer_class(base: type) -> type:
-    if base not in _COMPOSABLE_MIXER_CLASSES:
-        path = next(fn for cls, fn in _PATH_FOR_MIXER.items() if issubclass(base, cls))
-
-        def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-            if not isinstance(cache_params, ComposableMambaCache):
-                return base.forward(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-            length = hidden_states.shape[1]
-            mask = None
-            if attention_mask is not None and attention_mask.dim() == 2 and length > 1:
-                mask = attention_mask[:, -length:]
-                mask = None if bool((mask == 1).all()) else mask.to(hidden_states.dtype)
-            out = path(self, hidden_states, cache_params, mask)
-            if self.layer_idx == 0:
-                count = mask.sum(-1) if mask is not None else torch.full((hidden_states.shape[0],), length)
-                cache_params.add_tokens(count.to(device=hidden_states.device))
-            return out
-
-        _COMPOSABLE_MIXER_CLASSES[base] = type(f"Composable{base.__name__}", (base,), {"forward": forward})
-    return _COMPOSABLE_MIXER_CLASSES[base]
+from ..composition.composer import StateComposer
+from ..models import disable_state_path, enable_state_path, get_backend, set_backend, using_backend  # noqa: F401
+from ..state.cache import ComposableMambaCache
+from ..state.fingerprint import base_model_of, model_fingerprint
+from ..state.validation import check_against_model, check_is_state
 
 
 def is_enabled(model) -> bool:
@@ -64,18 +36,7 @@ def enable(model, backend: str | None = None):
     ``"triton"``, see :mod:`hf_statecompose.ops.backends`) picks the kernels of the state-aware path;
     ``None`` keeps the model's current choice (``"auto"`` the first time).
     """
-    architecture_of(model)  # raises a clear TypeError for other models
-    backbone = base_model_of(model)
-    if backend is not None or get_backend(model) is None:
-        set_backend(model, "auto" if backend is None else backend)
-    for block in backbone.layers:
-        mixer = block.mixer
-        base = type(mixer)
-        if base in _COMPOSABLE_MIXER_CLASSES.values():
-            continue
-        if not any(issubclass(base, cls) for cls in _PATH_FOR_MIXER):
-            raise TypeError(f"unsupported mixer {base.__name__}; expected transformers' MambaMixer or Mamba2Mixer")
-        mixer.__class__ = _composable_mixer_class(base)
+    enable_state_path(model, backend)
     if is_enabled(model):
         return model
     if hasattr(model, "generate"):
@@ -89,11 +50,7 @@ def disable(model):
     """Undo :func:`enable`."""
     if not is_enabled(model):
         return model
-    for block in base_model_of(model).layers:
-        mixer = block.mixer
-        for base, composable in _COMPOSABLE_MIXER_CLASSES.items():
-            if type(mixer) is composable:
-                mixer.__class__ = base
+    disable_state_path(model)
     for name in ("forward", "generate"):
         if name in model.__dict__:
             del model.__dict__[name]
@@ -101,38 +58,9 @@ def disable(model):
     return model
 
 
-def get_backend(model) -> str | None:
-    """The backend the state-aware path of an enabled model uses (None before :func:`enable`)."""
-    return getattr(base_model_of(model).layers[0].mixer, "_hsc_backend", None)
-
-
-def set_backend(model, backend: str):
-    """Choose the kernels (``"auto"``, ``"torch"``, ``"triton"``) of the state-aware path of ``model``."""
-    check_backend_name(backend)
-    for block in base_model_of(model).layers:
-        object.__setattr__(block.mixer, "_hsc_backend", backend)
-    return model
-
-
-@contextlib.contextmanager
-def using_backend(model, backend: str | None):
-    """Temporarily run ``model``'s state-aware path on ``backend`` (None: leave it as it is)."""
-    if backend is None:
-        yield model
-        return
-    previous = get_backend(model)
-    set_backend(model, backend)
-    try:
-        yield model
-    finally:
-        set_backend(model, previous or "auto")
-
-
 # ---------------------------------------------------------------------------------------------- compose
 def compose_for_batch(model, past_states, composition, batch_size: int) -> ComposableMambaCache:
     """One composed state row per query row, checked against ``model``."""
-    from ..composition.composer import StateComposer
-
     composer = composition if isinstance(composition, StateComposer) else StateComposer(composition)
     fingerprint = model_fingerprint(model)
     if isinstance(past_states, ComposableMambaCache):

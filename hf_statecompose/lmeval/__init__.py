@@ -31,8 +31,6 @@ def register() -> bool:
 def run_cli(argv: list[str] | None = None) -> int:
     """Run lm-eval's own command line with ``statecompose`` registered; ``--include_path`` defaults to
     the bundled tasks (``hf-statecompose lm-eval run --model statecompose --tasks statecompose_wikipedia ...``)."""
-    import hf_statecompose  # noqa: F401  registers the model
-
     register()
     from lm_eval.__main__ import cli_evaluate
 

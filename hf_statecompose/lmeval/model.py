@@ -43,7 +43,7 @@ def cache_root() -> Path:
 
 
 def _resolve_pretrained(pretrained):
-    from ..pipeline import DEMO_DIR, DEMO_SPECS
+    from ..demo import DEMO_DIR, DEMO_SPECS
 
     if isinstance(pretrained, str) and pretrained in DEMO_SPECS:
         return str(DEMO_DIR / DEMO_SPECS[pretrained])
@@ -145,7 +145,7 @@ class StateComposeLM(HFLM):
 
     # ------------------------------------------------------------------------------------- the store
     def _open_store(self, store, passages, retriever, storage_dtype):
-        from ..cache.fingerprint import model_fingerprint
+        from ..state.fingerprint import model_fingerprint
         from ..retrieval import default_retriever
         from ..store import StateStore
 

@@ -1,4 +1,6 @@
-"""Vectorised torch ops with their plain references (same signatures)."""
+"""Ops, one folder each (``selective_scan``, ``ssd``, ``conv``, ``compose``): a plain reference, a
+vectorised torch path and a Triton kernel with the same signature, side by side; ``backends`` picks one."""
+from .compose import compose_ssm_ref, compose_ssm_torch
 from .conv import causal_conv1d, causal_conv1d_ref
 from .selective_scan import selective_scan, selective_scan_ref
 from .ssd import discretize_dt, ssd_scan, ssd_scan_ref
@@ -6,6 +8,8 @@ from .ssd import discretize_dt, ssd_scan, ssd_scan_ref
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_ref",
+    "compose_ssm_ref",
+    "compose_ssm_torch",
     "discretize_dt",
     "selective_scan",
     "selective_scan_ref",

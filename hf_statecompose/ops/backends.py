@@ -5,7 +5,7 @@
 * ``"torch"``: vectorised torch, runs everywhere, supports autograd. The Mamba-1 scan is fused by
   ``torch.compile`` for inference on long inputs (see ``compiled.py``), else chunked; the SSD scan is
   chunked (matmuls); the conv is one grouped conv; the composition works block by block.
-* ``"triton"``: the Triton kernels in ``kernels/`` (installed as ``hf_statecompose.kernels``), forward
+* ``"triton"``: the Triton kernels (``<op>/triton_kernel.py`` beside this file), forward
   and backward. They need CUDA tensors (or, for tests, ``TRITON_INTERPRET=1`` set before they are
   imported, which runs them slowly on CPU).
 * ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton is importable, ``"torch"`` otherwise.
@@ -21,20 +21,21 @@ import logging
 
 import torch
 
-from . import compiled
-from .compose import compose_ssm_torch
-from .conv import causal_conv1d as _conv_torch
-from .selective_scan import selective_scan as _selective_scan_eager
-from .ssd import ssd_scan as _ssd_torch
+from ._triton import interpreting
+from .compose.vectorized import compose_ssm_torch
+from .conv.vectorized import causal_conv1d as _conv_torch
+from .selective_scan import compiled
+from .selective_scan.vectorized import selective_scan as _selective_scan_eager
+from .ssd.vectorized import ssd_scan as _ssd_torch
 
 logger = logging.getLogger("hf_statecompose")
 
 BACKENDS = ("auto", "torch", "triton")
-_TRITON_MODULES = {
-    "selective_scan": ("selective_scan", "selective_scan_triton"),
-    "ssd_scan": ("ssd", "ssd_scan_triton"),
-    "causal_conv1d": ("conv", "causal_conv1d_triton"),
-    "compose_ssm": ("compose", "compose_ssm_triton"),
+_TRITON_MODULES = {  # op -> (module beside this file, function); imported only when Triton runs
+    "selective_scan": ("selective_scan.triton_kernel", "selective_scan_triton"),
+    "ssd_scan": ("ssd.triton_kernel", "ssd_scan_triton"),
+    "causal_conv1d": ("conv.triton_kernel", "causal_conv1d_triton"),
+    "compose_ssm": ("compose.triton_kernel", "compose_ssm_triton"),
 }
 _logged: set = set()
 
@@ -51,8 +52,6 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
         importlib.import_module("triton")
     except ImportError:
         return "triton is not installed (pip install triton; it ships with CUDA builds of torch)"
-    from ..kernels._common import interpreting
-
     if device.type == "cuda" or (device.type == "cpu" and interpreting()):
         return None
     if device.type == "cpu":
@@ -79,7 +78,7 @@ def resolve(backend: str, device: torch.device, op: str) -> str:
 
 def _triton_op(op: str):
     module, name = _TRITON_MODULES[op]
-    return getattr(importlib.import_module(f"hf_statecompose.kernels.{module}"), name)
+    return getattr(importlib.import_module(f".{module}", __package__), name)
 
 
 def _dispatch(op: str, torch_fn, first_name: str, args, kwargs, backend: str):

@@ -39,9 +39,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..cache.composable_cache import ComposableMambaCache
-from ..cache.fingerprint import architecture_of, model_fingerprint
-from ..cache.serialization import _digest, atomic_write, fsync_dir
+from ..state.cache import ComposableMambaCache
+from ..state.fingerprint import architecture_of, model_fingerprint
+from ..state.files import atomic_write, fsync_dir
+from ..state.serialization import _digest
 
 FORMAT_VERSION = 1
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
+
+from .files import atomic_write
 
 FORMAT_VERSION = 1
 _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
@@ -68,34 +69,6 @@ def save_state(state, path) -> None:
     atomic_write(path, payload)
 
 
-def atomic_write(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never half:
-    a temporary file in the same folder, fsynced, renamed over ``path``, then the folder fsynced."""
-    path = os.path.abspath(os.fspath(path))
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
-
-
-def fsync_dir(directory) -> None:
-    """Make a rename or unlink in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _read_metadata(path) -> dict:
     with open(path, "rb") as handle:
         head = handle.read(16)
@@ -125,7 +98,7 @@ def _read_metadata(path) -> dict:
 def load_state(path, model=None, device=None):
     from transformers import AutoConfig
 
-    from .composable_cache import ComposableMambaCache
+    from .cache import ComposableMambaCache
     from .validation import check_against_model, check_finite
 
     path = os.fspath(path)

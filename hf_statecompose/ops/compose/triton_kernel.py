@@ -6,7 +6,7 @@
     log a_k    = ΣΔ[k, b, d] · A[d, m]  (Mamba-1, per element)   or   ΣΔ[k, b, h] · A[h]  (Mamba-2, per head)
     -> Σ_k W_k ⊙ x_k, same shape and dtype as one state (accumulated in float32)
 
-The weights W_k are those of :mod:`hf_statecompose.composition.weights` (same formulas, same stability:
+The weights W_k are those of :mod:`hf_statecompose.ops.compose.weights` (same formulas, same stability:
 no division by a decay, no overflowing product; ``-inf`` log decays are decays of exactly 0):
 
 * ``soup``: 1/n;  ``weighted``: the user's w_k;
@@ -37,13 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_statecompose.composition.weights import _gauss_legendre_01
-from hf_statecompose.kernels._common import check_runnable
-from hf_statecompose.ops.compose import METHODS, _check_inputs, compose_ssm_torch  # noqa: F401 (re-exported)
+from .._triton import check_runnable
+from .reference import _check_inputs
+from .weights import MODEL_FREE_METHODS, _gauss_legendre_01
 
-__all__ = ["compose_ssm_triton", "compose_ssm_torch", "METHODS"]
+__all__ = ["compose_ssm_triton"]
 
-_METHOD_IDS = {name: i for i, name in enumerate(METHODS)}
+_METHOD_IDS = {name: i for i, name in enumerate(MODEL_FREE_METHODS)}
 _SOUP, _WEIGHTED, _CASO, _PICASO_S, _PICASO_R = range(5)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

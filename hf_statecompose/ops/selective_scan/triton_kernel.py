@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_statecompose.kernels._common import check_runnable
-from hf_statecompose.ops.selective_scan import _check_shapes, _discretize_delta, _finish
+from .._triton import check_runnable
+from .reference import _check_shapes, _discretize_delta, _finish
 
 __all__ = ["selective_scan_triton"]
 

@@ -42,6 +42,10 @@ class _LayerView(Sequence):
 class ComposableMambaCache(DynamicCache):
     """A Mamba / Mamba-2 cache that carries what composition needs. Build it with :meth:`encode`."""
 
+    # the function that runs a model over context tokens (hf_statecompose.models.encode): installed by the
+    # layer that runs models, so that this data layer never imports it
+    _encoder = None
+
     # generate() auto-compiles the decode step for "compileable" non-DynamicCache caches on GPU; our
     # layers are swapped, not updated in place, so never claim that
     @property
@@ -99,32 +103,9 @@ class ComposableMambaCache(DynamicCache):
         autograd graph from the model's weights to the state (backpropagation through the context
         encodings, ``hf_statecompose.training``); by default encoding runs under ``torch.no_grad()``.
         """
-        with torch.set_grad_enabled(enable_grad and torch.is_grad_enabled()):
-            return cls._encode(model, input_ids, attention_mask, backend)
-
-    @classmethod
-    def _encode(cls, model, input_ids, attention_mask, backend):
-        from ..generation.integration import enable, using_backend
-
-        enable(model)
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be a non-empty [B, T] tensor of token ids, got shape {tuple(input_ids.shape)}")
-        if attention_mask is not None:
-            attention_mask = _check_left_padding(attention_mask, input_ids)
-        cache = cls.empty_for(model)
-        backbone = base_model_of(model)
-        device = next(backbone.parameters()).device
-        input_ids = input_ids.to(device)
-        mask = attention_mask.to(device) if attention_mask is not None else None
-        with using_backend(model, backend):
-            backbone(input_ids=input_ids, attention_mask=mask, cache_params=cache, use_cache=True)
-        token_ids = input_ids.clone()
-        if mask is not None:
-            token_ids = token_ids.masked_fill(mask == 0, -1)
-        cache.token_ids = token_ids
-        return cache
+        if cls._encoder is None:
+            raise RuntimeError("import hf_statecompose (its models layer installs the encoder) before encoding")
+        return cls._encoder(model, input_ids, attention_mask=attention_mask, backend=backend, enable_grad=enable_grad)
 
     # ------------------------------------------------------------------ public contract
     @property
@@ -339,22 +320,3 @@ class ComposableMambaCache(DynamicCache):
             f"batch={self.batch_size if filled else 0}, tokens={self.num_tokens.tolist() if self.num_tokens is not None else None}, "
             f"fingerprint={self.fingerprint[:12]}…)"
         )
-
-
-def _check_left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    if tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
-        )
-    mask = attention_mask.to(torch.long)
-    if ((mask != 0) & (mask != 1)).any():
-        raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
-    if (mask[:, 1:] < mask[:, :-1]).any():
-        raise ValueError(
-            "hf_statecompose needs left padding (Mamba caches continue from the last token): "
-            "set tokenizer.padding_side = 'left'"
-        )
-    if (mask.sum(-1) == 0).any():
-        raise ValueError("a row of attention_mask is all padding: every context needs at least one token")
-    return mask
-

@@ -1,4 +1,4 @@
-from .composable_cache import ComposableMambaCache
+from .cache import ComposableMambaCache
 from .fingerprint import model_fingerprint
 
 __all__ = ["ComposableMambaCache", "model_fingerprint"]

@@ -31,7 +31,10 @@ from pathlib import Path
 
 import torch
 
-METHODS = ("concat", "soup", "caso", "picaso_s", "picaso_r", "piconcat_r")
+from ..composition import MODEL_FREE_METHODS
+
+# every method but user-weighted, baselines around the model-free ones
+EVALUATED_METHODS = ("concat",) + tuple(m for m in MODEL_FREE_METHODS if m != "weighted") + ("piconcat_r",)
 COLORS = {"baseline": "black", "concat": "tab:blue", "soup": "tab:orange", "caso": "tab:green", "picaso_s": "tab:red",
           "picaso_r": "tab:purple", "piconcat_r": "tab:brown"}
 LABELS = {"baseline": "Baseline", "concat": "Concat", "soup": "Soup", "caso": "CASO", "picaso_s": "PICASO-S",
@@ -76,11 +79,11 @@ def _timed(fn):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset: str, queries: int = 40, k_max: int = 10, store_dir=None, storage_dtype: str = "fp32",
-             methods=METHODS, retriever=None, log=print) -> dict:
+             methods=EVALUATED_METHODS, retriever=None, log=print) -> dict:
     """Run the protocol; returns the result dict (per method and k: mean loss, mean seconds)."""
-    from .composition.composer import StateComposer
-    from .pipeline import context_order, continuation_losses
-    from .store import StateStore
+    from ..composition.composer import StateComposer
+    from ..pipeline import context_order, continuation_losses
+    from ..store import StateStore
 
     database, samples = build_samples(dataset, tokenizer, queries)
     with tempfile.TemporaryDirectory() as tmp:
@@ -178,7 +181,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None):
-    from .pipeline import load_demo
+    from . import load_demo
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="mamba2", choices=["mamba2", "mamba"])

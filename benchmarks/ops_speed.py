@@ -18,7 +18,7 @@ Composition (n states of a 130M- and a 2.7B-shaped model, every layer): the fuse
 GPU only: Triton selective scan / SSD scan vs mamba-ssm's ``selective_scan_fn`` /
   ``mamba_chunk_scan_combined`` (target: Triton within 1.3x), when both are importable.
 
-    python benchmarks/kernels.py [--arch mamba mamba2] [--lengths 256 1024 4096] [--repeats 3] [--out benchmarks/results/kernels.json]
+    python benchmarks/ops_speed.py [--arch mamba mamba2] [--lengths 256 1024 4096] [--repeats 3] [--out benchmarks/results/kernels.json]
 """
 from __future__ import annotations
 
@@ -28,22 +28,18 @@ import platform
 import statistics
 import sys
 
-# This file is named kernels.py: with its folder first on sys.path, transformers' probe for the PyPI
-# `kernels` package would import this script instead. Take the folder off the path before importing it.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch import nn  # noqa: E402
-from transformers import Mamba2ForCausalLM, MambaForCausalLM  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+import torch
+import transformers
+from torch import nn
+from transformers import Mamba2ForCausalLM, MambaForCausalLM
+from transformers.utils import logging as hf_logging
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.benchmarking import git_commit, median_time, write_result  # noqa: E402
-from hf_statecompose.cache.fingerprint import base_model_of  # noqa: E402
-from hf_statecompose.composition.weights import WEIGHT_FUNCTIONS  # noqa: E402
-from hf_statecompose.ops import backends  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.benchmarking import git_commit, median_time, write_result
+from hf_statecompose.state.fingerprint import base_model_of
+from hf_statecompose.ops.compose.weights import WEIGHT_FUNCTIONS
+from hf_statecompose.ops import backends
 
 hf_logging.set_verbosity_error()
 CONFIGS = {

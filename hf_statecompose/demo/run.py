@@ -2,9 +2,9 @@
 
     python -m hf_statecompose.demo [--arch mamba2|mamba] [--method picaso_r] [-k 4] [--store DIR]
 
-1. Load the embedded demo model (``hsc.load_demo``: a 3.6M-parameter Mamba-2, or Mamba-1, trained on
+1. Load the embedded demo model (``load_demo``: a 3.6M-parameter Mamba-2, or Mamba-1, trained on
    Wikipedia text and a synthetic fact-recall task; no download).
-2. Build a :class:`StateStore` from the bundled passages (``hf_statecompose/demo_data``: 12 synthetic
+2. Build a :class:`StateStore` from the bundled passages (``hf_statecompose/demo/data``: 12 synthetic
    passages about 24 fictional towns + 60 held-out Wikipedia paragraphs, CC BY-SA 4.0), indexed with the
    offline all-MiniLM-L6-v2 retriever. Each passage is encoded once.
 3. For questions whose answers are only in the passages: retrieve k states, compose them, generate; and
@@ -22,30 +22,35 @@ from importlib import resources
 
 import torch
 
-import hf_statecompose as hsc
+from ..attribution import leave_one_out
+from ..composition import METHODS, StateComposer
+from ..pipeline import context_order, generate_with_retrieval
+from ..state.cache import ComposableMambaCache
+from ..store import StateStore
+from . import load_demo
 
 
 def bundled(name: str) -> list[dict]:
-    text = resources.files("hf_statecompose").joinpath("demo_data", name).read_text(encoding="utf-8")
+    text = resources.files("hf_statecompose.demo").joinpath("data", name).read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="mamba2", choices=["mamba2", "mamba"])
-    parser.add_argument("--method", default="picaso_r", choices=[m for m in hsc.METHODS if m != "weighted"])
+    parser.add_argument("--method", default="picaso_r", choices=[m for m in METHODS if m != "weighted"])
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--store", default=None, help="keep the store in this folder (default: a temporary one)")
     args = parser.parse_args(argv)
 
-    model, tok = hsc.load_demo(args.arch)
-    print(f"model: demo {args.arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (hsc.load_demo)")
+    model, tok = load_demo(args.arch)
+    print(f"model: demo {args.arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (load_demo)")
     passages = bundled("passages.jsonl")
     questions = bundled("questions.jsonl")
     questions = questions[:: max(1, len(questions) // args.questions)][: args.questions]
     with tempfile.TemporaryDirectory() as tmp:
-        store = hsc.StateStore(args.store or tmp, model, tok)
+        store = StateStore(args.store or tmp, model, tok)
         if len(store) == 0:
             t0 = time.perf_counter()
             store.add([p["text"] for p in passages], [{"source": p["source"]} for p in passages], show_progress=False)
@@ -53,9 +58,9 @@ def main(argv=None):
 
         correct = 0
         for q in questions:
-            with_context = hsc.generate_with_retrieval(model, tok, q["query"], store, k=args.k, composition=args.method,
+            with_context = generate_with_retrieval(model, tok, q["query"], store, k=args.k, composition=args.method,
                                                        max_new_tokens=4, do_sample=False)
-            without = hsc.generate_with_retrieval(model, tok, q["query"], store, k=0, max_new_tokens=4, do_sample=False)
+            without = generate_with_retrieval(model, tok, q["query"], store, k=0, max_new_tokens=4, do_sample=False)
             answer = with_context.text.split(".")[0] + "."
             correct += answer == q["answer"]
             print(f"\nquery: {q['query']!r}   expected {q['answer']!r}")
@@ -66,7 +71,7 @@ def main(argv=None):
 
         q = questions[0]
         retrieved = store.retrieve(q["query"], args.k)
-        attribution = hsc.leave_one_out(model, hsc.pipeline.context_order(retrieved), tok(q["query"]).input_ids,
+        attribution = leave_one_out(model, context_order(retrieved), tok(q["query"]).input_ids,
                                         tok(q["answer"]).input_ids, composition=args.method)
         order = list(reversed(retrieved))
         print(f"\nwhich context mattered for {q['query']!r} (loss rise when left out, nats/token):")
@@ -76,7 +81,7 @@ def main(argv=None):
         wiki = next(p for p in passages if p["source"].startswith("Wikipedia"))
         words = wiki["text"].split()
         query = " ".join(words[:12])
-        out = hsc.generate_with_retrieval(model, tok, query, store, k=args.k, composition=args.method, max_new_tokens=24, do_sample=False)
+        out = generate_with_retrieval(model, tok, query, store, k=args.k, composition=args.method, max_new_tokens=24, do_sample=False)
         print(f"\nWikipedia query {query!r}\n  -> {out.text!r}")
 
         # exactness: one stored state + query == generate(context + query)
@@ -88,14 +93,14 @@ def main(argv=None):
         print(f"\none stored state + query == generate(context + query): {same}")
 
         states = [e.state for e in store.retrieve(q["query"], 10)]
-        composer = hsc.StateComposer(args.method)
+        composer = StateComposer(args.method)
         composer.compose(states, model=model)  # warm-up
         t0 = time.perf_counter()
         composer.compose(states, model=model)
         compose_s = time.perf_counter() - t0
         ids = torch.cat([s.token_ids for s in states], 1)
         t0 = time.perf_counter()
-        hsc.ComposableMambaCache.encode(model, ids)
+        ComposableMambaCache.encode(model, ids)
         concat_s = time.perf_counter() - t0
         print(f"10 contexts ({ids.shape[1]} tokens): {args.method} {compose_s * 1e3:.2f} ms vs re-reading them {concat_s * 1e3:.1f} ms")
     if not same:

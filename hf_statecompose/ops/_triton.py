@@ -1,8 +1,4 @@
-"""Shared helpers of the Triton kernels (this folder is installed as ``hf_statecompose.kernels``).
-
-The folder has no ``__init__.py`` on purpose: run from the repository root, a top-level importable
-``kernels`` package would shadow the PyPI package of that name, which transformers probes for.
-"""
+"""Shared helpers of the Triton kernels (``<op>/triton_kernel.py``); imports no Triton itself."""
 from __future__ import annotations
 
 import os
@@ -23,7 +19,7 @@ def check_runnable(*tensors: torch.Tensor | None) -> None:
         if t.device.type == "cpu" and not interpreting():
             raise RuntimeError(
                 "the Triton kernels need CUDA tensors; on CPU use backend='torch' "
-                "(or set TRITON_INTERPRET=1 before importing hf_statecompose.kernels, for tests: very slow)"
+                "(or set TRITON_INTERPRET=1 before the kernels are imported, for tests: very slow)"
             )
         if t.device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"the Triton kernels run on CUDA (or the CPU interpreter), got a tensor on {t.device}")

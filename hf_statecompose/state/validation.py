@@ -13,7 +13,7 @@ def _describe(cache) -> str:
 
 
 def check_is_state(state, where: str = "past_states"):
-    from .composable_cache import ComposableMambaCache
+    from .cache import ComposableMambaCache
 
     if not isinstance(state, ComposableMambaCache):
         raise TypeError(
@@ -120,3 +120,23 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
             "states only fit the exact model (architecture, config and weights) that encoded them: "
             "re-encode the contexts with this model"
         )
+
+
+def check_left_padded_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """A 0/1 mask of the shape of ``input_ids``, left padded, with a token in every row; as int64."""
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
+    mask = attention_mask.to(torch.long)
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
+    if (mask[:, 1:] < mask[:, :-1]).any():
+        raise ValueError(
+            "hf_statecompose needs left padding (Mamba caches continue from the last token): "
+            "set tokenizer.padding_side = 'left'"
+        )
+    if (mask.sum(-1) == 0).any():
+        raise ValueError("a row of attention_mask is all padding: every context needs at least one token")
+    return mask
+

@@ -4,7 +4,7 @@ Notation (PICASO, arXiv 2502.17605): context k has state x_k (from a zero start)
 a_k = exp(log_a_k) in [0, 1]. A composition is x = Σ_k W_k ⊙ x_k. All functions take
 ``log_decays`` of shape ``[n, *E]`` (``-inf`` means a decay of exactly 0) and return ``W`` of the same
 shape. They are differentiable, never divide by a decay and never form a product that can overflow.
-Derivations: ``README.md`` beside this file and ``shared/MATH.md``.
+Derivations: ``README.md`` beside this file.
 """
 from __future__ import annotations
 
@@ -97,6 +97,9 @@ def picaso_s_weights(log_decays: torch.Tensor) -> torch.Tensor:
         total = total + (w_q * torch.prod(f, 0, keepdim=True)) / f
     return total
 
+
+# the model-free composition methods, in the order the Triton kernel numbers them
+MODEL_FREE_METHODS = ("soup", "weighted", "caso", "picaso_s", "picaso_r")
 
 WEIGHT_FUNCTIONS = {
     "soup": soup_weights,

@@ -46,8 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hf_statecompose.kernels._common import check_runnable
-from hf_statecompose.ops.ssd import _check_shapes, discretize_dt
+from .._triton import check_runnable
+from .reference import _check_shapes, discretize_dt
 
 __all__ = ["ssd_scan_triton"]
 

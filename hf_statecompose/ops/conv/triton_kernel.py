@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_statecompose.kernels._common import check_runnable
-from hf_statecompose.ops.conv import _activation
+from .._triton import check_runnable
+from .reference import _activation
 
 __all__ = ["causal_conv1d_triton"]
 

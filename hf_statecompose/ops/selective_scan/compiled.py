@@ -25,7 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .selective_scan import _check_shapes
+from .reference import _check_shapes
 
 logger = logging.getLogger("hf_statecompose")
 

@@ -1,0 +1,99 @@
+"""The state-aware mixer classes and the choice of kernels (backend) per model.
+
+:func:`enable_state_path` swaps each transformers mixer's class for a subclass whose ``forward`` runs
+our initial-state-aware path (``mamba.py`` / ``mamba2.py`` beside this file) when ``cache_params`` is a
+``ComposableMambaCache``; any other call goes to the stock forward untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers.models.mamba.modeling_mamba import MambaMixer
+from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+
+from ..ops.backends import check_backend_name
+from ..state.cache import ComposableMambaCache
+from ..state.fingerprint import architecture_of, base_model_of
+from .mamba import mamba_mixer_forward
+from .mamba2 import mamba2_mixer_forward
+
+_PATH_FOR_MIXER = {MambaMixer: mamba_mixer_forward, Mamba2Mixer: mamba2_mixer_forward}
+_COMPOSABLE_MIXER_CLASSES: dict[type, type] = {}
+
+
+def _composable_mixer_class(base: type) -> type:
+    if base not in _COMPOSABLE_MIXER_CLASSES:
+        path = next(fn for cls, fn in _PATH_FOR_MIXER.items() if issubclass(base, cls))
+
+        def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+            if not isinstance(cache_params, ComposableMambaCache):
+                return base.forward(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            length = hidden_states.shape[1]
+            mask = None
+            if attention_mask is not None and attention_mask.dim() == 2 and length > 1:
+                mask = attention_mask[:, -length:]
+                mask = None if bool((mask == 1).all()) else mask.to(hidden_states.dtype)
+            out = path(self, hidden_states, cache_params, mask)
+            if self.layer_idx == 0:
+                count = mask.sum(-1) if mask is not None else torch.full((hidden_states.shape[0],), length)
+                cache_params.add_tokens(count.to(device=hidden_states.device))
+            return out
+
+        _COMPOSABLE_MIXER_CLASSES[base] = type(f"Composable{base.__name__}", (base,), {"forward": forward})
+    return _COMPOSABLE_MIXER_CLASSES[base]
+
+
+def enable_state_path(model, backend: str | None = None):
+    """Swap ``model``'s mixers for the state-aware ones (idempotent). ``backend``: see :func:`set_backend`;
+    ``None`` keeps the model's current choice (``"auto"`` the first time)."""
+    architecture_of(model)  # raises a clear TypeError for other models
+    backbone = base_model_of(model)
+    if backend is not None or get_backend(model) is None:
+        set_backend(model, "auto" if backend is None else backend)
+    for block in backbone.layers:
+        mixer = block.mixer
+        base = type(mixer)
+        if base in _COMPOSABLE_MIXER_CLASSES.values():
+            continue
+        if not any(issubclass(base, cls) for cls in _PATH_FOR_MIXER):
+            raise TypeError(f"unsupported mixer {base.__name__}; expected transformers' MambaMixer or Mamba2Mixer")
+        mixer.__class__ = _composable_mixer_class(base)
+    return model
+
+
+def disable_state_path(model):
+    """Give the mixers their stock classes back."""
+    for block in base_model_of(model).layers:
+        mixer = block.mixer
+        for base, composable in _COMPOSABLE_MIXER_CLASSES.items():
+            if type(mixer) is composable:
+                mixer.__class__ = base
+    return model
+
+
+def get_backend(model) -> str | None:
+    """The backend the state-aware path of an enabled model uses (None before it is enabled)."""
+    return getattr(base_model_of(model).layers[0].mixer, "_hsc_backend", None)
+
+
+def set_backend(model, backend: str):
+    """Choose the kernels (``"auto"``, ``"torch"``, ``"triton"``) of the state-aware path of ``model``."""
+    check_backend_name(backend)
+    for block in base_model_of(model).layers:
+        object.__setattr__(block.mixer, "_hsc_backend", backend)
+    return model
+
+
+@contextlib.contextmanager
+def using_backend(model, backend: str | None):
+    """Temporarily run ``model``'s state-aware path on ``backend`` (None: leave it as it is)."""
+    if backend is None:
+        yield model
+        return
+    previous = get_backend(model)
+    set_backend(model, backend)
+    try:
+        yield model
+    finally:
+        set_backend(model, previous or "auto")
