@@ -1,0 +1,50 @@
+"""The wheel holds every file of the package (Triton kernels and embedded data included) whatever the
+checkout, and the sdist carries the tests and their helpers. Built with setuptools' PEP 517 backend
+directly (no network, no build isolation)."""
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tracked(prefix: str) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-s", prefix], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    rows = [line.split(maxsplit=3) for line in out.splitlines()]
+    return [(mode, path) for mode, _, _, path in rows]
+
+
+def _build(kind: str, out: Path) -> Path:
+    code = f"from setuptools import build_meta; print(build_meta.build_{kind}({str(out)!r}))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / done.stdout.strip().splitlines()[-1]
+
+
+def test_no_symlinks_in_the_repository():
+    assert [path for mode, path in _tracked(".") if mode == "120000"] == []
+
+
+def test_wheel_contains_every_package_file(tmp_path):
+    if not (ROOT / ".git").exists():
+        import pytest
+
+        pytest.skip("not a git checkout")
+    wheel = _build("wheel", tmp_path)
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = [path for _, path in _tracked("hf_statecompose") if path not in names]
+    assert missing == []
+    for kernel in ("selective_scan", "ssd", "conv", "compose"):
+        assert f"hf_statecompose/ops/{kernel}/triton_kernel.py" in names
+    assert "hf_statecompose/py.typed" in names
+
+
+def test_sdist_contains_tests_and_license(tmp_path):
+    sdist = _build("sdist", tmp_path)
+    names = {name.split("/", 1)[1] for name in tarfile.open(sdist).getnames() if "/" in name}
+    for path in ("LICENSE", "tests/helpers.py", "tests/conftest.py", "tests/store_helpers.py", ".importlinter"):
+        assert path in names, path
+    assert os.path.basename(sdist).startswith("hf_statecompose-")
