@@ -3,25 +3,41 @@
 Layout of a store directory::
 
     store.json                  created once: format, model fingerprint and summary, storage dtype,
-                                retriever name and dimension, free-form ``info`` (e.g. the model's path)
+                                retriever name and dimension, tokenizer record, free-form ``info``;
+                                sealed with a digest of its own canonical content
     shards/<sid>.safetensors    the states of one ``add`` batch: per entry and layer ``<id>.ssm.<l>``,
                                 ``<id>.conv.<l>``, ``<id>.delta_sum.<l>``, plus ``<id>.token_ids``; per
                                 shard ``A.<l>`` and ``embeddings`` [n, E]
-    shards/<sid>.json           the shard's manifest: entries (id, text, metadata, tokens, checksum) and
-                                the embeddings' checksum. **Its existence commits the shard.**
+    shards/<sid>.json           the shard's manifest: its shard id, the model fingerprint, the shard file's
+                                size, entries (id, text, metadata, tokens, checksum), the checksums of the
+                                embeddings and of ``A``, the shards it ``supersedes``; sealed with a digest
+                                of its own canonical content. **Its existence commits the shard.**
     deleted/<id>                a tombstone per deleted entry (until compaction rewrites its shard)
-    .lock                       ``flock``-ed by writers
+    .lock                       ``flock``-ed: exclusively by writers, shared by readers
 
-Why it cannot lose data:
+Ids (entries: 16 hex digits, shards: 32) are checked against one pattern on every input path (``get``,
+``delete``, ``exclude``, ``entries`` and every manifest read from disk), so no id can name a file
+outside the store.
+
+Why it cannot lose data or serve a wrong one:
 
 * every file is written to a temporary name in the same folder, fsynced, then renamed, and the folder
   fsynced: a reader sees the whole file or none;
 * a shard's tensors are renamed into place before its manifest, so a committed shard is complete; a
   process killed mid-``add`` leaves at most an orphan ``.safetensors`` (ignored, removed by
-  :meth:`StateStore.compact`), and every batch committed before it stays intact;
-* shard and entry ids are random, so concurrent writers never pick the same file; the commit, deletes
-  and compaction run under an exclusive ``flock`` on ``.lock``;
-* every entry's tensors carry a blake2b checksum, checked when the entry is read; the embeddings too.
+  :meth:`StateStore.compact`);
+* compaction never edits a committed file: it writes a new shard and a manifest that *supersedes* the
+  old shard, then removes the old files. Readers ignore superseded manifests, so at every instant (a
+  ``kill -9`` included) each entry id is in exactly one live manifest;
+* writers hold an exclusive ``flock``, readers a shared one: a reader sees the store before or after a
+  commit, delete or compaction, never half of it;
+* manifests and ``store.json`` carry a digest of their content and every manifest the model fingerprint:
+  a flipped byte is refused, never read as other text or metadata, and a lost ``store.json`` does not
+  let another model adopt the shards;
+* every entry's tensors carry a blake2b checksum, the embeddings and ``A`` too. An entry is verified
+  (checksum, shapes, finite values, ΣΔ >= 0) the first time this process reads it from a given shard
+  file (same inode, size, mtime and ctime); later reads of the unchanged file skip the hash, and any
+  change to the file makes the next read verify again.
 
 Reads are lazy: :meth:`StateStore.get` memory-maps the shard (``safetensors.safe_open``) and reads only
 the requested entries' tensors.
@@ -30,8 +46,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
+import numbers
 import os
+import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +62,17 @@ import torch
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, model_fingerprint
 from ..state.files import atomic_write, fsync_dir
-from ..state.serialization import _digest
+from ..state.validation import check_finite, expected_state_shapes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# one pattern for every id the store makes (uuid4 hex: 16 digits for entries, 32 for shards)
+_ID_PATTERN = re.compile(r"[0-9a-f]{16}(?:[0-9a-f]{16})?")
+_ID_LENGTH = {"entry": 16, "shard": 32}
+_CHECKSUM_PATTERN = re.compile(r"[0-9a-f]{32}")
+# a fixed text that exercises a tokenizer's normalisation, byte fallback and merges: two tokenizers that
+# split it differently are not interchangeable for a store
+_TOKENIZER_PROBE = "The quick brown fox, 1234567890! ¿Qué? naïve café — 東京 😀\n\ttabs  and  spaces {x: [1, 2]}"
 
 
 @dataclass
@@ -60,16 +87,141 @@ class StoreEntry:
     state: ComposableMambaCache | None = None
 
 
-# ------------------------------------------------------------------------------------ atomic files
-def _read_json(path: Path, what: str, missing_ok: bool = False) -> dict | None:
+def check_id(value, kind: str = "entry") -> str:
+    """``value`` if it is a well-formed ``kind`` id (``"entry"`` or ``"shard"``), else a clear error."""
+    if not isinstance(value, str):
+        raise TypeError(f"{kind} ids are str (as StateStore.add returns them), got {type(value).__name__}: {value!r:.60}")
+    if len(value) != _ID_LENGTH[kind] or not _ID_PATTERN.fullmatch(value):
+        raise ValueError(
+            f"{value!r:.60} is not a store {kind} id: those are {_ID_LENGTH[kind]} lowercase hex digits, as StateStore.add returns them"
+        )
+    return value
+
+
+def _is_id(value, kind: str) -> bool:
+    return isinstance(value, str) and len(value) == _ID_LENGTH[kind] and bool(_ID_PATTERN.fullmatch(value))
+
+
+def _check_count(value, name: str, minimum: int) -> int:
+    # bool is an int to Python but never a count the caller meant
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r:.40}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _checked_json(value, what: str):
+    """``value`` if it survives JSON unchanged (else a TypeError naming ``what``)."""
     try:
-        return json.loads(path.read_text())
+        same = json.loads(json.dumps(value, allow_nan=False)) == value
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{what} cannot be stored as JSON ({error}); use str/int/float/bool/None, lists and str-keyed dicts") from None
+    if not same:
+        raise TypeError(f"{what} would change when stored as JSON (non-str keys or tuples?); use str keys and lists")
+    return value
+
+
+# ------------------------------------------------------------------------------------ sealed JSON
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _seal(obj: dict) -> bytes:
+    """Canonical JSON of ``obj`` plus ``digest``: the blake2b of the rest, so any changed byte shows."""
+    body = {k: v for k, v in obj.items() if k != "digest"}
+    return _canonical({**body, "digest": hashlib.blake2b(_canonical(body), digest_size=16).hexdigest()})
+
+
+def _unseal(path: Path, what: str, missing_ok: bool = False) -> dict | None:
+    try:
+        data = path.read_bytes()
     except FileNotFoundError:
         if missing_ok:
             return None
         raise ValueError(f"{path}: the store's {what} is missing (files removed by hand?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: the store's {what} is unreadable or corrupted ({error})") from None
+    except OSError as error:
+        raise ValueError(f"{path}: the store's {what} is unreadable ({error})") from None
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: the store's {what} is corrupted (not JSON: {error}); restore it from a backup") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("digest"), str):
+        raise ValueError(f"{path}: the store's {what} is corrupted or from an older hf_statecompose (no digest); rebuild the store")
+    body = {k: v for k, v in obj.items() if k != "digest"}
+    try:
+        expected = hashlib.blake2b(_canonical(body), digest_size=16).hexdigest()
+    except ValueError:  # NaN / inf smuggled into the JSON
+        expected = None
+    if obj["digest"] != expected:
+        raise ValueError(f"{path}: the store's {what} does not match its digest (corrupted or edited by hand); restore it from a backup")
+    return body
+
+
+def tokenizer_record(tokenizer) -> dict:
+    """What identifies a tokenizer for a store: its name, vocabulary size, a hash of its vocabulary
+    (where it has ``get_vocab``) and a hash of how it splits a fixed probe text."""
+    if not callable(tokenizer):
+        raise TypeError(f"tokenizer must be callable (text -> {{'input_ids': [...]}}, as transformers' are), got {type(tokenizer).__name__}")
+    probe = [int(i) for i in tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]]
+    vocab = tokenizer.get_vocab() if callable(getattr(tokenizer, "get_vocab", None)) else None
+    if hasattr(type(tokenizer), "__len__"):
+        size = len(tokenizer)
+    else:
+        size = getattr(tokenizer, "vocab_size", None)
+    return {
+        "name_or_path": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
+        "vocab_size": int(size) if size is not None else None,
+        "vocab_sha256": hashlib.sha256(_canonical(sorted((str(k), int(v)) for k, v in vocab.items()))).hexdigest() if vocab else None,
+        "probe_sha256": hashlib.sha256(_canonical(probe)).hexdigest(),
+    }
+
+
+# ------------------------------------------------------------------------------------ file changes
+# Every change the store makes to its folder goes through these two, so that the crash tests can stop
+# a process before any one of them (and nothing else writes or removes files).
+def _write(path: Path, data: bytes) -> None:
+    atomic_write(path, data)
+
+
+def _remove(path: Path) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_dir(path.parent)
+    return True
+
+
+# ------------------------------------------------------------------------------------ checksums
+def _checksum(tensors: dict) -> str:
+    """blake2b over names, dtypes, shapes and raw bytes (hashed in place: no copy of the data)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _identity(path: Path) -> tuple:
+    """What changes whenever a file's content may have changed (a rewrite in place bumps mtime/ctime)."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# per process: shard file path -> (its identity when verified, names verified: entry ids, "A", "embeddings")
+_VERIFIED: dict[str, tuple[tuple, set]] = {}
+_VERIFIED_LOCK = threading.Lock()
+
+
+def _verified(path: Path, identity: tuple) -> set:
+    with _VERIFIED_LOCK:
+        known = _VERIFIED.get(str(path))
+        if known is None or known[0] != identity:
+            known = _VERIFIED[str(path)] = (identity, set())
+        return known[1]
 
 
 class StateStore:
@@ -79,7 +231,9 @@ class StateStore:
         path: the store's directory (created if missing).
         model: the Mamba / Mamba-2 model that encodes (and later consumes) the states. A store records
             the model's fingerprint and refuses a different model.
-        tokenizer: the model's tokenizer (a callable returning ``input_ids``, as transformers' are).
+        tokenizer: the model's tokenizer (a callable returning ``input_ids``, as transformers' are). The
+            store records it (name, vocabulary size and hash, how it splits a probe text) and refuses
+            another.
         retriever: a callable ``list[str] -> [n, E]`` vectors (tensor or array). ``None``: the default
             all-MiniLM-L6-v2 (:func:`hf_statecompose.retrieval.default_retriever`, offline). The store
             records its ``name`` (attribute, else the class name) and dimension, and refuses another.
@@ -94,6 +248,7 @@ class StateStore:
         self.path = Path(path)
         self.model = enable(model)
         self.tokenizer = tokenizer
+        tokenizer_info = tokenizer_record(tokenizer)
         if retriever is None:
             from ..retrieval import default_retriever
 
@@ -104,14 +259,28 @@ class StateStore:
         self.retriever_name = str(getattr(retriever, "name", type(retriever).__name__))
         if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        if info is not None and not isinstance(info, dict):
+            raise TypeError(f"info must be a dict, got {type(info).__name__}")
+        info = _checked_json(dict(info or {}), "info")
         self.fingerprint = model_fingerprint(model)
+        self._thread_lock = threading.RLock()
+        self._lock_mode: str | None = None
+        self._lock_depth = 0
         (self.path / "shards").mkdir(parents=True, exist_ok=True)
         (self.path / "deleted").mkdir(exist_ok=True)
         header_path = self.path / "store.json"
         with self._locked():
             if not header_path.exists():
+                committed = [p.name for p in (self.path / "shards").iterdir() if p.suffix == ".json"]
+                if committed:
+                    raise ValueError(
+                        f"{header_path} is missing but {self.path / 'shards'} holds {len(committed)} shard manifests: "
+                        "restore store.json from a backup (a store is never re-adopted without it: another model, "
+                        "tokenizer or retriever would read its states wrongly)"
+                    )
                 header = {
                     "format_version": FORMAT_VERSION,
+                    "kind": "hf_statecompose.store",
                     "fingerprint": self.fingerprint,
                     "architecture": architecture_of(model),
                     "model_type": model.config.model_type,
@@ -120,12 +289,11 @@ class StateStore:
                     "storage_dtype": storage_dtype or "fp32",
                     "retriever": self.retriever_name,
                     "embedding_dim": None,
-                    "info": dict(info or {}),
+                    "tokenizer": tokenizer_info,
+                    "info": info,
                 }
-                atomic_write(header_path, json.dumps(header, indent=1).encode())
-        self.header = _read_json(header_path, "header (store.json)")
-        if self.header.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{header_path}: unsupported store format version {self.header.get('format_version')!r}")
+                _write(header_path, _seal(header))
+            self.header = self._read_header()
         if self.header["fingerprint"] != self.fingerprint:
             raise ValueError(
                 f"the store at {self.path} was built with another model ({self.header['model_type']}, "
@@ -140,44 +308,141 @@ class StateStore:
                 f"the store at {self.path} was indexed with the retriever {self.header['retriever']!r}, not "
                 f"{self.retriever_name!r}: their embeddings are not comparable. Pass the same retriever."
             )
+        recorded = self.header["tokenizer"]
+        differs = [key for key in ("vocab_size", "vocab_sha256", "probe_sha256") if recorded.get(key) != tokenizer_info[key]]
+        if differs:
+            raise ValueError(
+                f"the store at {self.path} was built with the tokenizer {recorded.get('name_or_path')!r} (vocabulary "
+                f"{recorded.get('vocab_size')}), not {tokenizer_info['name_or_path']!r} (vocabulary {tokenizer_info['vocab_size']}; "
+                f"differs in {', '.join(differs)}): its token ids would be read wrongly. Pass the tokenizer that built it."
+            )
         self.storage_dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
-        self._manifests: dict[str, dict] = {}  # shard id -> manifest
-        self._embeddings: dict[str, torch.Tensor] = {}  # shard id -> [n, E]
-        self._entries: dict[str, tuple[str, int]] = {}  # entry id -> (shard id, row)
+        self._manifests: dict[str, dict] = {}  # shard id -> manifest (manifests never change: cached by id)
+        self._embeddings: dict[str, torch.Tensor] = {}  # shard id -> verified [n, E]
+        self._A: dict[str, list[torch.Tensor]] = {}  # A checksum -> verified A tensors (normally one for all shards)
+        self._entries: dict[str, tuple[str, int]] = {}  # live entry id -> (shard id, row)
         self._flat: tuple[list[str], torch.Tensor] | None = None  # live ids and their embeddings, for retrieve
+        self._live_shards: list[str] = []  # manifests not superseded by another
+
+    def _read_header(self) -> dict:
+        header_path = self.path / "store.json"
+        try:
+            raw = json.loads(header_path.read_bytes())
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict) and raw.get("format_version") == 1:
+            raise ValueError(f"{header_path}: a store of format 1 (an older hf_statecompose, no integrity seals); rebuild it from its passages")
+        header = _unseal(header_path, "header (store.json)")
+        if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "hf_statecompose.store":
+            raise ValueError(f"{header_path}: unsupported store format version {header.get('format_version')!r}")
+        if header.get("storage_dtype") not in STORAGE_DTYPES or not isinstance(header.get("tokenizer"), dict):
+            raise ValueError(f"{header_path}: malformed store header; restore it from a backup")
+        return header
 
     # ------------------------------------------------------------------------------------ locking
     @contextlib.contextmanager
-    def _locked(self):
-        with open(self.path / ".lock", "a+") as handle:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    def _locked(self, shared: bool = False):
+        """``flock`` on ``.lock``: exclusive for writers, shared for readers; re-entrant in this object."""
+        with self._thread_lock:
+            if self._lock_depth:
+                if self._lock_mode == "shared" and not shared:
+                    raise RuntimeError("internal error: exclusive store lock requested under a shared one")
+                self._lock_depth += 1
+                try:
+                    yield
+                finally:
+                    self._lock_depth -= 1
+                return
+            with open(self.path / ".lock", "a+") as handle:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                self._lock_mode, self._lock_depth = ("shared" if shared else "exclusive"), 1
+                try:
+                    yield
+                finally:
+                    self._lock_mode, self._lock_depth = None, 0
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
     # ------------------------------------------------------------------------------------ index
-    def refresh(self) -> None:
-        """Re-read the shard manifests (other processes may have added, deleted or compacted)."""
+    def _read_manifest(self, sid: str) -> dict | None:
+        path = self.path / "shards" / f"{sid}.json"
+        manifest = _unseal(path, f"shard manifest {sid}", missing_ok=True)
+        if manifest is None:
+            return None
+
+        def bad(why):
+            return ValueError(f"{path}: {why}; the shard cannot be trusted (restore the file, or move {sid}.json and {sid}.safetensors out of the store to drop its entries)")
+
+        if manifest.get("format_version") != FORMAT_VERSION or manifest.get("kind") != "shard":
+            raise bad("not a shard manifest of this store format")
+        if manifest.get("shard") != sid:
+            raise bad(f"it describes shard {str(manifest.get('shard'))[:40]!r}, not the file's own (copied or renamed by hand)")
+        if manifest.get("fingerprint") != self.fingerprint:
+            raise bad("it was written for another model (fingerprint differs)")
+        supersedes, entries = manifest.get("supersedes"), manifest.get("entries")
+        if not isinstance(supersedes, list) or not all(_is_id(s, "shard") for s in supersedes):
+            raise bad("malformed 'supersedes'")
+        if not isinstance(entries, list) or not entries:
+            raise bad("no entries")
+        for record in entries:
+            if not (isinstance(record, dict) and _is_id(record.get("id"), "entry") and isinstance(record.get("text"), str)
+                    and isinstance(record.get("metadata"), dict) and isinstance(record.get("num_tokens"), int)
+                    and record["num_tokens"] >= 1 and isinstance(record.get("checksum"), str)
+                    and _CHECKSUM_PATTERN.fullmatch(record["checksum"])):
+                raise bad(f"malformed entry record {str(record)[:80]!r}")
+        if len({r["id"] for r in entries}) != len(entries):
+            raise bad("an entry id is listed twice")
+        for key in ("embeddings_checksum", "shared_checksum"):
+            if not isinstance(manifest.get(key), str) or not _CHECKSUM_PATTERN.fullmatch(manifest[key]):
+                raise bad(f"malformed {key}")
+        if not isinstance(manifest.get("shard_size"), int):
+            raise bad("malformed shard_size")
+        return manifest
+
+    def _load_manifests(self) -> set[str]:
+        """Read the manifests on disk into ``_manifests``; returns the superseded shard ids. A damaged
+        manifest is an error unless a readable one supersedes it (left by a compaction killed midway)."""
         shard_dir = self.path / "shards"
-        present = {p.stem for p in shard_dir.glob("*.json")}
+        listing = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and _is_id(name[:-5], "shard")}
         for sid in list(self._manifests):
-            if sid not in present:
+            if sid not in listing:
                 del self._manifests[sid]
                 self._embeddings.pop(sid, None)
-        for sid in sorted(present - set(self._manifests)):
-            manifest = _read_json(shard_dir / f"{sid}.json", f"shard manifest {sid}", missing_ok=True)
-            if manifest is None:  # compacted away since the listing; its replacement is listed
+        damaged: dict[str, ValueError] = {}
+        for sid in sorted(listing - set(self._manifests)):
+            try:
+                manifest = self._read_manifest(sid)
+            except ValueError as error:
+                damaged[sid] = error
                 continue
-            if manifest.get("format_version") != FORMAT_VERSION or "entries" not in manifest:
-                raise ValueError(f"{shard_dir / sid}.json is not a shard manifest of this store format")
-            self._manifests[sid] = manifest
-        deleted = {p.name for p in (self.path / "deleted").iterdir()}
-        entries = {}
-        for sid in sorted(self._manifests):
-            for row, entry in enumerate(self._manifests[sid]["entries"]):
-                if entry["id"] not in deleted:
-                    entries[entry["id"]] = (sid, row)
+            if manifest is not None:
+                self._manifests[sid] = manifest
+        superseded = {s for m in self._manifests.values() for s in m["supersedes"]}
+        for sid, error in sorted(damaged.items()):
+            if sid not in superseded:
+                raise error
+        return superseded
+
+    def refresh(self) -> None:
+        """Re-read the shard manifests (other processes may have added, deleted or compacted)."""
+        with self._locked(shared=True):
+            superseded = self._load_manifests()
+            deleted = {name for name in os.listdir(self.path / "deleted") if _is_id(name, "entry")}
+            entries: dict[str, tuple[str, int]] = {}
+            owner: dict[str, str] = {}
+            for sid in sorted(self._manifests):
+                if sid in superseded:
+                    continue
+                for row, record in enumerate(self._manifests[sid]["entries"]):
+                    entry_id = record["id"]
+                    if entry_id in owner:
+                        raise ValueError(
+                            f"entry {entry_id} is listed by two live shard manifests of {self.path} ({owner[entry_id]}, {sid}): "
+                            "the store was modified by hand; move one of the two shards (.json and .safetensors) out of the store"
+                        )
+                    owner[entry_id] = sid
+                    if entry_id not in deleted:
+                        entries[entry_id] = (sid, row)
+            self._live_shards = [sid for sid in sorted(self._manifests) if sid not in superseded]
         if entries != self._entries:
             self._entries, self._flat = entries, None
 
@@ -190,21 +455,29 @@ class StateStore:
         return list(self._entries)
 
     def __contains__(self, entry_id) -> bool:
+        if not _is_id(entry_id, "entry"):
+            return False
         self.refresh()
         return entry_id in self._entries
 
     def entries(self, ids: Sequence[str] | None = None) -> list[StoreEntry]:
         """Text and metadata of entries (no state read)."""
+        ids = None if ids is None else self._check_ids(ids, "ids")
         self.refresh()
-        ids = list(self._entries) if ids is None else list(ids)
+        ids = list(self._entries) if ids is None else ids
         return [self._entry(i) for i in ids]
+
+    def _check_ids(self, ids, what: str) -> list[str]:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise TypeError(f"{what} must be a list of entry ids, got {type(ids).__name__} {ids!r:.40}")
+        return [check_id(i, "entry") for i in ids]
 
     def _entry(self, entry_id: str) -> StoreEntry:
         if entry_id not in self._entries:
             raise KeyError(f"no entry {entry_id!r} in the store at {self.path} (deleted, or never added)")
         sid, row = self._entries[entry_id]
         record = self._manifests[sid]["entries"][row]
-        return StoreEntry(entry_id, record["text"], dict(record.get("metadata") or {}), int(record["num_tokens"]))
+        return StoreEntry(entry_id, record["text"], json.loads(json.dumps(record["metadata"])), int(record["num_tokens"]))
 
     # ------------------------------------------------------------------------------------ add
     def _embed(self, texts: list[str]) -> torch.Tensor:
@@ -222,19 +495,22 @@ class StateStore:
         Each batch is committed as one shard before the next is encoded, so an interruption keeps every
         finished batch. Returns the new entries' ids, in order.
         """
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be a list of strings, got a single string (it would add one entry per character): use add([text])")
         texts = list(texts)
-        if isinstance(metadata, dict):
+        batch_size = _check_count(batch_size, "batch_size", 1)
+        if metadata is not None and (isinstance(metadata, (dict, str, bytes)) or not isinstance(metadata, Iterable)):
             raise TypeError("metadata must be a list with one dict per text")
-        metadata = [dict(m or {}) for m in metadata] if metadata is not None else [{} for _ in texts]
+        metadata = list(metadata) if metadata is not None else [{} for _ in texts]
         if len(metadata) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(metadata)} metadata dicts")
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"text {i} is empty or not a string; every entry needs some text to encode")
-        for m in metadata:
-            json.dumps(m)  # raises TypeError for metadata that cannot be recorded
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
+        for i, m in enumerate(metadata):
+            if m is not None and not isinstance(m, dict):
+                raise TypeError(f"metadata of text {i} must be a dict (or None), got {type(m).__name__}")
+        metadata = [_checked_json(dict(m or {}), f"metadata of text {i}") for i, m in enumerate(metadata)]
         ids: list[str] = []
         progress = _progress(len(texts), show_progress)
         try:
@@ -247,7 +523,7 @@ class StateStore:
         return ids
 
     def _tokenize(self, texts: list[str]):
-        ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        ids = [[int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]] for text in texts]
         for t, row in zip(texts, ids):
             if not row:
                 raise ValueError(f"the tokenizer produced no tokens for {t[:40]!r}")
@@ -260,7 +536,13 @@ class StateStore:
     def _add_batch(self, texts: list[str], metadata: list[dict]) -> list[str]:
         input_ids, mask, token_lists = self._tokenize(texts)
         state = ComposableMambaCache.encode(self.model, input_ids, attention_mask=mask)
-        embeddings = self._embed(texts)
+        return self._write_shard(state, texts, metadata, token_lists, self._embed(texts))
+
+    def _write_shard(self, state: ComposableMambaCache, texts: list[str], metadata: list[dict], token_lists: list[list[int]], embeddings: torch.Tensor) -> list[str]:
+        """Commit the rows of ``state`` (one per text) as one new shard; returns their ids."""
+        from safetensors.torch import save
+
+        check_finite(state, "the encoded batch")
         sid = uuid.uuid4().hex
         tensors: dict[str, torch.Tensor] = {"embeddings": embeddings}
         for layer in range(state.num_layers):
@@ -270,29 +552,26 @@ class StateStore:
             entry_id = uuid.uuid4().hex[:16]
             entry_tensors = self._entry_tensors(state, row, tokens)
             tensors.update({f"{entry_id}.{name}": t for name, t in entry_tensors.items()})
-            records.append({"id": entry_id, "text": text, "metadata": meta, "num_tokens": len(tokens), "checksum": _digest(entry_tensors)})
+            records.append({"id": entry_id, "text": text, "metadata": meta, "num_tokens": len(tokens), "checksum": _checksum(entry_tensors)})
         shared = {name: t for name, t in tensors.items() if name.startswith("A.")}
-        manifest = {"format_version": FORMAT_VERSION, "entries": records, "embeddings_checksum": _digest({"embeddings": embeddings}),
-                    "shared_checksum": _digest(shared)}
-        from safetensors.torch import save
-
         payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
+        manifest = {"format_version": FORMAT_VERSION, "kind": "shard", "shard": sid, "fingerprint": self.fingerprint,
+                    "shard_size": len(payload), "supersedes": [], "entries": records,
+                    "embeddings_checksum": _checksum({"embeddings": embeddings}), "shared_checksum": _checksum(shared)}
         shard_dir = self.path / "shards"
         with self._locked():  # (compaction removes uncommitted tensors: never run it between our two writes)
-            atomic_write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
-            if self.header.get("embedding_dim") is None:
-                self._record_embedding_dim(int(embeddings.shape[1]))
-            elif self.header["embedding_dim"] != embeddings.shape[1]:
-                raise ValueError(f"the retriever returned {embeddings.shape[1]}-dim vectors; the store holds {self.header['embedding_dim']}-dim ones")
-            atomic_write(shard_dir / f"{sid}.json", json.dumps(manifest).encode())  # ... then the commit
+            self._check_embedding_dim(int(embeddings.shape[1]))
+            _write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
+            _write(shard_dir / f"{sid}.json", _seal(manifest))  # ... then the commit
         return [r["id"] for r in records]
 
-    def _record_embedding_dim(self, dim: int) -> None:
-        header = _read_json(self.path / "store.json", "header (store.json)")
-        if header.get("embedding_dim") not in (None, dim):
+    def _check_embedding_dim(self, dim: int) -> None:
+        header = self._read_header()
+        if header.get("embedding_dim") is None:
+            header["embedding_dim"] = dim
+            _write(self.path / "store.json", _seal(header))
+        elif header["embedding_dim"] != dim:
             raise ValueError(f"the retriever returned {dim}-dim vectors; the store holds {header['embedding_dim']}-dim ones")
-        header["embedding_dim"] = dim
-        atomic_write(self.path / "store.json", json.dumps(header, indent=1).encode())
         self.header = header
 
     def _entry_tensors(self, state: ComposableMambaCache, row: int, tokens: list[int]) -> dict[str, torch.Tensor]:
@@ -305,44 +584,57 @@ class StateStore:
         return out
 
     # ------------------------------------------------------------------------------------ read
+    def _shard_path(self, sid: str) -> Path:
+        return self.path / "shards" / f"{check_id(sid, 'shard')}.safetensors"
+
     def _open_shard(self, sid: str):
+        """(handle, identity) of a committed shard, its size checked against the manifest."""
         from safetensors import safe_open
 
-        path = self.path / "shards" / f"{sid}.safetensors"
+        path = self._shard_path(sid)
         try:
-            return safe_open(path, framework="pt", device="cpu")
+            identity = _identity(path)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path} is missing although its manifest exists: the store was damaged (files removed by hand?)") from None
+            raise ValueError(f"{path} is missing although its manifest exists: the store was damaged (files removed by hand?)") from None
+        expected = self._manifests[sid]["shard_size"]
+        if identity[2] != expected:
+            raise ValueError(f"{path} is truncated or corrupted ({identity[2]} bytes, its manifest says {expected}); delete its entries and re-add them")
+        try:
+            return safe_open(path, framework="pt", device="cpu"), identity
         except Exception as error:
             raise ValueError(f"{path} is truncated or corrupted ({error}); delete its entries and re-add them") from None
 
     def _shard_embeddings(self, sid: str) -> torch.Tensor:
         if sid not in self._embeddings:
-            with self._open_shard(sid) as handle:
-                embeddings = handle.get_tensor("embeddings")
-            if _digest({"embeddings": embeddings}) != self._manifests[sid]["embeddings_checksum"]:
+            handle, _ = self._open_shard(sid)
+            with handle:
+                embeddings = self._tensor(handle, sid, "embeddings")
+            manifest = self._manifests[sid]
+            if _checksum({"embeddings": embeddings}) != manifest["embeddings_checksum"]:
                 raise ValueError(f"shard {sid} of {self.path}: embeddings do not match their checksum (corrupted file)")
+            if tuple(embeddings.shape) != (len(manifest["entries"]), self.header.get("embedding_dim")) or embeddings.dtype != torch.float32:
+                raise ValueError(f"shard {sid} of {self.path}: embeddings of shape {tuple(embeddings.shape)} do not fit its entries")
             self._embeddings[sid] = embeddings
         return self._embeddings[sid]
 
+    def _tensor(self, handle, sid: str, name: str) -> torch.Tensor:
+        try:
+            return handle.get_tensor(name)
+        except Exception as error:
+            raise ValueError(f"shard {sid} of {self.path}: tensor {name} missing or unreadable ({error}); the file is corrupted") from None
+
     def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
-        """The states of ``ids`` (one id: one state), read lazily and checked against their checksums."""
+        """The states of ``ids`` (one id: one state), read lazily; each entry is checked against its
+        checksum the first time this process reads it from its (unchanged) shard file."""
         single = isinstance(ids, str)
-        ids = [ids] if single else list(ids)
+        ids = [check_id(ids, "entry")] if single else self._check_ids(ids, "ids")
         device = device if device is not None else next(self.model.parameters()).device
-        for attempt in range(3):
+        with self._locked(shared=True):
             self.refresh()
             missing = [i for i in ids if i not in self._entries]
             if missing:
                 raise KeyError(f"no entries {missing[:5]} in the store at {self.path} (deleted, or never added)")
-            try:
-                out = self._get(ids, device)
-                break
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
-                self._manifests.clear()  # another process compacted meanwhile: re-read the index
-                self._embeddings.clear()
+            out = self._get(ids, device)
         return out[0] if single else out
 
     def _get(self, ids: list[str], device) -> list[ComposableMambaCache]:
@@ -351,24 +643,50 @@ class StateStore:
             by_shard.setdefault(self._entries[entry_id][0], []).append(entry_id)
         states = {}
         for sid, shard_ids in by_shard.items():
-            with self._open_shard(sid) as handle:
-                A = [handle.get_tensor(f"A.{layer}") for layer in range(self.model.config.num_hidden_layers)]
-                if _digest({f"A.{layer}": a for layer, a in enumerate(A)}) != self._manifests[sid]["shared_checksum"]:
-                    raise ValueError(f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file)")
-                for entry_id in shard_ids:
-                    states[entry_id] = self._read_entry(handle, sid, entry_id, A, device)
+            read = self._read_shard_entries(sid, shard_ids, device, force=False)
+            if read is None:  # the file changed while we read it: read again, verifying everything
+                read = self._read_shard_entries(sid, shard_ids, device, force=True)
+                if read is None:
+                    raise ValueError(f"shard {sid} of {self.path} keeps changing while it is read (is another program writing it?)")
+            states.update(read)
         return [states[i] for i in ids]
 
-    def _read_entry(self, handle, sid: str, entry_id: str, A, device) -> ComposableMambaCache:
-        num_layers = len(A)
+    def _read_shard_entries(self, sid: str, entry_ids: list[str], device, force: bool) -> dict | None:
+        handle, identity = self._open_shard(sid)
+        path = self._shard_path(sid)
+        verified = _verified(path, identity)
+        if force:
+            verified.clear()
+        manifest = self._manifests[sid]
+        with handle:
+            A = self._shard_A(handle, sid, manifest["shared_checksum"])
+            out = {}
+            for entry_id in entry_ids:
+                record = manifest["entries"][self._entries[entry_id][1]]
+                out[entry_id] = self._read_entry(handle, sid, record, A, device, verify=entry_id not in verified)
+        if _identity(path) != identity:
+            return None
+        verified.update(entry_ids)
+        return out
+
+    def _shard_A(self, handle, sid: str, checksum: str) -> list[torch.Tensor]:
+        # A is the model's (the same in every shard): keep one verified copy per checksum, read no more
+        if checksum not in self._A:
+            num_layers = self.model.config.num_hidden_layers
+            A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(num_layers)]
+            if _checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != checksum:
+                raise ValueError(f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file)")
+            if not all(torch.isfinite(a).all() for a in A):
+                raise ValueError(f"shard {sid} of {self.path}: its A tensors hold NaN/inf")
+            self._A[checksum] = A
+        return self._A[checksum]
+
+    def _read_entry(self, handle, sid: str, record: dict, A, device, verify: bool) -> ComposableMambaCache:
+        entry_id, num_layers = record["id"], len(A)
         names = [f"{kind}.{layer}" for layer in range(num_layers) for kind in ("ssm", "conv", "delta_sum")] + ["token_ids"]
-        try:
-            tensors = {name: handle.get_tensor(f"{entry_id}.{name}") for name in names}
-        except Exception as error:
-            raise ValueError(f"entry {entry_id} of shard {sid}: tensors missing or unreadable ({error})") from None
-        record = self._manifests[sid]["entries"][self._entries[entry_id][1]]
-        if _digest(tensors) != record["checksum"]:
-            raise ValueError(f"entry {entry_id} (shard {sid}) of {self.path}: data does not match its checksum (corrupted); delete and re-add it")
+        tensors = {name: self._tensor(handle, sid, f"{entry_id}.{name}") for name in names}
+        if verify:
+            self._verify_entry(sid, record, tensors, num_layers)
         state = ComposableMambaCache.empty_for(self.model)
         model_dtype = state.model_dtype
         for layer in range(num_layers):
@@ -383,39 +701,53 @@ class StateStore:
         state.token_ids = tensors["token_ids"].to(device)
         return state
 
+    def _verify_entry(self, sid: str, record: dict, tensors: dict, num_layers: int) -> None:
+        where = f"entry {record['id']} (shard {sid}) of {self.path}"
+        if _checksum(tensors) != record["checksum"]:
+            raise ValueError(f"{where}: data does not match its checksum (corrupted); delete and re-add it")
+        # the checksum proves the bytes are the ones written; these prove they are a state of this model
+        ssm_shape, conv_shape = expected_state_shapes(self.model.config)
+        for layer in range(num_layers):
+            for name, shape, dtype in (("ssm", ssm_shape, self.storage_dtype), ("conv", conv_shape, self.storage_dtype), ("delta_sum", None, torch.float32)):
+                tensor = tensors[f"{name}.{layer}"]
+                if tensor.dtype != dtype or tensor.shape[0] != 1 or (shape is not None and tuple(tensor.shape[1:]) != shape):
+                    raise ValueError(f"{where}: layer {layer} {name} is {tensor.dtype} {tuple(tensor.shape)}, not a {self.header['storage_dtype']} state of this model")
+                if not torch.isfinite(tensor).all():
+                    raise ValueError(f"{where}: layer {layer} {name} holds NaN/inf; delete and re-add it")
+            if (tensors[f"delta_sum.{layer}"] < 0).any():
+                raise ValueError(f"{where}: layer {layer} ΣΔ is negative (impossible for a real encoding); delete and re-add it")
+        tokens = tensors["token_ids"]
+        if tokens.dtype != torch.long or tuple(tokens.shape) != (1, record["num_tokens"]):
+            raise ValueError(f"{where}: token_ids {tokens.dtype} {tuple(tokens.shape)} do not match its {record['num_tokens']} tokens")
+
     # ------------------------------------------------------------------------------------ retrieve
     def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True) -> list[StoreEntry]:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states."""
         if not isinstance(query, str) or not query.strip():
             raise ValueError("query must be a non-empty string")
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
-        excluded = set(exclude)
-        for attempt in range(3):
+        k = _check_count(k, "k", 0)
+        excluded = set(self._check_ids(exclude, "exclude"))
+        query_vector = self._embed([query])[0] if k > 0 else None
+        with self._locked(shared=True):
             self.refresh()
-            try:
-                ids, matrix = self._flat_index()
-                break
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
-                self._manifests.clear()  # compacted meanwhile by another process
-                self._embeddings.clear()
-                self._flat = None
-        count = len(ids) - sum(1 for i in excluded if i in self._entries)
-        if k == 0 or count == 0:
-            return []
-        scores = matrix @ self._embed([query])[0]
-        if excluded:
-            scores[[n for n, entry_id in enumerate(ids) if entry_id in excluded]] = float("-inf")
-        top = torch.topk(scores, min(k, count))
-        picked = [ids[i] for i in top.indices.tolist()]
-        entries = [self._entry(i) for i in picked]
-        for entry, score in zip(entries, top.values.tolist()):
-            entry.score = float(score)
-        if load_states:
-            for entry, state in zip(entries, self.get(picked)):
-                entry.state = state
+            ids, matrix = self._flat_index()
+            count = len(ids) - sum(1 for i in excluded if i in self._entries)
+            if k == 0 or count == 0:
+                return []
+            if matrix.shape[1] != query_vector.shape[0]:
+                raise ValueError(f"the retriever returned a {query_vector.shape[0]}-dim query vector; the store holds {matrix.shape[1]}-dim ones")
+            scores = matrix @ query_vector
+            if excluded:
+                scores[[n for n, entry_id in enumerate(ids) if entry_id in excluded]] = float("-inf")
+            top = torch.topk(scores, min(k, count))
+            picked = [ids[i] for i in top.indices.tolist()]
+            entries = [self._entry(i) for i in picked]
+            for entry, score in zip(entries, top.values.tolist()):
+                entry.score = float(score)
+            if load_states:
+                device = next(self.model.parameters()).device
+                for entry, state in zip(entries, self._get(picked, device)):
+                    entry.state = state
         return entries
 
     def _flat_index(self) -> tuple[list[str], torch.Tensor]:
@@ -433,90 +765,126 @@ class StateStore:
     # ------------------------------------------------------------------------------------ delete / compact
     def delete(self, ids: Sequence[str] | str) -> None:
         """Delete entries (a tombstone now; their bytes go at the next :meth:`compact`)."""
-        ids = [ids] if isinstance(ids, str) else list(ids)
-        self.refresh()
-        missing = [i for i in ids if i not in self._entries]
-        if missing:
-            raise KeyError(f"no entries {missing[:5]} in the store at {self.path}")
+        ids = [check_id(ids, "entry")] if isinstance(ids, str) else self._check_ids(ids, "ids")
         with self._locked():
+            self.refresh()
+            missing = [i for i in ids if i not in self._entries]
+            if missing:
+                raise KeyError(f"no entries {missing[:5]} in the store at {self.path}")
             for entry_id in ids:
-                atomic_write(self.path / "deleted" / entry_id, b"")
-        self.refresh()
+                _write(self.path / "deleted" / check_id(entry_id, "entry"), b"")
+            self.refresh()
 
     def compact(self) -> dict:
-        """Rewrite shards holding deleted entries without them, drop orphan files; returns what it did."""
-        from safetensors import safe_open
-        from safetensors.torch import save
-
-        removed_entries = rewritten = orphans = 0
+        """Rewrite shards holding deleted entries without them, finish an interrupted compaction, drop
+        orphan files; returns what it did. Safe to kill at any point (see the module docstring)."""
+        removed_entries = rewritten = orphans = superseded_removed = 0
+        shard_dir = self.path / "shards"
         with self._locked():
-            self._manifests.clear()
+            self._manifests.clear()  # re-read and re-verify every manifest from disk
             self._embeddings.clear()
-            self.refresh()
-            shard_dir = self.path / "shards"
-            deleted = {p.name for p in (self.path / "deleted").iterdir()}
-            for sid, manifest in sorted(self._manifests.items()):
-                gone = [r for r in manifest["entries"] if r["id"] in deleted]
+            self.refresh()  # refuses a damaged store before anything is changed
+            superseded = {s for m in self._manifests.values() for s in m["supersedes"]}
+            # 1. what a killed compaction left: superseded manifests (first: that uncommits them) and shards
+            for sid in sorted(superseded):
+                gone = _remove(shard_dir / f"{sid}.json")
+                gone = _remove(shard_dir / f"{sid}.safetensors") or gone
+                superseded_removed += gone
+            # 2. rewrite each live shard that holds deleted entries
+            for sid in list(self._live_shards):
+                manifest = self._manifests[sid]
+                keep = [r for r in manifest["entries"] if r["id"] in self._entries]
+                gone = len(manifest["entries"]) - len(keep)
                 if not gone:
                     continue
-                keep = [r for r in manifest["entries"] if r["id"] not in deleted]
                 if keep:
-                    rows = [i for i, r in enumerate(manifest["entries"]) if r["id"] not in deleted]
-                    with safe_open(shard_dir / f"{sid}.safetensors", framework="pt", device="cpu") as handle:
-                        tensors = {name: handle.get_tensor(name) for name in handle.keys() if not name.split(".")[0] in {r["id"] for r in gone}}
-                    tensors["embeddings"] = tensors["embeddings"][rows].contiguous()
-                    new_sid = uuid.uuid4().hex
-                    atomic_write(shard_dir / f"{new_sid}.safetensors", save(tensors, metadata={"hf_statecompose_store": "shard"}))
-                    new_manifest = {"format_version": FORMAT_VERSION, "entries": keep, "embeddings_checksum": _digest({"embeddings": tensors["embeddings"]}),
-                                    "shared_checksum": manifest["shared_checksum"]}
-                    atomic_write(shard_dir / f"{new_sid}.json", json.dumps(new_manifest).encode())
-                # the old manifest goes first (uncommits the shard), then its tensors
-                os.unlink(shard_dir / f"{sid}.json")
-                os.unlink(shard_dir / f"{sid}.safetensors")
-                fsync_dir(shard_dir)
-                removed_entries += len(gone)
+                    self._rewrite_shard(sid, manifest, keep)  # commits a manifest that supersedes sid
+                _remove(shard_dir / f"{sid}.json")
+                _remove(shard_dir / f"{sid}.safetensors")
+                removed_entries += gone
                 rewritten += 1
-            committed = {p.stem for p in shard_dir.glob("*.json")}
-            for path in list(shard_dir.glob("*.safetensors")) + list(shard_dir.glob(".tmp-*")):
-                if path.stem not in committed or path.name.startswith(".tmp-"):
-                    path.unlink()
-                    orphans += 1
-            live = {r["id"] for sid in committed for r in _read_json(shard_dir / f"{sid}.json", "shard manifest")["entries"]}
-            for tomb in (self.path / "deleted").iterdir():
-                if tomb.name not in live:
-                    tomb.unlink()
+            # 3. orphans: tensors without a manifest, temporary files of killed writes
+            committed = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and _is_id(name[:-5], "shard")}
+            for folder in (shard_dir, self.path / "deleted", self.path):
+                for name in sorted(os.listdir(folder)):
+                    orphan = name.startswith(".tmp-") or (
+                        folder == shard_dir and name.endswith(".safetensors") and _is_id(name[: -len(".safetensors")], "shard")
+                        and name[: -len(".safetensors")] not in committed)
+                    if orphan and _remove(folder / name):
+                        orphans += 1
+            # 4. tombstones of entries no manifest lists any more
             self._manifests.clear()
             self._embeddings.clear()
             self.refresh()
-        return {"removed_entries": removed_entries, "rewritten_shards": rewritten, "orphan_files_removed": orphans}
+            listed = {r["id"] for sid in self._live_shards for r in self._manifests[sid]["entries"]}
+            for name in sorted(os.listdir(self.path / "deleted")):
+                if _is_id(name, "entry") and name not in listed:
+                    _remove(self.path / "deleted" / name)
+            self.refresh()
+        return {"removed_entries": removed_entries, "rewritten_shards": rewritten, "orphan_files_removed": orphans,
+                "superseded_shards_removed": superseded_removed}
+
+    def _rewrite_shard(self, sid: str, manifest: dict, keep: list[dict]) -> str:
+        """Write a new shard with the ``keep`` entries of ``sid`` (verified first: corruption is never
+        re-checksummed into validity) and commit its manifest, which supersedes ``sid``."""
+        from safetensors.torch import save
+
+        kept = {r["id"] for r in keep}
+        rows = [row for row, r in enumerate(manifest["entries"]) if r["id"] in kept]
+        embeddings = self._shard_embeddings(sid)[rows].contiguous()
+        handle, _ = self._open_shard(sid)
+        with handle:
+            # this file's own A bytes, verified (not a cached copy from another shard)
+            A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(self.model.config.num_hidden_layers)]
+            if _checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != manifest["shared_checksum"]:
+                raise ValueError(f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file); compaction stopped")
+            tensors: dict[str, torch.Tensor] = {"embeddings": embeddings}
+            tensors.update({f"A.{layer}": a for layer, a in enumerate(A)})
+            num_layers = len(A)
+            names = [f"{kind}.{layer}" for layer in range(num_layers) for kind in ("ssm", "conv", "delta_sum")] + ["token_ids"]
+            for record in keep:
+                entry = {name: self._tensor(handle, sid, f"{record['id']}.{name}") for name in names}
+                self._verify_entry(sid, record, entry, num_layers)
+                tensors.update({f"{record['id']}.{name}": t for name, t in entry.items()})
+        payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
+        new_sid = uuid.uuid4().hex
+        new_manifest = {"format_version": FORMAT_VERSION, "kind": "shard", "shard": new_sid, "fingerprint": self.fingerprint,
+                        "shard_size": len(payload), "supersedes": sorted({sid, *manifest["supersedes"]}), "entries": keep,
+                        "embeddings_checksum": _checksum({"embeddings": embeddings}), "shared_checksum": manifest["shared_checksum"]}
+        shard_dir = self.path / "shards"
+        _write(shard_dir / f"{new_sid}.safetensors", payload)
+        _write(shard_dir / f"{new_sid}.json", _seal(new_manifest))
+        return new_sid
 
     # ------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """Entries and bytes: ``entries``, ``shards``, ``deleted_pending`` (tombstoned, not yet compacted),
         ``bytes`` (all files), ``state_bytes_per_entry`` (tensor bytes of one entry's state),
         ``storage_dtype``, ``orphan_files``."""
-        self.refresh()
-        shard_dir = self.path / "shards"
-        total = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
-        committed = set(self._manifests)
-        orphans = [p for p in shard_dir.glob("*.safetensors") if p.stem not in committed]
-        all_ids = {r["id"] for m in self._manifests.values() for r in m["entries"]}
-        per_entry = None
-        if self._entries:
-            sid = next(iter(self._entries.values()))[0]
-            entry_id = next(i for i, (s, _) in self._entries.items() if s == sid)
-            with self._open_shard(sid) as handle:
-                per_entry = sum(_nbytes(handle, name) for name in handle.keys() if name.startswith(entry_id + ".") and not name.endswith("token_ids"))
-        return {
-            "entries": len(self._entries),
-            "shards": len(self._manifests),
-            "deleted_pending": len(all_ids) - len(self._entries),
-            "bytes": total,
-            "state_bytes_per_entry": per_entry,
-            "storage_dtype": self.header["storage_dtype"],
-            "orphan_files": len(orphans),
-            "retriever": self.header["retriever"],
-        }
+        with self._locked(shared=True):
+            self.refresh()
+            shard_dir = self.path / "shards"
+            total = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+            committed = set(self._manifests)
+            orphans = [name for name in os.listdir(shard_dir) if name.endswith(".safetensors") and name[: -len(".safetensors")] not in committed]
+            all_ids = {r["id"] for sid in self._live_shards for r in self._manifests[sid]["entries"]}
+            per_entry = None
+            if self._entries:
+                entry_id, (sid, _) = next(iter(self._entries.items()))
+                handle, _ = self._open_shard(sid)
+                with handle:
+                    per_entry = sum(_nbytes(handle, name) for name in handle.keys() if name.startswith(entry_id + ".") and not name.endswith("token_ids"))
+            return {
+                "entries": len(self._entries),
+                "shards": len(self._live_shards),
+                "deleted_pending": len(all_ids) - len(self._entries),
+                "bytes": total,
+                "state_bytes_per_entry": per_entry,
+                "storage_dtype": self.header["storage_dtype"],
+                "orphan_files": len(orphans),
+                "superseded_shards": len(committed) - len(self._live_shards),
+                "retriever": self.header["retriever"],
+            }
 
     def __repr__(self):
         return f"StateStore({str(self.path)!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
