@@ -5,11 +5,20 @@ What ``enable`` changes, and why it changes nothing else:
 * each mixer's class is swapped for a subclass whose ``forward`` runs our initial-state-aware path
   (:mod:`hf_statecompose.models`) only when ``cache_params`` is a ``ComposableMambaCache``; any other
   call goes to the stock forward untouched;
-* ``model.forward`` and ``model.generate`` are wrapped: without ``past_states`` they call the originals
-  with the same arguments. With ``past_states`` the states are checked, composed into a fresh
-  ``ComposableMambaCache`` with one row per query row (expanded for beams / return sequences), and
-  passed as ``cache_params``. ``generate`` therefore returns what stock generate returns: the query
-  as passed plus the new tokens.
+* the model's class is swapped for a subclass of its stock class (same name, same module, made once per
+  stock class) whose ``forward`` and ``generate`` take ``past_states=`` / ``composition=``. Without
+  ``past_states`` they call the stock methods with the same arguments. With ``past_states`` the query is
+  checked (a ``[batch, length]`` tensor, length >= 1, a left-padded 0/1 mask), the states are checked,
+  composed into a fresh ``ComposableMambaCache`` with one row per query row (expanded for beams / return
+  sequences), and passed as ``cache_params``; ``past_states`` never reaches the stock methods.
+  ``generate`` therefore returns what stock generate returns: the query as passed plus the new tokens.
+
+Everything lives on the classes, nothing in the instance: ``copy.deepcopy`` (trl's reference models, EMA
+copies), ``pickle`` / ``torch.save(model)``, ``.to()``, ``.half()`` and PEFT wrapping carry the enabled
+behaviour with the object and run *its* weights. The classes are made at run time, so pickle cannot find
+them by name; instances reduce themselves to :func:`_new_enabled_model` and the stock class, which
+re-creates the enabled class on load. The subclass keeps the stock ``__name__`` because transformers
+writes ``type(model).__name__`` into ``config.architectures`` on ``save_pretrained``.
 """
 from __future__ import annotations
 
@@ -21,12 +30,40 @@ import torch
 from ..composition.composer import StateComposer
 from ..models import disable_state_path, enable_state_path, get_backend, set_backend, using_backend  # noqa: F401
 from ..state.cache import ComposableMambaCache
-from ..state.fingerprint import base_model_of, model_fingerprint
-from ..state.validation import check_against_model, check_is_state
+from ..state.fingerprint import architecture_of, base_model_of, model_fingerprint
+from ..state.validation import check_against_model, check_is_state, check_left_padded_mask
+
+_ENABLED_CLASSES: dict[type, type] = {}
+
+
+class _EnabledModel:
+    """Base of every enabled model class ``<Stock>(_EnabledModel, <Stock>)`` made by :func:`enable`."""
+
+    _hsc_stock_class: type
+
+    def __reduce_ex__(self, protocol):
+        # the class was made by type() at run time and cannot be pickled by name: rebuild it from the stock class
+        return _new_enabled_model, (self._hsc_stock_class,), self.__getstate__()
+
+
+def _new_enabled_model(stock: type):
+    """An empty instance of the enabled subclass of ``stock`` (pickle / deepcopy then restore its ``__dict__``)."""
+    cls = _enabled_class(stock)
+    return cls.__new__(cls)
+
+
+def _transformers_model(model):
+    """The transformers model that ``enable`` changes: the model itself, or the one inside a PEFT model."""
+    if hasattr(model, "get_base_model") and not isinstance(model, _EnabledModel):
+        inner = model.get_base_model()
+        if inner is not model:
+            return inner
+    return model
 
 
 def is_enabled(model) -> bool:
-    return getattr(model, "_hf_statecompose_enabled", False)
+    """Whether ``model`` (or the transformers model inside a PEFT model) takes ``past_states=``."""
+    return isinstance(_transformers_model(model), _EnabledModel)
 
 
 def enable(model, backend: str | None = None):
@@ -34,28 +71,98 @@ def enable(model, backend: str | None = None):
 
     Calls without ``past_states`` behave exactly as before. ``backend`` (``"auto"``, ``"torch"`` or
     ``"triton"``, see :mod:`hf_statecompose.ops.backends`) picks the kernels of the state-aware path;
-    ``None`` keeps the model's current choice (``"auto"`` the first time).
+    ``None`` keeps the model's current choice (``"auto"`` the first time). A PEFT model is enabled
+    through the transformers model inside it (PEFT passes ``past_states`` down); enabling a model and
+    then wrapping it with PEFT works too. ``model.__class__`` becomes a subclass of the stock class
+    (``isinstance`` checks still hold); :func:`disable` gives the stock class back.
     """
-    enable_state_path(model, backend)
-    if is_enabled(model):
-        return model
-    if hasattr(model, "generate"):
-        model.generate = _wrap_generate(model, model.generate)
-    model.forward = _wrap_forward(model, model.forward)
-    object.__setattr__(model, "_hf_statecompose_enabled", True)
+    inner = _transformers_model(model)
+    architecture_of(inner)  # a clear TypeError for models that are not Mamba / Mamba-2
+    enable_state_path(inner, backend)
+    if not isinstance(inner, _EnabledModel):
+        inner.__class__ = _enabled_class(type(inner))
     return model
 
 
 def disable(model):
-    """Undo :func:`enable`."""
-    if not is_enabled(model):
-        return model
-    disable_state_path(model)
-    for name in ("forward", "generate"):
-        if name in model.__dict__:
-            del model.__dict__[name]
-    object.__setattr__(model, "_hf_statecompose_enabled", False)
+    """Undo :func:`enable`: the stock model class and mixer classes, exactly."""
+    inner = _transformers_model(model)
+    if isinstance(inner, _EnabledModel):
+        inner.__class__ = inner._hsc_stock_class
+    architecture_of(inner)
+    disable_state_path(inner)
     return model
+
+
+def _with_states_signature(method, stock_method):
+    """``method`` documented and introspected as ``stock_method`` plus ``past_states`` / ``composition``:
+    transformers inspects ``forward``'s parameters (``_validate_model_kwargs`` and others)."""
+    # name and doc only: no __wrapped__ (introspection would skip this method) and no copied attributes
+    functools.update_wrapper(method, stock_method, updated=())
+    del method.__wrapped__
+    signature = inspect.signature(stock_method)
+    parameters = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+    extra = [
+        inspect.Parameter("past_states", inspect.Parameter.KEYWORD_ONLY, default=None),
+        inspect.Parameter("composition", inspect.Parameter.KEYWORD_ONLY, default="picaso_r"),
+    ]
+    method.__signature__ = signature.replace(parameters=parameters[:at] + extra + parameters[at:])
+    return method
+
+
+def _enabled_class(stock: type) -> type:
+    """The enabled subclass of ``stock`` (made once; it closes over the class, never over an instance)."""
+    if stock not in _ENABLED_CLASSES:
+        stock_forward = stock.forward
+        forward_signature = inspect.signature(stock_forward)
+
+        def forward(self, *args, past_states=None, composition="picaso_r", **kwargs):
+            if past_states is None:
+                if isinstance(kwargs.get("cache_params"), ComposableMambaCache):
+                    _refuse_layer_checkpointing(self)
+                return stock_forward(self, *args, **kwargs)
+            _refuse_layer_checkpointing(self)
+            named = _by_name(forward_signature, self, args, kwargs)
+            if named.get("cache_params") is not None:
+                raise ValueError("pass either past_states or cache_params, not both")
+            batch = _check_query(named, ("input_ids",))
+            named["cache_params"] = compose_for_batch(self, past_states, composition, batch)
+            named["use_cache"] = True
+            return stock_forward(self, **named)
+
+        namespace = {
+            "forward": _with_states_signature(forward, stock_forward),
+            "_hsc_stock_class": stock,
+            "__module__": stock.__module__,
+            "__qualname__": stock.__qualname__,
+            "__doc__": stock.__doc__,
+        }
+        if hasattr(stock, "generate"):
+            stock_generate = stock.generate
+            generate_signature = inspect.signature(stock_generate)
+
+            def generate(self, *args, past_states=None, composition="picaso_r", **kwargs):
+                if past_states is None:
+                    return stock_generate(self, *args, **kwargs)
+                named = _by_name(generate_signature, self, args, kwargs)
+                if named.get("cache_params") is not None:
+                    raise ValueError("pass either past_states or cache_params, not both")
+                batch = _check_query(named, ("inputs", "input_ids"))
+                config = named.get("generation_config") or self.generation_config
+                expand = max(
+                    named.get("num_beams", getattr(config, "num_beams", 1)) or 1,
+                    named.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1,
+                )
+                composed = compose_for_batch(self, past_states, composition, batch)
+                # generate() expands input_ids for beams / return sequences but never a user cache: do it here
+                named["cache_params"] = composed.repeat_interleave(expand) if expand > 1 else composed
+                named["use_cache"] = True
+                return stock_generate(self, **named)
+
+            namespace["generate"] = _with_states_signature(generate, stock_generate)
+        _ENABLED_CLASSES[stock] = type(stock.__name__, (_EnabledModel, stock), namespace)
+    return _ENABLED_CLASSES[stock]
 
 
 # ---------------------------------------------------------------------------------------------- compose
@@ -108,33 +215,67 @@ def _check_batch_one(states, where):
             raise ValueError(f"{where}[{k}] has batch size {state.batch_size}; per-row lists take batch-1 states")
 
 
-def _batch_size_of(args, kwargs, names):
-    for name in names:
-        value = kwargs.get(name)
-        if torch.is_tensor(value):
-            return value.shape[0]
-    for value in args:
-        if torch.is_tensor(value):
-            return value.shape[0]
-    raise ValueError("past_states needs input_ids (or inputs_embeds) to know the batch size")
+def _by_name(signature, model, args, kwargs) -> dict:
+    """Every argument by its name, however it was passed, so that it can be read and replaced."""
+    try:
+        bound = signature.bind_partial(model, *args, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"{error} (with past_states)") from None
+    named = {}
+    for name, value in list(bound.arguments.items())[1:]:  # [0] is self
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise TypeError("with past_states, pass the model's arguments by name")
+        else:
+            named[name] = value
+    return named
 
 
-def _wrap_forward(model, original):
-    @functools.wraps(original)
-    def forward(*args, past_states=None, composition="picaso_r", **kwargs):
-        if past_states is None:
-            if isinstance(kwargs.get("cache_params"), ComposableMambaCache):
-                _refuse_layer_checkpointing(model)
-            return original(*args, **kwargs)
-        _refuse_layer_checkpointing(model)
-        if kwargs.get("cache_params") is not None:
-            raise ValueError("pass either past_states or cache_params, not both")
-        batch = _batch_size_of(args, kwargs, ("input_ids", "inputs_embeds"))
-        kwargs["cache_params"] = compose_for_batch(model, past_states, composition, batch)
-        kwargs["use_cache"] = True
-        return original(*args, **kwargs)
+def _check_query(named: dict, id_names: tuple[str, ...]) -> int:
+    """Check the query of a ``past_states`` call and its mask (replaced by the checked int64 mask); the batch size.
 
-    return forward
+    The states are composed per row and the query continues from them, so a right-padded row would run
+    its padding through the state and a wrong-shaped mask would pad the wrong tokens: refuse, as ``encode`` does.
+    """
+    ids = next((named[name] for name in id_names if named.get(name) is not None), None)
+    embeds = named.get("inputs_embeds")
+    if ids is None and embeds is None:
+        raise ValueError("past_states needs the query: pass input_ids (or inputs_embeds) of shape [batch, length]")
+    if ids is not None:
+        if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            found = f"a {ids.dtype} tensor" if torch.is_tensor(ids) else type(ids).__name__
+            raise TypeError(f"input_ids must be a tensor of token ids (torch.long), got {found}")
+        if ids.dim() != 2:
+            fix = "; for a single query use input_ids[None]" if ids.dim() == 1 else ""
+            raise ValueError(
+                f"input_ids must have shape [batch, length] with past_states, got shape {tuple(ids.shape)}{fix}"
+            )
+        shape = tuple(ids.shape)
+        if embeds is not None and (not torch.is_tensor(embeds) or tuple(embeds.shape[:2]) != shape):
+            found = tuple(embeds.shape) if torch.is_tensor(embeds) else type(embeds).__name__
+            raise ValueError(f"inputs_embeds {found} does not match input_ids {shape}; pass one of them")
+    else:
+        if not torch.is_tensor(embeds) or embeds.dim() != 3:
+            found = f"shape {tuple(embeds.shape)}" if torch.is_tensor(embeds) else type(embeds).__name__
+            raise ValueError(f"inputs_embeds must have shape [batch, length, hidden] with past_states, got {found}")
+        shape = tuple(embeds.shape[:2])
+    if shape[0] == 0:
+        raise ValueError("the query batch is empty (0 rows): pass at least one query row with past_states")
+    if shape[1] == 0:
+        raise ValueError(
+            "the query is empty (length 0): generation continues from the composed state with at least one "
+            "query token, whose logits give the first new token; pass e.g. the BOS token or a separator as the query"
+        )
+    mask = named.get("attention_mask")
+    if mask is not None:
+        if not torch.is_tensor(mask):
+            raise TypeError(f"attention_mask must be a tensor of 0/1 of shape {shape}, got {type(mask).__name__}")
+        # check_left_padded_mask compares the mask's shape with this stand-in for the query (no memory on 'meta')
+        named["attention_mask"] = check_left_padded_mask(mask, torch.empty(shape, device="meta"))
+    return shape[0]
 
 
 def _refuse_layer_checkpointing(model):
@@ -150,26 +291,3 @@ def _refuse_layer_checkpointing(model):
             "state. Disable it (model.activation_checkpointing_disable()) and, to save memory on the contexts, use "
             "hf_statecompose.training.composition_loss(..., checkpoint_contexts=True)"
         )
-
-
-def _wrap_generate(model, original):
-    @functools.wraps(original)
-    def generate(*args, past_states=None, composition="picaso_r", **kwargs):
-        if past_states is None:
-            return original(*args, **kwargs)
-        if kwargs.get("cache_params") is not None:
-            raise ValueError("pass either past_states or cache_params, not both")
-        bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
-        batch = _batch_size_of((), {**bound, **kwargs}, ("inputs", "input_ids", "inputs_embeds"))
-        config = kwargs.get("generation_config") or bound.get("generation_config") or model.generation_config
-        expand = max(
-            kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1,
-            kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1,
-        )
-        composed = compose_for_batch(model, past_states, composition, batch)
-        # generate() expands input_ids for beams / return sequences but never a user cache: do it here
-        kwargs["cache_params"] = composed.repeat_interleave(expand) if expand > 1 else composed
-        kwargs["use_cache"] = True
-        return original(*args, **kwargs)
-
-    return generate

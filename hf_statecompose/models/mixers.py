@@ -3,6 +3,11 @@
 :func:`enable_state_path` swaps each transformers mixer's class for a subclass whose ``forward`` runs
 our initial-state-aware path (``mamba.py`` / ``mamba2.py`` beside this file) when ``cache_params`` is a
 ``ComposableMambaCache``; any other call goes to the stock forward untouched.
+
+The subclasses are made at run time (one per stock mixer class, cached), so pickle cannot find them by
+name: each reduces itself to :func:`_new_state_aware_mixer` and the stock class, importable names that
+re-create the state-aware mixer on load. That is what lets ``copy.deepcopy``, ``pickle`` and
+``torch.save`` of a model with these mixers work.
 """
 from __future__ import annotations
 
@@ -20,6 +25,22 @@ from .mamba2 import mamba2_mixer_forward
 
 _PATH_FOR_MIXER = {MambaMixer: mamba_mixer_forward, Mamba2Mixer: mamba2_mixer_forward}
 _COMPOSABLE_MIXER_CLASSES: dict[type, type] = {}
+
+
+class _StateAwareMixer:
+    """Base of every ``Composable<Mixer>`` class: lets instances survive pickle / deepcopy."""
+
+    _hsc_stock_class: type
+
+    def __reduce_ex__(self, protocol):
+        # the class itself cannot be pickled by name (made by type() at run time): rebuild it from the stock class
+        return _new_state_aware_mixer, (self._hsc_stock_class,), self.__getstate__()
+
+
+def _new_state_aware_mixer(base: type):
+    """An empty instance of the state-aware subclass of ``base`` (pickle then restores its ``__dict__``)."""
+    cls = _composable_mixer_class(base)
+    return cls.__new__(cls)
 
 
 def _composable_mixer_class(base: type) -> type:
@@ -40,7 +61,9 @@ def _composable_mixer_class(base: type) -> type:
                 cache_params.add_tokens(count.to(device=hidden_states.device))
             return out
 
-        _COMPOSABLE_MIXER_CLASSES[base] = type(f"Composable{base.__name__}", (base,), {"forward": forward})
+        _COMPOSABLE_MIXER_CLASSES[base] = type(
+            f"Composable{base.__name__}", (_StateAwareMixer, base), {"forward": forward, "_hsc_stock_class": base}
+        )
     return _COMPOSABLE_MIXER_CLASSES[base]
 
 
@@ -54,7 +77,7 @@ def enable_state_path(model, backend: str | None = None):
     for block in backbone.layers:
         mixer = block.mixer
         base = type(mixer)
-        if base in _COMPOSABLE_MIXER_CLASSES.values():
+        if isinstance(mixer, _StateAwareMixer):
             continue
         if not any(issubclass(base, cls) for cls in _PATH_FOR_MIXER):
             raise TypeError(f"unsupported mixer {base.__name__}; expected transformers' MambaMixer or Mamba2Mixer")
@@ -62,13 +85,18 @@ def enable_state_path(model, backend: str | None = None):
     return model
 
 
+def state_path_enabled(model) -> bool:
+    """Whether ``model``'s mixers are the state-aware ones."""
+    return all(isinstance(block.mixer, _StateAwareMixer) for block in base_model_of(model).layers)
+
+
 def disable_state_path(model):
-    """Give the mixers their stock classes back."""
+    """Give the mixers their stock classes back, and drop the backend choice: the mixers are stock again."""
     for block in base_model_of(model).layers:
         mixer = block.mixer
-        for base, composable in _COMPOSABLE_MIXER_CLASSES.items():
-            if type(mixer) is composable:
-                mixer.__class__ = base
+        if isinstance(mixer, _StateAwareMixer):
+            mixer.__class__ = mixer._hsc_stock_class
+        mixer.__dict__.pop("_hsc_backend", None)
     return model
 
 
