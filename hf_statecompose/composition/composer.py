@@ -21,6 +21,7 @@ is order-independent) and the weighted mean for ``soup`` / ``weighted`` (a conve
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -29,7 +30,8 @@ from ..models import encode
 from ..ops.backends import check_backend_name, compose_ssm
 from ..ops.compose import MODEL_FREE_METHODS
 from ..state.cache import ComposableMambaCache
-from ..state.validation import check_compatible, check_finite
+from ..state.fingerprint import model_fingerprint
+from ..state.validation import check_against_model, check_compatible, check_finite
 
 MODEL_BASED_METHODS = ("concat", "piconcat_r")
 METHODS = MODEL_FREE_METHODS + MODEL_BASED_METHODS
@@ -79,12 +81,18 @@ class StateComposer:
         return f"StateComposer(method={self.method!r}, conv={self.conv!r}, backend={self.backend!r})"
 
     # ------------------------------------------------------------------------------------------
-    def compose(self, states: Sequence[ComposableMambaCache], model=None) -> ComposableMambaCache:
-        """Compose a non-empty list of states of one model (same batch) into one state (same batch)."""
+    def compose(self, states: Sequence[ComposableMambaCache], model=None, *, validated: bool = False) -> ComposableMambaCache:
+        """Compose a non-empty list of states of one model (same batch) into one state (same batch).
+
+        ``validated=True`` is for callers that already checked each state against ``model`` (type, filled
+        layers, fingerprint, shapes, dtype, device: ``generation.compose_for_batch`` does): the metadata
+        checks are then skipped. The finiteness check runs either way, once, with one host sync.
+        """
         if isinstance(states, ComposableMambaCache):
             raise TypeError("compose takes a list of states, not a single state")
         states = list(states) if isinstance(states, (list, tuple)) else states
-        check_compatible(states)
+        if not validated:
+            check_compatible(states)
         n = len(states)
         weights = None
         if self.weights is not None:
@@ -94,26 +102,60 @@ class StateComposer:
         if self.method in MODEL_BASED_METHODS:
             if model is None:
                 raise ValueError(f"method {self.method!r} re-encodes the context tokens: pass model=")
+            if not validated:
+                _check_states_fit_model(states, model, self.method)
             return _concat(states, model) if self.method == "concat" else _piconcat_r(states, model)
         if n == 1:
-            check_finite(states[0], "states[0]")
+            _check_finite_once(states[0], states)
             return states[0]._map_rows(lambda t: t)  # one state composes to itself, exactly (tensors shared)
         composed = compose_model_free(states, self.method, self.conv, weights, backend=self.backend)
-        _check_composed_finite(composed, states)
+        _check_finite_once(composed, states)
         return composed
 
 
+def _check_states_fit_model(states, model, method):
+    """The model-based methods run ``model`` over the states' tokens: a state of another model (other
+    architecture, config or weights) would silently give the other model's state, so refuse it."""
+    fingerprint = model_fingerprint(model)
+    for k, state in enumerate(states):
+        check_against_model(state, model, fingerprint, f"states[{k}] (method {method!r})")
+
+
+_WEIGHTS_HELP = "pass weights as a list (or 1-D tensor) of n non-negative real numbers summing to 1, e.g. [0.5, 0.3, 0.2]"
+
+
 def _check_weights_values(weights) -> torch.Tensor:
-    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    """The user's weights as a float64 tensor [n]; anything but n real numbers is refused by name
+    (a bool, a str, a dict, a 2-D table or complex numbers would otherwise be silently coerced)."""
+    if torch.is_tensor(weights) or hasattr(weights, "__array__") and not isinstance(weights, (list, tuple)):
+        w = torch.as_tensor(weights)
+        if w.dtype == torch.bool or w.is_complex() or not (w.is_floating_point() or w.dtype in _INT_DTYPES):
+            raise TypeError(f"weights must hold real numbers, got a tensor of {w.dtype}; {_WEIGHTS_HELP}")
+        if w.dim() != 1:
+            raise ValueError(f"weights must be 1-D (one weight per state), got shape {tuple(w.shape)}; {_WEIGHTS_HELP}")
+        w = w.to(torch.float64)  # keeps the autograd graph of a weight tensor that requires grad
+    elif isinstance(weights, (list, tuple)):
+        for k, value in enumerate(weights):
+            if torch.is_tensor(value) and value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"weights[{k}] is {value!r} ({type(value).__name__}), not a real number; {_WEIGHTS_HELP}")
+        w = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in weights]) if weights else torch.zeros(0, dtype=torch.float64)
+    else:
+        raise TypeError(f"weights must be a list, tuple or 1-D tensor of numbers, got {type(weights).__name__}; {_WEIGHTS_HELP}")
     if w.numel() == 0:
         raise ValueError("weights is empty: pass one non-negative weight per state")
-    if not torch.isfinite(w).all():
+    values = w.detach()
+    if not torch.isfinite(values).all():
         raise ValueError("weights contain NaN or inf")
-    if (w < 0).any():
-        raise ValueError(f"weights must be non-negative, got {w.tolist()}")
-    if abs(float(w.sum()) - 1.0) > 1e-6:
-        raise ValueError(f"weights must sum to 1 (got {float(w.sum()):.6g}); normalise them, e.g. w / w.sum()")
+    if (values < 0).any():
+        raise ValueError(f"weights must be non-negative, got {values.tolist()}")
+    if abs(float(values.sum()) - 1.0) > 1e-6:
+        raise ValueError(f"weights must sum to 1 (got {float(values.sum()):.6g}); normalise them, e.g. w / w.sum()")
     return w
+
+
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def compose_model_free(
@@ -146,18 +188,25 @@ def compose_model_free(
     return out
 
 
-def _check_composed_finite(composed, states):
+def _check_finite_once(composed, states):
     """NaN / inf in any input reaches the composed state (NaN·0 and inf·0 are NaN), so one pass over the
-    output finds every bad input; only then are the inputs searched, to name the culprit."""
+    output finds every bad input. The per-layer flags are gathered into one tensor and read once, so the
+    check costs one pass and one host sync whatever the number of layers; only on failure are the inputs
+    searched, to name the culprit."""
+    flags = []
     for i in range(composed.num_layers):
-        tensors = (composed.ssm_states[i], composed.conv_states[i], composed.delta_sums[i])
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
-            for k, state in enumerate(states):
-                check_finite(state, f"states[{k}]")
-            raise ValueError(
-                f"composing gave NaN or inf in layer {i} although every input is finite; "
-                "the states' values overflow the dtype: compose in float64 (state.to(dtype=torch.float64))"
-            )
+        for t in (composed.ssm_states[i], composed.conv_states[i], composed.delta_sums[i]):
+            flags.append(torch.isfinite(t).all())
+    if bool(torch.stack(flags).all()):
+        return
+    for k, state in enumerate(states):
+        check_finite(state, f"states[{k}]")
+    bad = next(i for i in range(composed.num_layers) if not all(bool(f) for f in flags[3 * i: 3 * i + 3]))
+    raise ValueError(
+        f"composing gave NaN or inf in layer {bad} although every input is finite; "
+        "the states' values are so close to the dtype's largest number that their weighted sum overflows; "
+        "the states are likely corrupted: re-encode the contexts"
+    )
 
 
 def _compose_conv(windows, policy: str, weights):
