@@ -107,7 +107,7 @@ def test_nan_or_inf_in_a_state(model, state, bad_value):
         StateComposer("picaso_r").compose([state, bad])
 
 
-def test_bad_weights_and_methods(state):
+def test_bad_weights_and_methods(model, state):
     with pytest.raises(ValueError, match="non-negative"):
         StateComposer("weighted", weights=[1.5, -0.5])
     with pytest.raises(ValueError, match="sum to 1"):
@@ -126,7 +126,7 @@ def test_bad_weights_and_methods(state):
         StateComposer("concat").compose([state, state])
     composed = StateComposer("soup").compose([state, state])
     with pytest.raises(ValueError, match="context tokens"):
-        StateComposer("concat").compose([composed, state], model=object())
+        StateComposer("concat").compose([composed, state], model=model)
 
 
 def test_bad_generate_arguments(model, state):

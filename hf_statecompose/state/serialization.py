@@ -49,11 +49,12 @@ def state_to_tensors(state) -> dict:
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
-def save_state(state, path) -> None:
-    from .validation import check_finite, check_is_state
+def serialize_state(state) -> bytes:
+    """The bytes of a state file for ``state`` (what :func:`save_state` writes)."""
+    from .validation import check_is_state, check_state
 
     check_is_state(state, "state")
-    check_finite(state)
+    check_state(state, where="state to save")
     tensors = state_to_tensors(state)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -65,18 +66,54 @@ def save_state(state, path) -> None:
         "config": state.config.to_dict(),
         "tensor_digest": _digest(tensors),
     }
-    payload = save(tensors, metadata={"hf_statecompose": json.dumps(meta, default=repr)})
-    atomic_write(path, payload)
+    return save(tensors, metadata={"hf_statecompose": json.dumps(meta, default=repr)})
+
+
+def save_state(state, path) -> None:
+    """Write ``state`` to ``path`` atomically. A state that would not load back (wrong dtypes, shapes,
+    NaN, negative ΣΔ, ...) is refused here already."""
+    atomic_write(path, serialize_state(state))
+
+
+# pickle protocols 2-5 start with PROTO (0x80) then the protocol number; torch.save's default format
+# is a zip archive (local file header "PK\x03\x04")
+_PICKLE_PROTOCOLS = {bytes([0x80, n]) for n in range(2, 6)}
+_ZIP_MAGIC = b"PK\x03\x04"
+_NOT_A_PICKLE_HINT = (
+    "hf_statecompose never unpickles (it can run code): only state files written by ComposableMambaCache.save "
+    "(safetensors) are accepted"
+)
+
+
+def _check_layout(path) -> None:
+    """Tell a safetensors file from a pickle / torch.save file by its layout, not by one byte.
+
+    A safetensors file starts with its header's length (8 bytes, little endian) followed by the
+    header's ``{``. Any first byte is possible there (a header of 0x80 + 256·k bytes starts with 0x80,
+    as a pickle does), so the layout is checked first and pickle / zip signatures only name what a
+    non-safetensors file is.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        head = handle.read(9)
+    if len(head) == 9 and head[8:9] == b"{":
+        header_length = int.from_bytes(head[:8], "little")
+        if 8 + header_length > size:
+            raise ValueError(
+                f"{path} is truncated or corrupted: its safetensors header claims {header_length} bytes, "
+                f"the file has {size}; re-encode the context or restore the file"
+            )
+        return
+    if head[:2] in _PICKLE_PROTOCOLS or head[:4] == _ZIP_MAGIC:
+        raise ValueError(f"{path} looks like a pickle / torch.save file; {_NOT_A_PICKLE_HINT}")
+    raise ValueError(
+        f"{path} is not a safetensors state file (truncated or corrupted?: no safetensors header); "
+        f"re-encode the context or restore the file. {_NOT_A_PICKLE_HINT}"
+    )
 
 
 def _read_metadata(path) -> dict:
-    with open(path, "rb") as handle:
-        head = handle.read(16)
-    if head[:1] == b"\x80" or head[:2] == b"PK":
-        raise ValueError(
-            f"{path} looks like a pickle / torch.save file; hf_statecompose never unpickles (it can run code): "
-            "only state files written by ComposableMambaCache.save (safetensors) are accepted"
-        )
+    _check_layout(path)
     try:
         from safetensors import safe_open
 
@@ -90,44 +127,117 @@ def _read_metadata(path) -> dict:
     if "hf_statecompose" not in metadata:
         raise ValueError(f"{path} is a safetensors file but not an hf_statecompose state (no metadata)")
     try:
-        return json.loads(metadata["hf_statecompose"])
+        meta = json.loads(metadata["hf_statecompose"])
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: state metadata is corrupted ({error})") from None
+    _check_metadata(meta, path)
+    return meta
+
+
+_METADATA_TYPES = {
+    "format_version": int,
+    "architecture": str,
+    "fingerprint": str,
+    "model_dtype": str,
+    "model_info": dict,
+    "num_layers": int,
+    "config": dict,
+    "tensor_digest": str,
+}
+
+
+def _check_metadata(meta, path) -> None:
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: state metadata is a JSON {type(meta).__name__}, not an object (corrupted file)")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: unsupported state format version {meta.get('format_version')!r} "
+            f"(this hf_statecompose reads version {FORMAT_VERSION}); re-encode the context"
+        )
+    for key, kind in _METADATA_TYPES.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(
+                f"{path}: state metadata {key!r} must be a {kind.__name__}, got {type(value).__name__} "
+                "(corrupted or hand-made file); re-encode the context"
+            )
+    if meta["architecture"] not in ("mamba", "mamba2"):
+        raise ValueError(f"{path}: unknown architecture {meta['architecture']!r} (expected 'mamba' or 'mamba2')")
+    if meta["model_dtype"] not in _DTYPES:
+        raise ValueError(f"{path}: unknown model dtype {meta['model_dtype']!r} (expected one of {sorted(_DTYPES)})")
+    if meta["num_layers"] < 1:
+        raise ValueError(f"{path}: num_layers is {meta['num_layers']}, a state has at least one layer")
+    model_type = meta["config"].get("model_type")
+    if model_type != meta["architecture"]:
+        raise ValueError(
+            f"{path}: the recorded config is for model_type {model_type!r}, the metadata says {meta['architecture']!r}"
+        )
+    if meta["config"].get("num_hidden_layers") != meta["num_layers"]:
+        raise ValueError(
+            f"{path}: the recorded config has {meta['config'].get('num_hidden_layers')!r} layers, "
+            f"the metadata says {meta['num_layers']}"
+        )
+
+
+def _check_tensor_names(tensors: dict, num_layers: int, path) -> None:
+    expected = {f"{kind}.{i}" for kind in ("ssm", "conv", "delta_sum", "A") for i in range(num_layers)}
+    missing = sorted(expected - set(tensors))
+    unknown = sorted(set(tensors) - expected - {"num_tokens", "token_ids"})
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing[:4]}{'…' if len(missing) > 4 else ''}; re-encode the context")
+    if unknown:
+        raise ValueError(
+            f"{path}: unexpected tensors {unknown[:4]}{'…' if len(unknown) > 4 else ''} for a {num_layers}-layer state "
+            "(another format or a hand-made file); re-encode the context"
+        )
 
 
 def load_state(path, model=None, device=None):
+    """Read a state file written by :func:`save_state`; nothing in the file is trusted.
+
+    The layout must be safetensors (pickles and torch.save files are refused, never opened), the
+    metadata well formed, the tensor bytes must match the recorded digest, and every tensor must fit the
+    schema (:func:`~.validation.check_state`: names, dtypes, shapes consistent with the recorded config,
+    the metadata and each other, finite values, ``ΣΔ >= 0``, ``A < 0``). With ``model``, the shapes come
+    from the model's config, each layer's ``A`` must be the model's ``-exp(A_log)``, and fingerprint,
+    dtype and device must match (:func:`~.validation.check_against_model`).
+
+    Dtypes are never converted: a file whose conv windows are not in its recorded ``model_dtype`` is
+    refused, and so is loading a state into the model in another dtype than the one that encoded it
+    (its fingerprint differs); re-encode the contexts with the model in the dtype it runs in.
+    ``device`` (default: the model's device, else where the tensors are read, the CPU) places the state.
+    """
     from transformers import AutoConfig
 
     from .cache import ComposableMambaCache
-    from .validation import check_against_model, check_finite
+    from .validation import check_against_model, check_state
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no state file at {path}")
     meta = _read_metadata(path)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported state format version {meta.get('format_version')!r}")
     try:
         tensors = load_file(path)
     except Exception as error:
         raise ValueError(f"{path} is truncated or corrupted ({error}); re-encode the context") from None
-    if _digest(tensors) != meta.get("tensor_digest"):
+    if _digest(tensors) != meta["tensor_digest"]:
         raise ValueError(f"{path}: tensor data does not match its recorded digest (corrupted file); re-encode the context")
     num_layers = meta["num_layers"]
-    expected = {f"{kind}.{i}" for kind in ("ssm", "conv", "delta_sum", "A") for i in range(num_layers)}
-    if not expected <= set(tensors):
-        raise ValueError(f"{path}: missing tensors {sorted(expected - set(tensors))[:4]}…")
-    config_dict = dict(meta["config"])
-    model_type = config_dict.pop("model_type", meta["model_info"].get("model_type"))
-    config = model.config if model is not None else AutoConfig.for_model(model_type, **config_dict)
-    dtype = _DTYPES.get(meta["model_dtype"])
-    if dtype is None:
-        raise ValueError(f"{path}: unknown model dtype {meta['model_dtype']!r}")
+    _check_tensor_names(tensors, num_layers, path)
+    if model is not None:
+        config = model.config
+    else:
+        config_dict = dict(meta["config"])
+        model_type = config_dict.pop("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **config_dict)
+        except Exception as error:
+            raise ValueError(f"{path}: the recorded model config cannot be rebuilt ({error}); re-encode the context") from None
     state = ComposableMambaCache(
         config,
         architecture=meta["architecture"],
         fingerprint=meta["fingerprint"],
-        model_dtype=dtype,
+        model_dtype=_DTYPES[meta["model_dtype"]],
         model_info=meta["model_info"],
     )
     if state.num_layers != num_layers:
@@ -148,9 +258,10 @@ def load_state(path, model=None, device=None):
         )
     state.num_tokens = to(tensors["num_tokens"]) if "num_tokens" in tensors else None
     state.token_ids = to(tensors["token_ids"]) if "token_ids" in tensors else None
-    check_finite(state, path)
     if model is not None:
         from .fingerprint import model_fingerprint
 
+        # first: a state of another model is named as such, not as a damaged file
         check_against_model(state, model, model_fingerprint(model), where=path)
+    check_state(state, where=path)  # with a model, check_against_model compared A already
     return state

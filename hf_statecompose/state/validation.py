@@ -90,13 +90,170 @@ def expected_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (config.num_heads, config.head_dim, config.state_size), (conv_dim, config.conv_kernel)
 
 
+def expected_decay_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-row shape of ΣΔ and the shape of ``A`` for one layer of a model with this config:
+    Mamba-1 ``(D,)`` and ``(D, N)``, Mamba-2 ``(H,)`` and ``(H,)``."""
+    if config.model_type == "mamba":
+        return (config.intermediate_size,), (config.intermediate_size, config.state_size)
+    return (config.num_heads,), (config.num_heads,)
+
+
+# A stored A must equal the model's -exp(A_log) computed in float32. Encoded and checked on the same
+# device they are bit-identical; across devices exp() may differ by a few ulp, so allow 1e-5 relative
+# (about 80 ulp): any real difference (another layer's A, a scaled A) is far larger.
+A_RTOL = 1e-5
+
+_STATE_FLOAT = torch.float32  # SSM states, ΣΔ and A are always float32; conv windows are in the model dtype
+
+
+def _refuse(where: str, problem: str):
+    raise ValueError(
+        f"{where}: {problem}; the state was altered or not written by hf_statecompose for this model: "
+        "re-encode the context"
+    )
+
+
+def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RTOL) -> None:
+    """Check every tensor of ``state`` against its own config and metadata, and with ``model`` against
+    the model's ``A``; raise a ``ValueError`` naming the first problem.
+
+    Without ``model`` (what a state file can be checked against by itself):
+
+    * the architecture is ``"mamba"`` or ``"mamba2"`` and matches ``state.config.model_type``; one
+      state per layer of the config, every layer filled;
+    * dtypes: SSM state, ΣΔ and ``A`` float32, conv window ``state.model_dtype``, ``num_tokens`` and
+      ``token_ids`` int64; all tensors on one device;
+    * shapes from the config (:func:`expected_state_shapes`, :func:`expected_decay_shapes`) with one
+      batch size ``B >= 1`` for every layer: SSM ``[B, ...]``, conv ``[B, C, K]``, ΣΔ ``[B, D or H]``,
+      ``A`` ``[D, N]`` or ``[H]``, ``num_tokens`` ``[B]``, ``token_ids`` ``[B, T]``;
+    * values: SSM state and conv window finite; ΣΔ finite and ``>= 0`` (a decay ``exp(A·ΣΔ)`` above 1
+      would amplify the context); ``A`` finite and ``< 0``; ``num_tokens >= 0``; ``token_ids`` in
+      ``[-1, vocab_size)``, left padded with -1, and as many real ids per row as ``num_tokens``.
+
+    With ``model``, also: each layer's ``A`` equals ``-exp(A_log)`` of that layer's mixer, in float32,
+    to relative ``A_rtol`` (default :data:`A_RTOL`). The fingerprint, dtype and device of the model are
+    checked by :func:`check_against_model`. Stable signature: the store calls it on states it builds.
+    """
+    check_is_state(state, where)
+    config = state.config
+    architecture = state.architecture
+    if architecture not in ("mamba", "mamba2") or getattr(config, "model_type", None) != architecture:
+        _refuse(where, f"architecture {architecture!r} does not match its config's model_type "
+                       f"{getattr(config, 'model_type', None)!r} (expected 'mamba' or 'mamba2' for both)")
+    if state.num_layers != config.num_hidden_layers:
+        _refuse(where, f"it holds {state.num_layers} layers, its config {config.num_hidden_layers}")
+    if state.model_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        _refuse(where, f"model dtype {state.model_dtype} is not a floating point dtype")
+    ssm_shape, conv_shape = expected_state_shapes(config)
+    delta_shape, A_shape = expected_decay_shapes(config)
+    batch = state.ssm_states[0].shape[0] if state.ssm_states[0].dim() else 0
+    if batch < 1:
+        _refuse(where, f"layer 0 SSM state has shape {tuple(state.ssm_states[0].shape)}: no batch dimension")
+    device = state.ssm_states[0].device
+    for i in range(state.num_layers):
+        for name, tensor, dtype, shape in (
+            ("SSM state", state.ssm_states[i], _STATE_FLOAT, (batch, *ssm_shape)),
+            ("conv window", state.conv_states[i], state.model_dtype, (batch, *conv_shape)),
+            ("ΣΔ", state.delta_sums[i], _STATE_FLOAT, (batch, *delta_shape)),
+            ("A", state.A[i], _STATE_FLOAT, A_shape),
+        ):
+            if not isinstance(tensor, torch.Tensor):
+                _refuse(where, f"layer {i} {name} is {type(tensor).__name__}, not a tensor")
+            if tensor.dtype != dtype:
+                _refuse(where, f"layer {i} {name} is {tensor.dtype}, expected {dtype}"
+                               + (" (the recorded model dtype)" if name == "conv window" else ""))
+            if tuple(tensor.shape) != shape:
+                _refuse(where, f"layer {i} {name} has shape {tuple(tensor.shape)}, expected {shape} "
+                               f"(batch {batch} as in layer 0, the rest from the {architecture} config)")
+            if tensor.device != device:
+                _refuse(where, f"layer {i} {name} is on {tensor.device}, layer 0 on {device}")
+        with torch.no_grad():
+            for name, tensor in (("SSM state", state.ssm_states[i]), ("conv window", state.conv_states[i])):
+                if not torch.isfinite(tensor).all():
+                    _refuse(where, f"layer {i} {name} contains NaN or inf")
+            delta_sum, A = state.delta_sums[i], state.A[i]
+            if not torch.isfinite(delta_sum).all():
+                _refuse(where, f"layer {i} ΣΔ contains NaN or inf")
+            if (delta_sum < 0).any():
+                _refuse(where, f"layer {i} ΣΔ has negative entries (min {float(delta_sum.min()):.3g}): the context's "
+                               "decay exp(A·ΣΔ) would exceed 1")
+            if not torch.isfinite(A).all() or (A >= 0).any():
+                _refuse(where, f"layer {i} A must be finite and negative (it is -exp(A_log)), got max {float(A.max()):.3g}")
+    _check_token_counts(state, batch, device, where)
+    if model is not None:
+        _check_A_against_model(state, model, where, A_rtol)
+
+
+def _check_token_counts(state, batch: int, device, where: str) -> None:
+    num_tokens, token_ids = state.num_tokens, state.token_ids
+    if num_tokens is not None:
+        if not isinstance(num_tokens, torch.Tensor) or num_tokens.dtype != torch.int64 or tuple(num_tokens.shape) != (batch,):
+            _refuse(where, f"num_tokens must be an int64 tensor of shape ({batch},), got "
+                           f"{getattr(num_tokens, 'dtype', type(num_tokens).__name__)} {tuple(getattr(num_tokens, 'shape', ()))}")
+        if num_tokens.device != device:
+            _refuse(where, f"num_tokens is on {num_tokens.device}, the states on {device}")
+        if (num_tokens < 0).any():
+            _refuse(where, f"num_tokens has negative counts {num_tokens.tolist()}")
+    if token_ids is None:
+        return
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dtype != torch.int64 or token_ids.dim() != 2 or token_ids.shape[0] != batch:
+        _refuse(where, f"token_ids must be an int64 tensor of shape ({batch}, T), got "
+                       f"{getattr(token_ids, 'dtype', type(token_ids).__name__)} {tuple(getattr(token_ids, 'shape', ()))}")
+    if token_ids.device != device:
+        _refuse(where, f"token_ids is on {token_ids.device}, the states on {device}")
+    vocab_size = getattr(state.config, "vocab_size", None)
+    if (token_ids < -1).any() or (vocab_size is not None and (token_ids >= vocab_size).any()):
+        _refuse(where, f"token_ids hold ids outside [-1, {vocab_size}) (-1 is padding)")
+    real = token_ids >= 0
+    if token_ids.shape[1] > 1 and (real[:, :-1] & ~real[:, 1:]).any():
+        _refuse(where, "token_ids are not left padded (a -1 after a real id)")
+    if num_tokens is not None and not torch.equal(real.sum(-1), num_tokens):
+        _refuse(where, f"token_ids hold {real.sum(-1).tolist()} ids per row but num_tokens says {num_tokens.tolist()}")
+
+
+def _check_A_against_model(state, model, where: str, A_rtol: float) -> None:
+    from .fingerprint import base_model_of
+
+    layers = base_model_of(model).layers
+    if len(layers) != state.num_layers:
+        raise ValueError(
+            f"{where} has {state.num_layers} layers, the model {len(layers)}; "
+            "the state belongs to another model: re-encode the contexts with this model"
+        )
+    with torch.no_grad():
+        expected = []
+        for i, layer in enumerate(layers):
+            A_log = getattr(getattr(layer, "mixer", None), "A_log", None)
+            if A_log is None:
+                raise TypeError(f"layer {i} of {type(model).__name__} has no mixer.A_log: not a Mamba / Mamba-2 model")
+            stored = state.A[i]
+            if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != tuple(A_log.shape):
+                _refuse(where, f"layer {i} A has shape {tuple(getattr(stored, 'shape', ()))}, the model's {tuple(A_log.shape)}")
+            # the same formula as the mixers (models/mamba.py, models/mamba2.py)
+            expected.append(-torch.exp(A_log.detach().float()).to(stored.device))
+        # one device sync for all layers; `~(d <= tol)` so that NaN counts as off
+        device = expected[0].device
+        off = torch.stack(
+            [(~((state.A[i].detach().float() - e).abs() <= A_rtol * e.abs())).any().to(device) for i, e in enumerate(expected)]
+        )
+        if bool(off.any()):
+            i = int(off.nonzero()[0, 0])
+            stored, e = state.A[i].detach().float(), expected[i]
+            worst = float(((stored - e).abs() / e.abs()).max())
+            _refuse(where, f"layer {i} A is not this model's -exp(A_log) (relative difference up to {worst:.3g}, "
+                           f"allowed {A_rtol:g}): the file was altered, or the weights changed since it was encoded")
+
+
 def check_against_model(state, model, fingerprint: str, where: str = "past_states"):
-    """The state was encoded by this very model, in its dtype, on its device, with its shapes."""
+    """The state was encoded by this very model, in its dtype, on its device, with its shapes, and its
+    ``A`` is the model's ``-exp(A_log)`` (to :data:`A_RTOL`). ``fingerprint`` is ``model_fingerprint(model)``
+    (passed in so that checking many states hashes the model once)."""
     parameter = next(model.parameters())
     if state.model_dtype != parameter.dtype:
         raise ValueError(
             f"{where} was encoded with the model in {state.model_dtype}, the model is now {parameter.dtype}; "
-            "re-encode the contexts in this dtype, or convert the state with state.to(dtype=...) if you accept the rounding"
+            f"re-encode the contexts with the model in {parameter.dtype} (states are never converted between "
+            "dtypes: the model's fingerprint covers its weights' dtype, and rounded states give other tokens)"
         )
     if state.device != parameter.device:
         raise ValueError(f"{where} is on {state.device}, the model on {parameter.device}; use state.to(device)")
@@ -120,6 +277,9 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
             "states only fit the exact model (architecture, config and weights) that encoded them: "
             "re-encode the contexts with this model"
         )
+    # the fingerprint names the model, A is read from the state: a state whose A was altered (a
+    # crafted file that copied the fingerprint) would decay contexts wrongly without this
+    _check_A_against_model(state, model, where, A_RTOL)
 
 
 def check_left_padded_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -128,9 +288,10 @@ def check_left_padded_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor
         raise ValueError(
             f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
         )
-    mask = attention_mask.to(torch.long)
-    if ((mask != 0) & (mask != 1)).any():
+    # checked before the cast to int64, which would turn 0.5 into 0 (a token silently taken as padding)
+    if ((attention_mask != 0) & (attention_mask != 1)).any():
         raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
+    mask = attention_mask.to(torch.long)
     if (mask[:, 1:] < mask[:, :-1]).any():
         raise ValueError(
             "hf_statecompose needs left padding (Mamba caches continue from the last token): "
