@@ -1,35 +1,49 @@
-"""hf_statecompose: start Mamba / Mamba-2 generation from a composition of precomputed context states."""
-from .state import ComposableMambaCache, model_fingerprint
-from .models import encode
-from .composition import METHODS, StateComposer, compose_states
-from .generation import disable, enable, get_backend, is_enabled, set_backend
-from .attribution import Attribution, leave_one_out
-from .pipeline import RetrievalGeneration, continuation_losses, generate_with_retrieval
-from .store import StateStore, StoreEntry
-from .training import CompositionExample, composition_loss
-from .demo import load_demo
+"""hf_statecompose: start Mamba / Mamba-2 generation from a composition of precomputed context states.
+
+Importing the package is light (no torch): the public names below are imported on first use
+(PEP 562), so ``hf-statecompose --help`` answers at once. The import only sets up two hooks, each
+run when (and if) the module it needs is imported by anyone:
+
+* lm-eval's model registry gets the model ``statecompose`` (when ``lm_eval.api.registry`` is imported);
+* transformers' stock Mamba / Mamba-2 ``forward`` and ``generate`` refuse ``past_states=`` with a
+  ``ValueError`` naming :func:`enable` (a model that was never enabled would silently ignore them).
+"""
+from __future__ import annotations
+
+import importlib
+
+from . import _guard
 
 __version__ = "0.1.0"
 
-
-def _register_lm_eval_model() -> None:
-    """Register the lm-eval model ``statecompose`` (a lazy placeholder: lm-eval's HFLM and our
-    :mod:`hf_statecompose.lmeval.model` are imported only when lm-eval asks for the model)."""
-    import importlib.util
-
-    if importlib.util.find_spec("lm_eval") is None:
-        return
-    try:
-        from .lmeval import register
-
-        register()
-    except Exception as error:  # a broken lm-eval must not break this package
-        import logging
-
-        logging.getLogger("hf_statecompose").warning("could not register the lm-eval model 'statecompose': %r", error)
-
-
-_register_lm_eval_model()
+# public name -> the subpackage that defines it
+_EXPORTS = {
+    "ComposableMambaCache": "state",
+    "model_fingerprint": "state",
+    "encode": "models",
+    "METHODS": "composition",
+    "StateComposer": "composition",
+    "compose_states": "composition",
+    "disable": "generation",
+    "enable": "generation",
+    "get_backend": "generation",
+    "is_enabled": "generation",
+    "set_backend": "generation",
+    "Attribution": "attribution",
+    "leave_one_out": "attribution",
+    "RetrievalGeneration": "pipeline",
+    "continuation_losses": "pipeline",
+    "generate_with_retrieval": "pipeline",
+    "StateStore": "store",
+    "StoreEntry": "store",
+    "CompositionExample": "training",
+    "composition_loss": "training",
+    "load_demo": "demo",
+}
+_SUBPACKAGES = (
+    "attribution", "benchmarking", "cli", "composition", "demo", "generation", "lmeval", "models", "ops",
+    "pipeline", "retrieval", "state", "store", "training",
+)
 
 __all__ = [
     "Attribution",
@@ -54,3 +68,37 @@ __all__ = [
     "model_fingerprint",
     "set_backend",
 ]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        # models installs ComposableMambaCache.encode (the state layer cannot import it): always load it
+        importlib.import_module(f"{__name__}.models")
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))
+
+
+def _register_lm_eval_model(_module=None) -> None:
+    """Register the lm-eval model ``statecompose`` (a lazy placeholder: lm-eval's HFLM and our
+    :mod:`hf_statecompose.lmeval.model` are imported only when lm-eval asks for the model)."""
+    try:
+        from .lmeval import register
+
+        register()
+    except Exception as error:  # a broken lm-eval must not break this package
+        import logging
+
+        logging.getLogger("hf_statecompose").warning("could not register the lm-eval model 'statecompose': %r", error)
+
+
+_guard.install()
+_guard.when_imported("lm_eval.api.registry", _register_lm_eval_model)

@@ -1,72 +1,272 @@
 """Command line: build a state store from a text / JSONL file, query it, inspect and maintain it.
 
-    python -m hf_statecompose build  STORE passages.jsonl [--model demo] [--storage-dtype bf16]
-    python -m hf_statecompose query  STORE "Velmora product" [-k 5] [--composition picaso_r]
-    python -m hf_statecompose stats  STORE
-    python -m hf_statecompose delete STORE ID [ID ...]
-    python -m hf_statecompose compact STORE
-    python -m hf_statecompose lm-eval run --model statecompose --model_args ... --tasks ...
+    hf-statecompose build   STORE passages.jsonl [--model demo] [--storage-dtype bf16]
+    hf-statecompose query   STORE "Velmora product" [-k 5] [--composition picaso_r]
+    hf-statecompose stats   STORE
+    hf-statecompose delete  STORE ID [ID ...]
+    hf-statecompose compact STORE
+    hf-statecompose lm-eval run --model statecompose --model_args ... --tasks ...
 
-(also installed as the console script ``hf-statecompose``). ``--model`` is ``demo`` (the embedded
-Mamba-2), ``demo-mamba`` (the embedded Mamba-1) or a local checkpoint folder; ``build`` records it in
-the store, so ``query`` reopens the same model by default. Input: ``.jsonl`` with one object per line
-(``"text"`` plus any other fields, kept as metadata) or plain text, one passage per blank-line-separated
-paragraph.
+(also ``python -m hf_statecompose``). ``--model`` is ``demo`` (the embedded Mamba-2), ``demo-mamba``
+(the embedded Mamba-1) or a local checkpoint folder; ``build`` records it in the store, so the other
+commands reopen the same model by default. Input: ``.jsonl`` with one object per line (``"text"`` plus
+any other fields, kept as metadata) or UTF-8 plain text, one passage per blank-line-separated paragraph.
+A failed ``build`` of a new store leaves nothing behind. User errors print one line and exit with 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
+# ``--composition`` choices: hf_statecompose.composition.METHODS, written out because importing it
+# would import torch before the arguments are even parsed (tests check that both agree)
+COMPOSITIONS = ("soup", "weighted", "caso", "picaso_s", "picaso_r", "concat", "piconcat_r")
+STORAGE_DTYPES = ("fp32", "bf16")
+PROG = "hf-statecompose"
 
+
+class CommandLineError(ValueError):
+    """A user error: reported as one line ``hf-statecompose: error: ...``, exit status 2."""
+
+
+def _fail(message: str) -> None:
+    message = " ".join(str(message).split())  # one line, whatever the message held
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints the usage block before its error; one line, with a pointer to the help, is enough."""
+
+    def error(self, message):
+        _fail(f"{message} (see: {self.prog} --help)")
+
+
+# ------------------------------------------------------------------------------ argument types
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _query_text(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the query is empty: give some text to retrieve and generate from")
+    return text
+
+
+def _model_spec(spec: str) -> str:
+    from .demo import DEMO_SPECS  # light: names and paths only
+
+    if spec in DEMO_SPECS:
+        return spec
+    path = Path(spec)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{spec!r} is not one of {', '.join(DEMO_SPECS)} nor a local checkpoint folder (nothing is downloaded)"
+        )
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{spec!r} holds no config.json: not a transformers checkpoint folder")
+    return spec
+
+
+# ----------------------------------------------------------------------------- the heavy parts
 def load_model(spec: str):
+    """``(model, tokenizer)``, enabled, for ``demo`` / ``demo-mamba`` / ``demo-mamba2`` or a local checkpoint folder."""
     from .demo import DEMO_SPECS, load_demo
 
     if spec in DEMO_SPECS:
         return load_demo(DEMO_SPECS[spec])
+    if not Path(spec).is_dir():
+        raise CommandLineError(f"--model {spec!r}: not one of {', '.join(DEMO_SPECS)} nor a local checkpoint folder (nothing is downloaded)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .generation.integration import enable
 
-    if not Path(spec).is_dir():
-        raise SystemExit(f"--model {spec!r}: not 'demo', 'demo-mamba' or a local checkpoint folder (nothing is downloaded)")
-    model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
-    return enable(model.eval()), AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CommandLineError(f"--model {spec!r}: cannot load a causal LM and its tokenizer from it ({_text(error)})") from error
+    try:
+        return enable(model.eval()), tokenizer
+    except (ValueError, TypeError, AttributeError) as error:
+        raise CommandLineError(f"--model {spec!r}: {type(model).__name__} is not a Mamba / Mamba-2 model ({_text(error)})") from error
 
 
 def read_passages(path: str, text_field: str = "text") -> tuple[list[str], list[dict]]:
+    """``(texts, metadata)`` of a ``.jsonl`` file (one object per line) or a plain text file (paragraphs)."""
     source = Path(path)
     if not source.is_file():
-        raise SystemExit(f"no input file {path}")
+        raise CommandLineError(f"no input file {path}")
+    try:
+        content = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise CommandLineError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8") from None
+    except OSError as error:
+        raise CommandLineError(f"cannot read {path}: {error.strerror or error}") from None
     if source.suffix == ".jsonl":
         from .store.passages import parse_passages_jsonl
 
         try:
-            return parse_passages_jsonl(source.read_text(encoding="utf-8"), path, text_field)
+            return parse_passages_jsonl(content, path, text_field)
         except ValueError as error:
-            raise SystemExit(str(error)) from None
+            raise CommandLineError(str(error)) from None
     texts, metadata = [], []
-    for block in source.read_text(encoding="utf-8").split("\n\n"):
+    for block in content.split("\n\n"):
         if block.strip():
             texts.append(" ".join(block.split()))
             metadata.append({})
     if not texts:
-        raise SystemExit(f"{path} holds no passages")
+        raise CommandLineError(f"{path} holds no passages")
     return texts, metadata
 
 
+def read_header(path: str) -> dict | None:
+    """The store's ``store.json`` (None if ``path`` holds no store), checked before any model is loaded."""
+    root = Path(path)
+    header = root / "store.json"
+    if not header.exists():
+        if root.exists() and not root.is_dir():
+            raise CommandLineError(f"{path} is a file, not a store folder")
+        return None
+    try:
+        data = json.loads(header.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # ValueError: JSON and UTF-8 errors
+        raise CommandLineError(f"{header} is unreadable or corrupted ({_text(error)}); it is not a usable store") from None
+    if not isinstance(data, dict) or not isinstance(data.get("info", {}), dict):
+        raise CommandLineError(f"{header} is corrupted (not a store header); it is not a usable store")
+    return data
+
+
+def _require_store(path: str) -> dict:
+    header = read_header(path)
+    if header is None:
+        raise CommandLineError(f"no store at {path} (build one with: {PROG} build {path} FILE)")
+    return header
+
+
 def open_store(path: str, model_spec: str | None, storage_dtype: str | None = None, create: bool = False):
+    """``(store, model, tokenizer)``; the model is the store's recorded one unless ``model_spec`` is given."""
+    header = read_header(path) if create else _require_store(path)
     from .store import StateStore
 
-    header = Path(path) / "store.json"
-    if not create and not header.is_file():
-        raise SystemExit(f"no store at {path} (build one with: python -m hf_statecompose build {path} FILE)")
     if model_spec is None:
-        model_spec = json.loads(header.read_text()).get("info", {}).get("model", "demo") if header.is_file() else "demo"
+        model_spec = (header or {}).get("info", {}).get("model", "demo")
     model, tokenizer = load_model(model_spec)
     return StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": model_spec}), model, tokenizer
+
+
+def _build(args) -> None:
+    texts, metadata = read_passages(args.input, args.text_field)  # before anything is created or loaded
+    target = Path(args.store)
+    if read_header(args.store) is not None:  # extend an existing store (each batch is committed on its own)
+        store, _, _ = open_store(args.store, args.model, args.storage_dtype)
+        ids = store.add(texts, metadata, batch_size=args.batch_size)
+    else:
+        if target.is_dir() and any(target.iterdir()):
+            raise CommandLineError(f"{target} exists and is not a store (no store.json): give a new or empty folder")
+        from .store import StateStore
+
+        spec = args.model or "demo"
+        model, tokenizer = load_model(spec)
+        # a new store is built beside its path and renamed into place when complete, so that a failure
+        # or an interruption leaves no half-built store that later commands would take for a real one
+        target.parent.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+        try:
+            draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": spec})
+            ids = draft.add(texts, metadata, batch_size=args.batch_size)
+            if target.is_dir():
+                target.rmdir()  # empty (checked above): os.replace wants the name free
+            os.replace(building / "store", target)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+        store = StateStore(target, model, tokenizer, retriever=draft.retriever)
+    print(f"added {len(ids)} entries to {args.store}")
+    print(json.dumps(store.stats(), indent=1))
+
+
+def _query(args) -> None:
+    from .pipeline import generate_with_retrieval
+
+    store, model, tokenizer = open_store(args.store, args.model)
+    result = generate_with_retrieval(
+        model, tokenizer, args.query, store, k=args.k, composition=args.composition, max_new_tokens=args.max_new_tokens, do_sample=False
+    )
+    if args.json:
+        print(json.dumps({"query": args.query, "generated": result.text,
+                          "retrieved": [{"id": e.id, "score": e.score, "text": e.text} for e in result.retrieved]}))
+    else:
+        for rank, entry in enumerate(result.retrieved, 1):
+            print(f"[{rank}] {entry.score:.3f} {entry.id}  {entry.text[:100]!r}")
+        print(f"query:     {args.query!r}\ngenerated: {result.text!r}  ({args.composition}, k={len(result.retrieved)})")
+
+
+def _maintain(args) -> None:
+    store, _, _ = open_store(args.store, None)
+    if args.command == "stats":
+        print(json.dumps(store.stats(), indent=1))
+    elif args.command == "delete":
+        store.delete(args.ids)
+        print(f"deleted {len(args.ids)} entries (run compact to reclaim their bytes)")
+    else:
+        print(json.dumps(store.compact(), indent=1))
+
+
+def _text(error: BaseException) -> str:
+    if isinstance(error, KeyError) and error.args:  # str(KeyError) quotes its message
+        return str(error.args[0])
+    return str(error) or type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    sub.add_parser("lm-eval", add_help=False,
+                   help="lm-eval's own command line with the `statecompose` model and the bundled tasks (see: lm-eval --help)")
+    store_help = "store folder (made by build)"
+    model_help = "demo (embedded Mamba-2) | demo-mamba (embedded Mamba-1) | a local checkpoint folder"
+
+    build = sub.add_parser("build", help="encode passages into a store (creates it, or extends an existing one)")
+    build.add_argument("store", help="store folder: a new or empty one is created, an existing store is extended")
+    build.add_argument("input", help="UTF-8 .jsonl (one {\"text\": ...} object per line) or text file (blank-line-separated passages)")
+    build.add_argument("--model", type=_model_spec, default=None, metavar="MODEL",
+                       help=f"{model_help} (default: the store's model, else demo)")
+    build.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=None,
+                       help="dtype of the stored states, fixed when the store is created (default: the store's, else fp32)")
+    build.add_argument("--batch-size", type=_count(1), default=16, metavar="N", help="passages encoded per batch (default 16)")
+    build.add_argument("--text-field", default="text", metavar="FIELD", help="field of each .jsonl object holding the text (default: text)")
+
+    query = sub.add_parser("query", help="retrieve the closest passages, compose their states, generate")
+    query.add_argument("store", help=store_help)
+    query.add_argument("query", type=_query_text, help="the query text (retrieval and the start of generation)")
+    query.add_argument("-k", type=_count(0), default=5, metavar="K", help="passages to retrieve (default 5; 0: the query alone)")
+    query.add_argument("--composition", choices=COMPOSITIONS, default="picaso_r", help="how the states are composed (default picaso_r)")
+    query.add_argument("--max-new-tokens", type=_count(1), default=32, metavar="N", help="tokens to generate (default 32)")
+    query.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the store's)")
+    query.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    sub.add_parser("stats", help="entries, bytes and settings of a store, as JSON").add_argument("store", help=store_help)
+    delete = sub.add_parser("delete", help="delete entries (their bytes are reclaimed by compact)")
+    delete.add_argument("store", help=store_help)
+    delete.add_argument("ids", nargs="+", metavar="ID", help="entry ids (as printed by query)")
+    sub.add_parser("compact", help="rewrite the shards without the deleted entries").add_argument("store", help=store_help)
+    return parser
 
 
 def main(argv=None) -> int:
@@ -75,63 +275,17 @@ def main(argv=None) -> int:
         from .lmeval import run_cli
 
         return run_cli(argv[1:])
-    parser = argparse.ArgumentParser(prog="hf-statecompose", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("lm-eval", help="lm-eval's command line with the `statecompose` model and the bundled tasks (see README)", add_help=False)
-    build = sub.add_parser("build", help="encode passages into a store (creates or extends it)")
-    build.add_argument("store")
-    build.add_argument("input", help=".jsonl (one {'text': ...} per line) or a text file (blank-line-separated passages)")
-    build.add_argument("--model", default=None, help="demo | demo-mamba | checkpoint folder (default: the store's, else demo)")
-    build.add_argument("--storage-dtype", choices=["fp32", "bf16"], default=None)
-    build.add_argument("--batch-size", type=int, default=16)
-    build.add_argument("--text-field", default="text")
-    query = sub.add_parser("query", help="retrieve, compose, generate")
-    query.add_argument("store")
-    query.add_argument("query")
-    query.add_argument("-k", type=int, default=5)
-    query.add_argument("--composition", default="picaso_r")
-    query.add_argument("--max-new-tokens", type=int, default=32)
-    query.add_argument("--model", default=None)
-    query.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    for name in ("stats", "compact"):
-        sub.add_parser(name).add_argument("store")
-    delete = sub.add_parser("delete")
-    delete.add_argument("store")
-    delete.add_argument("ids", nargs="+")
-    args = parser.parse_args(argv)
-
-    if args.command == "build":
-        texts, metadata = read_passages(args.input, args.text_field)
-        store, _, _ = open_store(args.store, args.model, args.storage_dtype, create=True)
-        ids = store.add(texts, metadata, batch_size=args.batch_size)
-        print(f"added {len(ids)} entries to {args.store}")
-        print(json.dumps(store.stats(), indent=1))
-    elif args.command == "query":
-        from .pipeline import generate_with_retrieval
-
-        store, model, tokenizer = open_store(args.store, args.model)
-        result = generate_with_retrieval(
-            model, tokenizer, args.query, store, k=args.k, composition=args.composition, max_new_tokens=args.max_new_tokens, do_sample=False
-        )
-        if args.json:
-            print(json.dumps({"query": args.query, "generated": result.text,
-                              "retrieved": [{"id": e.id, "score": e.score, "text": e.text} for e in result.retrieved]}))
-        else:
-            for rank, entry in enumerate(result.retrieved, 1):
-                print(f"[{rank}] {entry.score:.3f} {entry.id}  {entry.text[:100]!r}")
-            print(f"query:     {args.query!r}\ngenerated: {result.text!r}  ({args.composition}, k={len(result.retrieved)})")
-    else:
-        store, _, _ = open_store(args.store, None)
-        if args.command == "stats":
-            print(json.dumps(store.stats(), indent=1))
-        elif args.command == "delete":
-            try:
-                store.delete(args.ids)
-            except KeyError as error:
-                raise SystemExit(str(error)) from None
-            print(f"deleted {len(args.ids)} entries (run compact to reclaim their bytes)")
-        else:
-            print(json.dumps(store.compact(), indent=1))
+    args = build_parser().parse_args(argv)  # --help and argument errors end here, before torch is imported
+    run = {"build": _build, "query": _query}.get(args.command, _maintain)
+    try:
+        run(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, KeyError, OSError) as error:  # CommandLineError and the store's / loaders' refusals
+        if os.environ.get("HF_STATECOMPOSE_DEBUG"):  # the traceback, for a bug report
+            raise
+        _fail(_text(error))
     return 0
 
 

@@ -150,14 +150,17 @@ def test_simple_evaluate_runs_each_bundled_task(demo, store):
         assert math.isfinite(results[task][metric]) and results[task][metric] >= 0
 
 
-def test_passages_build_a_cached_store_once(demo, tmp_path, monkeypatch):
+def test_passages_build_a_cached_store_once(demo, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_STATECOMPOSE_CACHE", str(tmp_path / "cache"))
     passages = tmp_path / "p.jsonl"
     passages.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(TEXTS)))
+    capsys.readouterr()
     first = make_lm(demo, passages=str(passages), retriever=BagOfWords(), k=2)
     assert len(first.store) == len(TEXTS) and first.store.path.parent == tmp_path / "cache"
+    assert "encoding contexts: 100%|" in capsys.readouterr().err  # the build shows its progress (tqdm)
     stamp = (first.store.path / "store.json").stat().st_mtime_ns
     second = make_lm(demo, passages=str(passages), retriever=BagOfWords(), k=2)
+    assert "encoding contexts" not in capsys.readouterr().err  # a reused store encodes nothing
     assert second.store.path == first.store.path and len(second.store) == len(TEXTS)
     assert (second.store.path / "store.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert len(list((tmp_path / "cache").iterdir())) == 1  # no leftover build folder

@@ -1,7 +1,7 @@
 """Passages files (.jsonl): parsed once for the CLI and the lm-eval model, bad lines named."""
 import pytest
 
-from hf_statecompose.cli import read_passages
+from hf_statecompose.cli import CommandLineError, read_passages
 from hf_statecompose.store.passages import parse_passages_jsonl
 
 
@@ -22,10 +22,10 @@ def test_bad_files_are_refused_naming_the_line(content, message):
         parse_passages_jsonl(content, "f.jsonl")
 
 
-def test_the_cli_reports_them_as_a_clean_exit(tmp_path):
+def test_the_cli_reports_them_as_a_user_error(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"text": "ok"}\nnot json\n')
-    with pytest.raises(SystemExit, match=r"p.jsonl:2: not JSON"):
+    with pytest.raises(CommandLineError, match=r"p.jsonl:2: not JSON"):  # main() prints it as one line, exit 2
         read_passages(str(path))
     path.write_text('{"text": "one", "k": 2}\n')
     assert read_passages(str(path)) == (["one"], [{"k": 2}])

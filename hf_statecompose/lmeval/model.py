@@ -156,6 +156,8 @@ class StateComposeLM(HFLM):
         if retriever in (None, "minilm", "default"):
             retriever = default_retriever()
         model, tokenizer = self._core, self.tokenizer
+        # encoding a store takes minutes for real passages: show it (on the first process only), as the CLI does
+        progress = getattr(self, "rank", 0) == 0
         hint = "; pass passages=<file.jsonl | bundled> to build a store for this model"
 
         def opened(path, **extra):
@@ -182,10 +184,10 @@ class StateComposeLM(HFLM):
                     raise ValueError(f"store={store!r} already holds other passages than {passages!r}; pass an empty or new path")
                 if len(existing):
                     return existing
-                existing.add(texts, metadata, show_progress=False)
+                existing.add(texts, metadata, show_progress=progress)
                 return existing
             new = opened(path, info=info)
-            new.add(texts, metadata, show_progress=False)
+            new.add(texts, metadata, show_progress=progress)
             return new
         path = cache_root() / f"{model_fingerprint(model)[:16]}-{key}"
         if (path / "store.json").is_file():
@@ -201,7 +203,7 @@ class StateComposeLM(HFLM):
         building = Path(tempfile.mkdtemp(prefix=path.name + ".building-", dir=path.parent))
         try:
             logger.info("building a state store of %d passages for this model at %s", len(texts), path)
-            opened(building / "store", info=info).add(texts, metadata, show_progress=False)
+            opened(building / "store", info=info).add(texts, metadata, show_progress=progress)
             if path.exists():
                 shutil.rmtree(path, ignore_errors=True)
             os.replace(building / "store", path)

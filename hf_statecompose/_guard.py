@@ -1,0 +1,137 @@
+"""What ``import hf_statecompose`` sets up without importing torch: post-import hooks (standard library only).
+
+* :func:`when_imported` runs a callback right after a module has been executed (or at once if it
+  already has been), so that work which needs a heavy module happens only if someone imports it.
+* :func:`refuse_past_states` makes the *stock* ``forward`` / ``generate`` of transformers' Mamba and
+  Mamba-2 classes refuse ``past_states=``: their ``**kwargs`` would otherwise swallow it, and a model
+  that was never given :func:`hf_statecompose.enable` would silently run without its contexts.
+  ``enable`` consumes ``past_states`` before it calls the stock method, so an enabled model never
+  reaches the refusal; calls without ``past_states`` go to the stock method unchanged.
+
+This module sits outside the layers (it is part of the root package's import): it imports nothing
+from ``hf_statecompose`` and nothing beyond the standard library.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+
+logger = logging.getLogger("hf_statecompose")
+
+# transformers module -> the classes whose stock forward / generate must refuse past_states
+GUARDED = {
+    "transformers.models.mamba.modeling_mamba": ("MambaModel", "MambaForCausalLM"),
+    "transformers.models.mamba2.modeling_mamba2": ("Mamba2Model", "Mamba2ForCausalLM"),
+}
+_MARK = "_hf_statecompose_guard"
+
+
+class _PostImportFinder:
+    """A ``sys.meta_path`` finder that finds nothing itself: for a watched module it asks the other
+    finders for the spec and patches that spec's own loader instance so that ``exec_module`` runs the
+    callbacks afterwards (the loader object stays the same, so ``__loader__``, ``get_source`` and
+    resource readers are untouched). Any other name costs one dict lookup."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list] = {}
+        self.lock = threading.RLock()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module") or "exec_module" in vars(loader):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            self.run(fullname, module)
+
+        try:
+            loader.exec_module = exec_module  # this loader instance serves only this module
+        except (AttributeError, TypeError):  # a loader without an instance dict: leave the import alone
+            return spec
+        return spec
+
+    def run(self, name, module) -> None:
+        with self.lock:
+            callbacks = self.pending.pop(name, [])
+            if not self.pending and self in sys.meta_path:  # nothing left to watch: stop looking at every import
+                sys.meta_path.remove(self)
+        for callback in callbacks:
+            _call(callback, module)
+
+
+def _call(callback, module) -> None:
+    try:
+        callback(module)
+    except Exception as error:  # a hook of ours must never break someone else's import
+        logger.warning("hf_statecompose: post-import hook %r for %s failed: %r", callback, module.__name__, error)
+
+
+_finder = _PostImportFinder()
+
+
+def when_imported(name: str, callback) -> None:
+    """Run ``callback(module)`` once, right after module ``name`` has been executed; at once if it already was.
+
+    (A module caught half-executed, in an import cycle, keeps its loader: the callback then waits for a
+    later import of the same name, which does not happen; no module watched here imports this package.)"""
+    module = sys.modules.get(name)
+    if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False) is False:
+        _call(callback, module)
+        return
+    with _finder.lock:
+        _finder.pending.setdefault(name, []).append(callback)
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+
+
+def refusal(cls_name: str, method: str) -> str:
+    return (
+        f"{cls_name}.{method}() got past_states, but past_states needs hf_statecompose.enable(model) first: "
+        "this model was never enabled (or was disabled), so it would ignore the states and silently run without "
+        "any context. Call `model = hf_statecompose.enable(model)` once after loading it"
+    )
+
+
+def _refusing(cls, method: str) -> None:
+    original = getattr(cls, method, None)
+    if original is None or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def guarded(self, *args, **kwargs):
+        if kwargs.get("past_states") is not None:
+            raise ValueError(refusal(type(self).__name__, method))
+        return original(self, *args, **kwargs)
+
+    setattr(guarded, _MARK, True)
+    setattr(cls, method, guarded)
+
+
+def refuse_past_states(module) -> None:
+    """Guard the stock ``forward`` (and ``generate``) of the Mamba classes of a transformers modeling module."""
+    for cls_name in GUARDED.get(module.__name__, ()):
+        cls = getattr(module, cls_name, None)
+        if cls is None:
+            continue
+        _refusing(cls, "forward")
+        if hasattr(cls, "generate"):
+            _refusing(cls, "generate")
+
+
+def install() -> None:
+    for name in GUARDED:
+        when_imported(name, refuse_past_states)
