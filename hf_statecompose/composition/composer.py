@@ -27,7 +27,8 @@ from typing import Sequence
 import torch
 
 from ..models import encode
-from ..ops.backends import check_backend_name, compose_ssm
+from ..ops.backends import check_backend_name, compose_ssm, resolve
+from ..ops.compose import native as compose_native
 from ..ops.compose import MODEL_FREE_METHODS
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import model_fingerprint
@@ -108,8 +109,9 @@ class StateComposer:
         if n == 1:
             _check_finite_once(states[0], states)
             return states[0]._map_rows(lambda t: t)  # one state composes to itself, exactly (tensors shared)
-        composed = compose_model_free(states, self.method, self.conv, weights, backend=self.backend)
-        _check_finite_once(composed, states)
+        composed, finite = _compose_model_free(states, self.method, self.conv, weights, self.backend)
+        if not finite:  # None (not known: the torch / Triton paths) or False
+            _check_finite_once(composed, states)
         return composed
 
 
@@ -162,8 +164,17 @@ def compose_model_free(
     states, method: str, conv: str, weights: torch.Tensor | None = None, backend: str = "auto"
 ) -> ComposableMambaCache:
     """The model-free methods on already validated states: per layer, x = Σ_k W_k ⊙ x_k (fused, see
-    :mod:`hf_statecompose.ops.compose`: the weights are computed from the decays block by block, or in
-    registers by the Triton kernel, never as a tensor the size of all states)."""
+    :mod:`hf_statecompose.ops.compose`: the weights are computed from the decays block by block, in
+    registers by the Triton kernel, or per row by the native CPU kernel, never as a tensor the size of
+    all states)."""
+    return _compose_model_free(states, method, conv, weights, backend)[0]
+
+
+def _compose_model_free(states, method, conv, weights, backend):
+    """(composed state, whether it is known to be finite: True / False, or None when not checked)."""
+    native = _compose_native(states, method, conv, weights, backend)
+    if native is not None:
+        return native
     first = states[0]
     out = first._empty_like()
     for i in range(first.num_layers):
@@ -183,9 +194,64 @@ def compose_model_free(
             delta_sum=delta_out,
             A=first.A[i],
         )
+    _add_token_counts(out, states)
+    return out, None
+
+
+def _add_token_counts(out, states):
     if all(s.num_tokens is not None for s in states):
         out.num_tokens = torch.stack([s.num_tokens for s in states]).sum(0)
-    return out
+
+
+def _compose_native(states, method, conv, weights, backend):
+    """All layers' SSM states, conv windows and ΣΔ in three calls of the native CPU kernel (one read of
+    each input, no per-layer Python work, finiteness checked in the same pass), or None when it does not
+    apply (not CPU / float32, autograd, other shapes per layer, no C compiler): the caller takes the
+    per-layer path."""
+    first = states[0]
+    if first.device.type != "cpu" or resolve(backend, first.device, "compose_ssm") != "torch":
+        return None
+    layers = range(first.num_layers)
+    ssm = [[s.ssm_states[i] for s in states] for i in layers]
+    convs = [[s.conv_states[i].view(s.conv_states[i].shape[0], 1, -1) for s in states] for i in layers]
+    deltas = [[s.delta_sums[i] for s in states] for i in layers]
+    A = list(first.A)
+    every = [t for group in (ssm, convs, deltas) for layer in group for t in layer] + A
+    if not (
+        compose_native.applicable(ssm[0], deltas[0][0], A[0], weights)
+        and all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in every)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in every))
+        and all(t.shape == ssm[0][0].shape for layer in ssm for t in layer)
+        and all(t.shape == convs[0][0].shape for layer in convs for t in layer)
+        and all(t.shape == deltas[0][0].shape for layer in deltas for t in layer)
+    ):
+        return None
+    n = len(states)
+    ssm_out = compose_native.compose_layers_native(
+        ssm, method, weights=weights if method == "weighted" else None, delta_sums=deltas, A=A,
+        per_element=first.architecture == "mamba",
+    )
+    if ssm_out is None:
+        return None
+    if conv == "last":  # one-hot weights: an exact copy of the last window, and NaN anywhere still shows
+        conv_weights = torch.zeros(n)
+        conv_weights[-1] = 1.0
+    else:
+        conv_weights = weights if conv == "weighted" else None
+    conv_out = compose_native.compose_layers_native(convs, "soup" if conv_weights is None else "weighted", weights=conv_weights)
+    rows = [[d.view(d.shape[0], 1, -1) for d in layer] for layer in deltas]
+    if method in ("soup", "weighted"):  # a convex combination: the same combination of ΣΔ
+        delta_out = compose_native.compose_layers_native(rows, method, weights=weights if method == "weighted" else None)
+    else:  # the order-based methods stand for a concatenation: the total
+        delta_out = compose_native.compose_layers_native(rows, "weighted", weights=torch.ones(n))
+    out = first._empty_like()
+    for i in layers:
+        out.set_layer(
+            i, ssm_state=ssm_out[0][i], conv_state=conv_out[0][i].view_as(states[0].conv_states[i]),
+            delta_sum=delta_out[0][i].view_as(states[0].delta_sums[i]), A=A[i],
+        )
+    _add_token_counts(out, states)
+    return out, ssm_out[1] and conv_out[1] and delta_out[1]
 
 
 def _check_finite_once(composed, states):

@@ -22,6 +22,7 @@ import logging
 import torch
 
 from ._triton import interpreting
+from .compose import native as _compose_native
 from .compose.vectorized import compose_ssm_torch
 from .conv.vectorized import causal_conv1d as _conv_torch
 from .selective_scan import compiled
@@ -126,5 +127,12 @@ def compose_ssm(ssm_states, delta_sums, A, method, weights=None, backend: str = 
         if backend == "triton":
             raise RuntimeError("backend='triton' composes without autograd; use backend='torch' to backpropagate")
         choice = "torch"
-    fn = _triton_op("compose_ssm") if choice == "triton" else compose_ssm_torch
-    return fn(ssm_states, delta_sums, A, method, weights=weights)
+    if choice == "triton":
+        return _triton_op("compose_ssm")(ssm_states, delta_sums, A, method, weights=weights)
+    # CPU inference on float32: the native C loop nest (one read of each state, see compose/native.py);
+    # the blockwise torch path for autograd, other dtypes or without a C compiler
+    if not needs_grad and _compose_native.applicable(ssm_states, delta_sums, A, weights):
+        out = _compose_native.compose_ssm_native(ssm_states, delta_sums, A, method, weights=weights)
+        if out is not None:
+            return out
+    return compose_ssm_torch(ssm_states, delta_sums, A, method, weights=weights)
