@@ -72,8 +72,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        # models installs ComposableMambaCache.encode (the state layer cannot import it): always load it
-        importlib.import_module(f"{__name__}.models")
+        _install_encoder()  # also done by the hook below; here in case that hook could not run
         value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     elif name in _SUBPACKAGES:
         value = importlib.import_module(f"{__name__}.{name}")
@@ -100,5 +99,13 @@ def _register_lm_eval_model(_module=None) -> None:
         logging.getLogger("hf_statecompose").warning("could not register the lm-eval model 'statecompose': %r", error)
 
 
+def _install_encoder(_module=None) -> None:
+    """``ComposableMambaCache.encode`` runs through the models layer, which the data layer cannot import:
+    load it as soon as the state layer is, however it was reached (``from hf_statecompose.state import ...``).
+    Safe at that point: models imports only ops and state, never a layer that may be half-imported."""
+    importlib.import_module(f"{__name__}.models")
+
+
 _guard.install()
 _guard.when_imported("lm_eval.api.registry", _register_lm_eval_model)
+_guard.when_imported(f"{__name__}.state", _install_encoder)

@@ -86,6 +86,19 @@ def _model_spec(spec: str) -> str:
 # ----------------------------------------------------------------------------- the heavy parts
 def load_model(spec: str):
     """``(model, tokenizer)``, enabled, for ``demo`` / ``demo-mamba`` / ``demo-mamba2`` or a local checkpoint folder."""
+    from transformers.utils import logging as hf_logging
+
+    # transformers' "Loading weights" bar: noise before our one-line errors, and local checkpoints load fast
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return _load_model(spec)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load_model(spec: str):
     from .demo import DEMO_SPECS, load_demo
 
     if spec in DEMO_SPECS:

@@ -38,9 +38,10 @@ def test_import_does_not_import_torch_and_names_load_on_use():
         import hf_statecompose as hsc
         print("torch" in sys.modules, "transformers" in sys.modules, "lm_eval" in sys.modules)
         print(sorted(set(hsc.__all__) - set(dir(hsc))))
-        # first use: the state class alone; its encode() is installed by the models layer, which must load too
+        # first use: the state class alone, from its own layer; its encode() is installed by the models
+        # layer, which must load too
         import torch
-        from hf_statecompose import ComposableMambaCache
+        from hf_statecompose.state import ComposableMambaCache
         from transformers import MambaConfig, MambaForCausalLM
         model = MambaForCausalLM(MambaConfig(vocab_size=50, hidden_size=16, state_size=4, num_hidden_layers=1)).eval()
         print(ComposableMambaCache.encode(model, torch.tensor([[3, 4, 5]])).batch_size, callable(hsc.enable))
