@@ -130,6 +130,9 @@ def test_disable_restores_the_stock_classes_exactly(arch):
         assert "_hsc_backend" not in block.mixer.__dict__
     assert not hsc.is_enabled(model)
     assert not any(name in model.__dict__ for name in ("forward", "generate"))
+    state = ComposableMambaCache.encode(model, random_ids(5))
+    with pytest.raises(ValueError, match="enable"):  # the stock methods refuse past_states (they would ignore it)
+        model.generate(random_ids(3), past_states=[state], max_new_tokens=2)
     hsc.enable(model)
     assert type(model) is enabled_class and hsc.is_enabled(model)
 
