@@ -171,5 +171,7 @@ def test_encode_does_not_enable_past_states(arch):
     assert type(model) is _stock_class(arch) and not hsc.is_enabled(model)
     assert type(model.backbone.layers[0].mixer).__name__.startswith("Composable")
     assert torch.equal(model(ids).logits, before)
+    with pytest.raises(ValueError, match="enable"):
+        model(random_ids(3), past_states=[state])
     again = hsc.encode(hsc.enable(model), context)
     assert all(torch.equal(a, b) for a, b in zip(state.ssm_states, again.ssm_states))

@@ -11,7 +11,14 @@ from .mixers import enable_state_path, using_backend
 
 def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, backend: str | None = None,
            enable_grad: bool = False) -> ComposableMambaCache:
-    """See :meth:`ComposableMambaCache.encode` (the same function)."""
+    """See :meth:`ComposableMambaCache.encode` (the same function).
+
+    ``encode`` does not enable ``past_states``: it swaps the model's mixers for the state-aware ones (it
+    runs through them; they change no other call, since they run the stock forward unless ``cache_params``
+    is a ``ComposableMambaCache``) and nothing else. The model's class stays the stock one,
+    ``hsc.is_enabled(model)`` stays False, and ``model.generate(..., past_states=...)`` is refused until
+    ``hsc.enable(model)`` (which cannot live here: it composes states, a layer above this one).
+    """
     with torch.set_grad_enabled(enable_grad and torch.is_grad_enabled()):
         enable_state_path(model)
         if input_ids.dim() == 1:
