@@ -333,3 +333,16 @@ def test_states_of_old_weights_are_refused_after_a_data_edit(model):
     _first_mixer_weight(model).data.mul_(1.5)
     with pytest.raises(ValueError, match="re-encode the contexts with this model"):
         model.generate(random_ids(3), past_states=[state], max_new_tokens=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fingerprint_follows_data_edits_in_16_bit(arch, dtype):
+    model = tiny_model(arch, dtype=dtype)
+    weight = _first_mixer_weight(model)
+    before = model_fingerprint(model)
+    weight.data[3, 5] += 0.5  # one element, through .data
+    after = model_fingerprint(model)
+    assert after != before and after == model_fingerprint(model, cache=False)
+    weight.data.copy_(weight.data.flip(1))  # a permutation within every row: row sums unchanged
+    assert model_fingerprint(model) != after
+    assert model_fingerprint(model) == model_fingerprint(model, cache=False)

@@ -96,39 +96,56 @@ def _state_shaping_tensors(model: torch.nn.Module):
 
 
 _SAMPLES_PER_TENSOR = 64
+_EXACT_BELOW = 4096  # tensors this small (norms, biases, D, Mamba-2's A_log) enter the checksum whole
 
 
 def _content_checksum(tensors) -> bytes:
-    """A cheap content checksum of ``tensors``: per tensor its sum (float32 accumulation) and the exact
-    bits of up to 64 evenly strided elements, hashed. One pass over the weights, no copy to the host.
+    """A cheap content checksum of ``tensors``, computed on their device in one pass over the weights:
+    small tensors whole, larger ones as one sum per row (first dimension) plus the exact bits of 64
+    evenly strided elements; hashed on the host.
 
     It exists because the cache key cannot rely on ``_version``: ``p.data.copy_(w)``, ``p.data[i] = x``
     and ``p.data.mul_(s)`` go through ``.data``, whose version counter is not the parameter's, and a
-    ``.to()`` round trip may land on a reused address. Any change to one element changes the sum (up
-    to float32 rounding of a change far below the tensor's sum); a change that keeps the sum (a
-    permutation, a rounding such as fp32 -> fp16 -> fp32) is caught by the sample unless it spares every
-    sampled element. The sum and the sample are both computed on the tensor's own device.
+    ``.to()`` round trip may land on a reused address. A change to one element shows in its row's sum
+    unless it is below that sum's rounding (float32 rows: about 1e-7 of the row's sum, 16-bit rows:
+    about 1/256, their sums stay in their dtype because CPU reductions of 16-bit tensors into float32
+    are some 20 times slower); changes that keep every row sum (a permutation within a row, tiny
+    roundings) are caught by the sample unless they spare every sampled element. Missing them would
+    take a deliberate edit; ``model_fingerprint(model, cache=False)`` always hashes every byte.
     """
     parts = []
     with torch.no_grad():
         for tensor in tensors:
-            flat = tensor.detach().reshape(-1)
-            if flat.numel() == 0:
+            data = tensor.detach()
+            if data.numel() == 0:
                 continue
-            if flat.dtype == torch.float32:
-                total = flat.sum()
-            elif flat.dtype.is_floating_point:
-                total = flat.sum(dtype=torch.float32)
-            else:  # integer / bool buffers: small, exact in float64
-                total = flat.sum(dtype=torch.float64).float()
-            step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
-            sample = flat[::step][:_SAMPLES_PER_TENSOR]
-            # fp16 / bf16 -> fp32 is exact, so the sampled bits are compared exactly
-            parts.append(torch.cat([total.reshape(1), sample.to(torch.float32)]).to("cpu", non_blocking=False))
+            if data.numel() <= _EXACT_BELOW or data.dim() < 2:
+                flat = data.reshape(-1)
+                if data.numel() > _EXACT_BELOW:  # a long 1-D buffer: sum plus sample
+                    parts.append(_float_bits(flat.sum().reshape(1)))
+                    parts.append(_float_bits(flat[:: flat.numel() // _SAMPLES_PER_TENSOR][:_SAMPLES_PER_TENSOR]))
+                else:
+                    parts.append(_float_bits(flat))
+                continue
+            if data.dtype == torch.float16:
+                # the same bits as bfloat16: fp16 reductions are slow on CPUs; a bijection loses nothing
+                data = data.view(torch.bfloat16)
+            rows = data.reshape(data.shape[0], -1)
+            parts.append(_float_bits(rows.sum(-1) if rows.dtype.is_floating_point else rows.sum(-1, dtype=torch.float64)))
+            flat = tensor.detach().reshape(-1)
+            parts.append(_float_bits(flat[:: max(1, flat.numel() // _SAMPLES_PER_TENSOR)][:_SAMPLES_PER_TENSOR]))
     if not parts:
         return b""
-    bits = torch.cat(parts).view(torch.int32)  # bits, not values: NaN equals NaN, -0.0 differs from 0.0
+    bits = torch.cat([p.to("cpu") for p in parts])
     return hashlib.blake2b(bits.numpy().tobytes(), digest_size=16).digest()
+
+
+def _float_bits(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as int32 bit patterns of float32 (exact for 16-bit floats; NaN equals NaN)."""
+    if values.dtype == torch.float64 or not values.dtype.is_floating_point:
+        values = values.to(torch.float64).view(torch.int64)
+        return torch.stack([values & 0xFFFFFFFF, values >> 32], -1).reshape(-1).to(torch.int32)
+    return values.to(torch.float32).view(torch.int32)
 
 
 def _weights_key(model):
