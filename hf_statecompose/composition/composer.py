@@ -21,6 +21,7 @@ is order-independent) and the weighted mean for ``soup`` / ``weighted`` (a conve
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Sequence
 
@@ -93,7 +94,7 @@ class StateComposer:
             raise TypeError("compose takes a list of states, not a single state")
         states = list(states) if isinstance(states, (list, tuple)) else states
         if not validated:
-            check_compatible(states)
+            _check_compatible_fast(states)
         n = len(states)
         weights = None
         if self.weights is not None:
@@ -106,6 +107,8 @@ class StateComposer:
             if not validated:
                 _check_states_fit_model(states, model, self.method)
             return _concat(states, model) if self.method == "concat" else _piconcat_r(states, model)
+        if self.method == "picaso_s":
+            _check_picaso_s_cost(states)
         if n == 1:
             _check_finite_once(states[0], states)
             return states[0]._map_rows(lambda t: t)  # one state composes to itself, exactly (tensors shared)
@@ -113,6 +116,53 @@ class StateComposer:
         if not finite:  # None (not known: the torch / Triton paths) or False
             _check_finite_once(composed, states)
         return composed
+
+
+# PICASO-S costs n·⌈n/2⌉ terms per weight (one per state and Gauss–Legendre node; weights: one per SSM
+# state element for Mamba-1, one per head for Mamba-2). Above this many terms in all (about half a minute
+# on a 2-core CPU with the native kernel, e.g. n ≈ 400 states of a Mamba-1 130M) compose refuses, naming
+# the alternatives; raise it (hf_statecompose.composition.composer.PICASO_S_MAX_TERMS) to wait instead.
+PICASO_S_MAX_TERMS = 5 * 10**10
+
+
+def _check_picaso_s_cost(states):
+    first, n = states[0], len(states)
+    per_state = sum(
+        d.numel() * (ssm.shape[-1] if first.architecture == "mamba" else 1)
+        for d, ssm in zip(first.delta_sums, first.layer_tensors()[0])
+    )
+    terms = n * math.ceil(n / 2) * per_state
+    if terms > PICASO_S_MAX_TERMS:
+        raise ValueError(
+            f"picaso_s over {n} states of this model needs {terms:.2g} multiply-adds (n·⌈n/2⌉ per weight, "
+            f"{per_state} weights per state), more than PICASO_S_MAX_TERMS = {PICASO_S_MAX_TERMS:.2g}: use "
+            "method='picaso_r' (the average over the n rotations, O(n)), compose fewer states (retrieve the "
+            "top-k), or raise hf_statecompose.composition.composer.PICASO_S_MAX_TERMS to wait for it"
+        )
+
+
+def _signature(state):
+    """Everything ``check_compatible`` compares, read straight from the layers (the per-layer views
+    and the per-tensor checks cost more than composing a small state)."""
+    ssm, conv, _ = state.layer_tensors()
+    layers = tuple(
+        (s.shape, s.dtype, s.device, c.shape, c.dtype, c.device)
+        for s, c in zip(ssm, conv) if s is not None and c is not None
+    )
+    return len(state.layers), state.model_dtype, state.fingerprint, layers
+
+
+def _check_compatible_fast(states):
+    """``check_compatible`` in one comparison per state when all is well; on any difference (or an odd
+    input) the full check runs and raises its precise message."""
+    if (
+        isinstance(states, list) and states and all(isinstance(s, ComposableMambaCache) for s in states)
+        and states[0].layers and all(layer.has_previous_state[0] for layer in states[0].layers)
+    ):
+        first = _signature(states[0])
+        if len(first[3]) == first[0] and all(_signature(s) == first for s in states[1:]):
+            return
+    check_compatible(states)
 
 
 def _check_states_fit_model(states, model, method):
@@ -209,21 +259,22 @@ def _compose_native(states, method, conv, weights, backend):
     apply (not CPU / float32, autograd, other shapes per layer, no C compiler): the caller takes the
     per-layer path."""
     first = states[0]
-    if first.device.type != "cpu" or resolve(backend, first.device, "compose_ssm") != "torch":
+    if not first.layers or resolve(backend, first.device, "compose_ssm") != "torch":
         return None
-    layers = range(first.num_layers)
-    ssm = [[s.ssm_states[i] for s in states] for i in layers]
-    convs = [[s.conv_states[i].view(s.conv_states[i].shape[0], 1, -1) for s in states] for i in layers]
-    deltas = [[s.delta_sums[i] for s in states] for i in layers]
+    per_state = [s.layer_tensors() for s in states]  # (ssm list, conv list, ΣΔ list) per state
+    ssm = [list(t) for t in zip(*(p[0] for p in per_state))]  # [layer][state]
+    convs = [list(t) for t in zip(*(p[1] for p in per_state))]
+    deltas = [list(t) for t in zip(*(p[2] for p in per_state))]
     A = list(first.A)
-    every = [t for group in (ssm, convs, deltas) for layer in group for t in layer] + A
-    if not (
-        compose_native.applicable(ssm[0], deltas[0][0], A[0], weights)
-        and all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in every)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in every))
-        and all(t.shape == ssm[0][0].shape for layer in ssm for t in layer)
-        and all(t.shape == convs[0][0].shape for layer in convs for t in layer)
-        and all(t.shape == deltas[0][0].shape for layer in deltas for t in layer)
+    grad = torch.is_grad_enabled()
+    for group in (ssm, convs, deltas):
+        shape = group[0][0].shape
+        for layer in group:
+            for t in layer:
+                if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape != shape or (grad and t.requires_grad):
+                    return None
+    if not compose_native.applicable(ssm[0], deltas[0][0], A[0], weights) or any(
+        a.dtype != torch.float32 or not a.is_contiguous() or (grad and a.requires_grad) for a in A
     ):
         return None
     n = len(states)
@@ -239,17 +290,13 @@ def _compose_native(states, method, conv, weights, backend):
     else:
         conv_weights = weights if conv == "weighted" else None
     conv_out = compose_native.compose_layers_native(convs, "soup" if conv_weights is None else "weighted", weights=conv_weights)
-    rows = [[d.view(d.shape[0], 1, -1) for d in layer] for layer in deltas]
     if method in ("soup", "weighted"):  # a convex combination: the same combination of ΣΔ
-        delta_out = compose_native.compose_layers_native(rows, method, weights=weights if method == "weighted" else None)
+        delta_out = compose_native.compose_layers_native(deltas, method, weights=weights if method == "weighted" else None)
     else:  # the order-based methods stand for a concatenation: the total
-        delta_out = compose_native.compose_layers_native(rows, "weighted", weights=torch.ones(n))
+        delta_out = compose_native.compose_layers_native(deltas, "weighted", weights=torch.ones(n))
     out = first._empty_like()
-    for i in layers:
-        out.set_layer(
-            i, ssm_state=ssm_out[0][i], conv_state=conv_out[0][i].view_as(states[0].conv_states[i]),
-            delta_sum=delta_out[0][i].view_as(states[0].delta_sums[i]), A=A[i],
-        )
+    for i in range(len(A)):
+        out.set_layer(i, ssm_state=ssm_out[0][i], conv_state=conv_out[0][i], delta_sum=delta_out[0][i], A=A[i])
     _add_token_counts(out, states)
     return out, ssm_out[1] and conv_out[1] and delta_out[1]
 

@@ -116,6 +116,11 @@ class ComposableMambaCache(DynamicCache):
     def conv_states(self) -> _LayerView:
         return _LayerView(self, "conv_states")
 
+    def layer_tensors(self) -> tuple[list, list, list]:
+        """(SSM states, conv windows, ΣΔ), one list entry per layer, in one pass (no per-layer views)."""
+        layers = self.layers
+        return [l.recurrent_states[0] for l in layers], [l.conv_states[0] for l in layers], list(self.delta_sums)
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

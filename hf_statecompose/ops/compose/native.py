@@ -57,32 +57,27 @@ static inline float neg_expm1(float x) {
     return x > -0.35f ? -(s * xs) : 1.0f - hsc_exp(x);
 }
 
-/* The weights of V lanes (Mamba-1: V consecutive state elements of one channel; Mamba-2: lane 0 is the
-   head, the other lanes idle) and n states: W[k * V + l]. la[l]: the lane's A; ds[k]: state k's ΣΔ.
-   V is a compile-time constant, so every lane loop is one or two SIMD registers, without alias checks. */
+/* The weights of V lanes and n states, W[k * V + l], from the log decays ld[k * V + l] (Mamba-1: V
+   consecutive state elements of one channel; Mamba-2: V heads). V is a compile-time constant, so every
+   lane loop is one or two SIMD registers, without alias checks. */
 #define V 16
 /* vectorise each lane loop as is (gcc would otherwise unroll it fully and then fail to vectorise it) */
 #define LANES _Pragma("omp simd") for (int l = 0; l < V; l++)
-static void row_weights(int method, long n, const float* restrict ds, const float* restrict la,
-                        const float* restrict gl_t, const float* restrict gl_w, long G,
-                        float* restrict W, float* restrict d, float* restrict p) {
+static void lane_weights(int method, long n, const float* restrict ld,
+                         const float* restrict gl_t, const float* restrict gl_w, long G,
+                         float* restrict W, float* restrict d, float* restrict p) {
     float s[V], om[V], pre[V];
     if (method == CASO) {  /* W_k = exp(Σ_{j>k} log a_j) */
         LANES s[l] = 0.0f;
-        for (long k = n - 1; k >= 0; k--) {
-            const float dk = ds[k];
-            LANES { W[k * V + l] = hsc_exp(s[l]); s[l] += dk * la[l]; }
-        }
+        for (long k = n - 1; k >= 0; k--)
+            LANES { W[k * V + l] = hsc_exp(s[l]); s[l] += ld[k * V + l]; }
         return;
     }
-    for (long k = 0; k < n; k++) {
-        const float dk = ds[k];
-        LANES d[k * V + l] = hsc_exp(dk * la[l]);
-    }
+    for (long k = 0; k < n; k++) LANES d[k * V + l] = hsc_exp(ld[k * V + l]);
     if (method == PICASO_R) {
         /* S_{n-1} = 1 + Σ_{m>=1} Π_{j<m} a_j;  S_k = (1 - P) + a_{k+1} S_{k+1};  W_k = S_k / n */
         LANES { s[l] = 0.0f; pre[l] = 1.0f; }
-        for (long k = 0; k < n; k++) LANES s[l] += ds[k] * la[l];
+        for (long k = 0; k < n; k++) LANES s[l] += ld[k * V + l];
         LANES { om[l] = neg_expm1(s[l]); s[l] = 1.0f; }
         for (long k = 0; k < n - 1; k++)
             LANES { pre[l] *= d[k * V + l]; s[l] += pre[l]; }
@@ -107,16 +102,19 @@ static void row_weights(int method, long n, const float* restrict ds, const floa
 
 /* nl layers, each: n inputs of B * R rows of M contiguous elements; input k of layer i starts at
    ptrs[i * n + k], its output at outs[i]; row r = b * R + rr. For the decay-based methods the ΣΔ of input k
-   of layer i is dptrs[i * n + k] ([B, R]) and A is aptrs[i] (per_element ? [R, M] : [R]). Mamba-1 rows are
-   cut into pieces of V elements (one weight per element), Mamba-2 rows take one weight per input.
+   of layer i is dptrs[i * n + k] ([B, R]) and A is aptrs[i] (per_element ? [R, M] : [R]).
+   per_element (Mamba-1): rows are cut into pieces of V elements, each with its own weights.
+   Otherwise (Mamba-2) a first pass computes one weight per row and input, V rows at a time, into rw.
    Returns 1 if an output holds NaN or inf (x - x is 0 exactly for finite x), else 0. */
 int hsc_compose(long nl, const int64_t* ptrs, const int64_t* outs, const int64_t* dptrs, const int64_t* aptrs,
                 long n, long B, long R, long M, int per_element, int method, const float* uw,
-                const float* gl_t, const float* gl_w, long G, int nthreads) {
+                const float* gl_t, const float* gl_w, long G, float* rw, int nthreads) {
     const long rows = B * R;
     const int needs_weights = method != SOUP && method != WEIGHTED;
+    const int row_weights = needs_weights && !per_element;
     const long chunks = per_element ? (M + V - 1) / V : 1;
     const long pieces = nl * rows * chunks;
+    const long groups = (rows + V - 1) / V;
     int nonfinite = 0;
     #pragma omp parallel num_threads(nthreads) reduction(|:nonfinite)
     {
@@ -124,9 +122,22 @@ int hsc_compose(long nl, const int64_t* ptrs, const int64_t* outs, const int64_t
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);  /* flush-to-zero | denormals-are-zero */
 #endif
-        float* buf = needs_weights ? (float*)malloc(sizeof(float) * (3 * n * V + n)) : NULL;
-        float *W = buf, *d = buf + n * V, *p = buf + 2 * n * V, *ds = buf + 3 * n * V;
-        float la[V];
+        float* buf = needs_weights ? (float*)malloc(sizeof(float) * 4 * n * V) : NULL;
+        float *W = buf, *d = buf + n * V, *p = buf + 2 * n * V, *ld = buf + 3 * n * V;
+        if (row_weights) {  /* rw[(layer * n + k) * rows + r] */
+            #pragma omp for schedule(static)
+            for (long lg = 0; lg < nl * groups; lg++) {
+                const long layer = lg / groups, r0 = (lg % groups) * V;
+                const float* A = (const float*)(intptr_t)aptrs[layer];
+                for (long k = 0; k < n; k++) {
+                    const float* dk = (const float*)(intptr_t)dptrs[layer * n + k];
+                    for (int l = 0; l < V; l++) ld[k * V + l] = r0 + l < rows ? dk[r0 + l] * A[(r0 + l) % R] : 0.0f;
+                }
+                lane_weights(method, n, ld, gl_t, gl_w, G, W, d, p);
+                for (long k = 0; k < n; k++)
+                    for (int l = 0; l < V && r0 + l < rows; l++) rw[(layer * n + k) * rows + r0 + l] = W[k * V + l];
+            }  /* the implicit barrier: every row weight is ready before the sums */
+        }
         #pragma omp for schedule(static)
         for (long pc = 0; pc < pieces; pc++) {
             const long layer = pc / (rows * chunks), rc = pc % (rows * chunks);
@@ -135,33 +146,32 @@ int hsc_compose(long nl, const int64_t* ptrs, const int64_t* outs, const int64_t
             const long off = r * M + j0;
             float* o = (float*)(intptr_t)outs[layer] + off;
             const int64_t* xp = ptrs + layer * n;
-            if (needs_weights) {
-                for (long k = 0; k < n; k++) ds[k] = ((const float*)(intptr_t)dptrs[layer * n + k])[r];
-                const float* A = (const float*)(intptr_t)aptrs[layer];
-                LANES la[l] = per_element ? (l < m ? A[rr * M + j0 + l] : 0.0f) : (l == 0 ? A[rr] : 0.0f);
-                row_weights(method, n, ds, la, gl_t, gl_w, G, W, d, p);
-            }
             int bad = 0;  /* an integer OR vectorises; a float sum would be one long dependency chain */
-            if (per_element && needs_weights && m == V) {
+            if (per_element && needs_weights) {
+                const float* A = (const float*)(intptr_t)aptrs[layer] + rr * M + j0;
+                for (long k = 0; k < n; k++) {
+                    const float dk = ((const float*)(intptr_t)dptrs[layer * n + k])[r];
+                    LANES ld[k * V + l] = l < m ? dk * A[l] : 0.0f;
+                }
+                lane_weights(method, n, ld, gl_t, gl_w, G, W, d, p);
                 float acc[V];
                 LANES acc[l] = 0.0f;
+                if (m == V) {
+                    for (long k = 0; k < n; k++) {
+                        const float* x = (const float*)(intptr_t)xp[k] + off;
+                        LANES acc[l] += W[k * V + l] * x[l];
+                    }
+                } else {
+                    for (long k = 0; k < n; k++) {
+                        const float* x = (const float*)(intptr_t)xp[k] + off;
+                        for (long j = 0; j < m; j++) acc[j] += W[k * V + j] * x[j];
+                    }
+                }
+                for (long j = 0; j < m; j++) o[j] = acc[j];
+            } else {
                 for (long k = 0; k < n; k++) {
                     const float* x = (const float*)(intptr_t)xp[k] + off;
-                    LANES acc[l] += W[k * V + l] * x[l];
-                }
-                LANES o[l] = acc[l];
-                for (int l = 0; l < V; l++) bad |= !(o[l] - o[l] == 0.0f);
-                nonfinite |= bad;
-                continue;
-            }
-            for (long k = 0; k < n; k++) {
-                const float* x = (const float*)(intptr_t)xp[k] + off;
-                if (per_element && needs_weights) {
-                    const float* w = W + k * V;
-                    if (k == 0) for (long j = 0; j < m; j++) o[j] = w[j] * x[j];
-                    else for (long j = 0; j < m; j++) o[j] += w[j] * x[j];
-                } else {
-                    const float w = needs_weights ? W[k * V] : (method == SOUP ? 1.0f / (float)n : uw[k]);
+                    const float w = row_weights ? rw[(layer * n + k) * rows + r] : (method == SOUP ? 1.0f / (float)n : uw[k]);
                     if (k == 0) for (long j = 0; j < m; j++) o[j] = w * x[j];
                     else for (long j = 0; j < m; j++) o[j] += w * x[j];
                 }
@@ -185,7 +195,7 @@ def _library():
     lib = None if _native is None else _native.load(NAME, SOURCE)
     if lib is not None and not getattr(lib, "_hsc_typed", False):
         lib.hsc_compose.restype = _I
-        lib.hsc_compose.argtypes = [_L, _P, _P, _P, _P, _L, _L, _L, _L, _I, _I, _P, _P, _P, _L, _I]
+        lib.hsc_compose.argtypes = [_L, _P, _P, _P, _P, _L, _L, _L, _L, _I, _I, _P, _P, _P, _L, _P, _I]
         lib._hsc_typed = True
     return lib
 
@@ -212,8 +222,9 @@ def _pointers(tensors) -> torch.Tensor:
 
 def compose_layers_native(inputs, method, weights=None, delta_sums=None, A=None, per_element=False):
     """The kernel over many layers in one call: ``inputs[i]`` is layer i's list of n float32 contiguous CPU
-    tensors, all of one shape ``[B, R, *row]``; ``delta_sums[i]`` the n ΣΔ ``[B, R]`` and ``A[i]`` the
-    layer's A (only for the decay-based methods). Trusts its caller (no checks: the composer validated
+    tensors, all of one shape (``[B, R, *row]`` for the decay-based methods; any for ``soup`` /
+    ``weighted``); ``delta_sums[i]`` the n ΣΔ ``[B, R]`` and ``A[i]`` the layer's A (only for the
+    decay-based methods). Trusts its caller (no checks: the composer validated
     the states). Returns (outputs, all_finite), or None if the kernel cannot be built."""
     lib = _library()
     if lib is None:
@@ -222,9 +233,11 @@ def compose_layers_native(inputs, method, weights=None, delta_sums=None, A=None,
     outs = [torch.empty_like(first) for _ in inputs]
     if first.numel() == 0:
         return outs, True
-    batch, rows = first.shape[0], first.shape[1]
-    row_elems = first[0, 0].numel()
     needs_weights = method not in ("soup", "weighted")
+    if needs_weights:
+        batch, rows, row_elems = first.shape[0], first.shape[1], first[0, 0].numel()
+    else:  # one weight per input: the tensors are flat vectors, whatever their shape
+        batch, rows, row_elems = 1, 1, first.numel()
     flat = [t for layer in inputs for t in layer]
     dptrs = _pointers([d for layer in delta_sums for d in layer]) if needs_weights else _pointers(flat[:1])
     aptrs = _pointers(A) if needs_weights else dptrs
@@ -234,12 +247,13 @@ def compose_layers_native(inputs, method, weights=None, delta_sums=None, A=None,
         nodes, node_w = t.to(torch.float32), w.to(torch.float32)
     else:
         nodes = node_w = torch.zeros(1)
-    # the pointer tables must outlive the call: named, not temporaries
+    # the pointer tables and buffers must outlive the call: named, not temporaries
     in_ptrs, out_ptrs = _pointers(flat), _pointers(outs)
+    row_w = torch.empty(len(inputs) * n * batch * rows if needs_weights and not per_element else 1)
     bad = lib.hsc_compose(
         len(inputs), in_ptrs.data_ptr(), out_ptrs.data_ptr(), dptrs.data_ptr(), aptrs.data_ptr(),
         n, batch, rows, row_elems, int(per_element), _METHOD_IDS[method], user_w.data_ptr(),
-        nodes.data_ptr(), node_w.data_ptr(), nodes.numel(), torch.get_num_threads(),
+        nodes.data_ptr(), node_w.data_ptr(), nodes.numel(), row_w.data_ptr(), torch.get_num_threads(),
     )
     return outs, not bad
 
