@@ -317,6 +317,11 @@ class StateStore:
                 f"differs in {', '.join(differs)}): its token ids would be read wrongly. Pass the tokenizer that built it."
             )
         self.storage_dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
+        # what every state read from this store carries, taken once: ComposableMambaCache.empty_for
+        # re-checks the model's fingerprint (a pass over all weights), far too slow per entry read
+        template = ComposableMambaCache.empty_for(model)
+        self._state_template = {"architecture": template.architecture, "fingerprint": template.fingerprint,
+                                "model_dtype": template.model_dtype, "model_info": dict(template.model_info)}
         self._manifests: dict[str, dict] = {}  # shard id -> manifest (manifests never change: cached by id)
         self._embeddings: dict[str, torch.Tensor] = {}  # shard id -> verified [n, E]
         self._A: dict[str, list[torch.Tensor]] = {}  # A checksum -> verified A tensors (normally one for all shards)
@@ -687,7 +692,7 @@ class StateStore:
         tensors = {name: self._tensor(handle, sid, f"{entry_id}.{name}") for name in names}
         if verify:
             self._verify_entry(sid, record, tensors, num_layers)
-        state = ComposableMambaCache.empty_for(self.model)
+        state = ComposableMambaCache(self.model.config, **{**self._state_template, "model_info": dict(self._state_template["model_info"])})
         model_dtype = state.model_dtype
         for layer in range(num_layers):
             state.set_layer(
