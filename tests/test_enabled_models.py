@@ -175,3 +175,21 @@ def test_encode_does_not_enable_past_states(arch):
         model(random_ids(3), past_states=[state])
     again = hsc.encode(hsc.enable(model), context)
     assert all(torch.equal(a, b) for a, b in zip(state.ssm_states, again.ssm_states))
+
+
+@torch.no_grad()
+def test_accelerate_hooks_before_enable_and_after_disable():
+    """accelerate keeps the forward it wraps in the instance (device_map over several devices hooks the model
+    at load time, before enable): enable / disable must reach it."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = hsc.disable(tiny_model("mamba2"))
+    hooks.add_hook_to_module(model, hooks.AlignDevicesHook(io_same_device=True))
+    hsc.enable(model)
+    state = ComposableMambaCache.encode(model, random_ids(8))
+    query = random_ids(3)
+    expected = tiny_model("mamba2")(query, past_states=[state]).logits  # the same weights, not hooked
+    assert torch.equal(model(query, past_states=[state]).logits, expected)
+    hooks.remove_hook_from_module(model)  # leaves the wrapped forward in the instance as `forward`
+    hsc.disable(model)
+    with pytest.raises(ValueError, match="enable"):
+        model(query, past_states=[state])

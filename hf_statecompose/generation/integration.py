@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 
 import torch
 
@@ -81,6 +82,7 @@ def enable(model, backend: str | None = None):
     enable_state_path(inner, backend)
     if not isinstance(inner, _EnabledModel):
         inner.__class__ = _enabled_class(type(inner))
+        _rebind_instance_forwards(inner)
     return model
 
 
@@ -89,9 +91,23 @@ def disable(model):
     inner = _transformers_model(model)
     if isinstance(inner, _EnabledModel):
         inner.__class__ = inner._hsc_stock_class
+        _rebind_instance_forwards(inner)
     architecture_of(inner)
     disable_state_path(inner)
     return model
+
+
+def _rebind_instance_forwards(model):
+    """accelerate's hooks keep the forward they wrap in the instance, bound (``_old_forward``; and
+    ``remove_hook_from_module`` leaves it as ``forward``). Point such a stock / enabled forward at the
+    class's current one: a model hooked before ``enable`` (``device_map`` over several devices) then takes
+    ``past_states``, and a disabled one refuses it, instead of running the class it had when hooked."""
+    stock = model._hsc_stock_class if isinstance(model, _EnabledModel) else type(model)
+    ours = (stock.forward, _enabled_class(stock).forward)
+    for name in ("_old_forward", "forward"):
+        bound = model.__dict__.get(name)
+        if isinstance(bound, types.MethodType) and bound.__self__ is model and bound.__func__ in ours:
+            model.__dict__[name] = types.MethodType(type(model).forward, model)
 
 
 def _with_states_signature(method, stock_method):
