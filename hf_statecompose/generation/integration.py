@@ -13,7 +13,7 @@ What ``enable`` changes, and why it changes nothing else:
   sequences), and passed as ``cache_params``; ``past_states`` never reaches the stock methods.
   ``generate`` therefore returns what stock generate returns: the query as passed plus the new tokens.
 
-Everything lives on the classes, nothing in the instance: ``copy.deepcopy`` (trl's reference models, EMA
+Nothing refers to a particular instance (the methods live on the classes): ``copy.deepcopy`` (trl's reference models, EMA
 copies), ``pickle`` / ``torch.save(model)``, ``.to()``, ``.half()`` and PEFT wrapping carry the enabled
 behaviour with the object and run *its* weights. The classes are made at run time, so pickle cannot find
 them by name; instances reduce themselves to :func:`_new_enabled_model` and the stock class, which
@@ -89,10 +89,10 @@ def enable(model, backend: str | None = None):
 def disable(model):
     """Undo :func:`enable`: the stock model class and mixer classes, exactly."""
     inner = _transformers_model(model)
+    architecture_of(inner)
     if isinstance(inner, _EnabledModel):
         inner.__class__ = inner._hsc_stock_class
         _rebind_instance_forwards(inner)
-    architecture_of(inner)
     disable_state_path(inner)
     return model
 
@@ -130,14 +130,14 @@ def _with_states_signature(method, stock_method):
 def _enabled_class(stock: type) -> type:
     """The enabled subclass of ``stock`` (made once; it closes over the class, never over an instance)."""
     if stock not in _ENABLED_CLASSES:
-        stock_forward = stock.forward
-        forward_signature = inspect.signature(stock_forward)
+        # the stock methods are looked up at each call, so that later patches of the stock class still apply
+        forward_signature = inspect.signature(stock.forward)
 
         def forward(self, *args, past_states=None, composition="picaso_r", **kwargs):
             if past_states is None:
                 if isinstance(kwargs.get("cache_params"), ComposableMambaCache):
                     _refuse_layer_checkpointing(self)
-                return stock_forward(self, *args, **kwargs)
+                return stock.forward(self, *args, **kwargs)
             _refuse_layer_checkpointing(self)
             named = _by_name(forward_signature, self, args, kwargs)
             if named.get("cache_params") is not None:
@@ -145,22 +145,21 @@ def _enabled_class(stock: type) -> type:
             batch = _check_query(named, ("input_ids",))
             named["cache_params"] = compose_for_batch(self, past_states, composition, batch)
             named["use_cache"] = True
-            return stock_forward(self, **named)
+            return stock.forward(self, **named)
 
         namespace = {
-            "forward": _with_states_signature(forward, stock_forward),
+            "forward": _with_states_signature(forward, stock.forward),
             "_hsc_stock_class": stock,
             "__module__": stock.__module__,
             "__qualname__": stock.__qualname__,
             "__doc__": stock.__doc__,
         }
         if hasattr(stock, "generate"):
-            stock_generate = stock.generate
-            generate_signature = inspect.signature(stock_generate)
+            generate_signature = inspect.signature(stock.generate)
 
             def generate(self, *args, past_states=None, composition="picaso_r", **kwargs):
                 if past_states is None:
-                    return stock_generate(self, *args, **kwargs)
+                    return stock.generate(self, *args, **kwargs)
                 named = _by_name(generate_signature, self, args, kwargs)
                 if named.get("cache_params") is not None:
                     raise ValueError("pass either past_states or cache_params, not both")
@@ -174,9 +173,9 @@ def _enabled_class(stock: type) -> type:
                 # generate() expands input_ids for beams / return sequences but never a user cache: do it here
                 named["cache_params"] = composed.repeat_interleave(expand) if expand > 1 else composed
                 named["use_cache"] = True
-                return stock_generate(self, **named)
+                return stock.generate(self, **named)
 
-            namespace["generate"] = _with_states_signature(generate, stock_generate)
+            namespace["generate"] = _with_states_signature(generate, stock.generate)
         _ENABLED_CLASSES[stock] = type(stock.__name__, (_EnabledModel, stock), namespace)
     return _ENABLED_CLASSES[stock]
 
