@@ -65,6 +65,25 @@ def test_pickle_round_trip_keeps_the_model_enabled(arch):
 
 
 @torch.no_grad()
+def test_unpickling_where_the_enabled_classes_were_never_made(arch, monkeypatch):
+    """A fresh process has no enabled classes yet: loading makes them from the stock classes."""
+    from hf_statecompose.generation import integration
+    from hf_statecompose.models import mixers
+
+    model = tiny_model(arch)
+    state = ComposableMambaCache.encode(model, random_ids(9))
+    query = random_ids(3)
+    data = pickle.dumps(model)
+    monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
+    monkeypatch.setattr(mixers, "_COMPOSABLE_MIXER_CLASSES", {})
+    loaded = pickle.loads(data)
+    assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
+    stock_mixer = type(model.backbone.layers[0].mixer)._hsc_stock_class
+    assert type(loaded.backbone.layers[0].mixer) is mixers._COMPOSABLE_MIXER_CLASSES[stock_mixer]  # made on load
+    assert torch.equal(_generate(loaded, query, [state]), _generate(model, query, [state]))
+
+
+@torch.no_grad()
 def test_torch_save_round_trip_keeps_the_model_enabled(arch):
     model = tiny_model(arch)
     state = ComposableMambaCache.encode(model, random_ids(12))
@@ -113,6 +132,8 @@ def test_peft_either_way(order):
     expected = wrapped.generate(input_ids=torch.cat([context, query], 1), max_new_tokens=NEW, do_sample=False)
     out = wrapped.generate(input_ids=query, past_states=[state], max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, expected[:, context.shape[1]:])
+    duplicate = copy.deepcopy(wrapped)  # trl's reference model
+    assert torch.equal(duplicate.generate(input_ids=query, past_states=[state], max_new_tokens=NEW, do_sample=False), out)
     hsc.disable(wrapped)
     assert not hsc.is_enabled(wrapped) and type(wrapped.get_base_model()) is _stock_class(arch)
 
