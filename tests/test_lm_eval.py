@@ -225,3 +225,33 @@ def test_cli_wrapper_runs_a_task(tmp_path):
     assert "statecompose_recall_mc" in done.stdout and "acc" in done.stdout
     results = list((tmp_path / "out").rglob("results_*.json"))
     assert results and json.loads(results[0].read_text())["results"]["statecompose_recall_mc"]["acc,none"] >= 0
+
+
+
+@pytest.mark.parametrize("model_args, message", [
+    ("pretrained=demo,k=-1", "k must be >= 0"),
+    ("pretrained=demo,k=1,passages=/no/such/passages.jsonl", "passages='/no/such/passages.jsonl': no such file"),
+    ("pretrained=demo,k=1,composition=nope,passages=bundled", "unknown composition 'nope'"),
+    ("pretrained=demo,k=0,bogus=1", "unexpected keyword argument 'bogus'"),
+])
+def test_bad_model_args_are_a_model_argument_error(model_args, message):
+    from hf_statecompose.lmeval import ModelArgumentError
+    from hf_statecompose.lmeval.model import StateComposeLM
+
+    with pytest.raises(ModelArgumentError, match="^--model_args: .*" + message.replace("(", r"\(")):
+        StateComposeLM.create_from_arg_string(model_args, {"batch_size": 1})
+    with pytest.raises(ModelArgumentError, match=message.replace("(", r"\(")):
+        StateComposeLM.create_from_arg_obj(dict(item.split("=") for item in model_args.split(",")))
+
+
+def test_cli_wrapper_reports_them_in_one_line(monkeypatch, capsys):
+    import lm_eval.__main__
+
+    from hf_statecompose.lmeval import ModelArgumentError, run_cli
+
+    def refuses():
+        raise ModelArgumentError("--model_args: k must be >= 0 (0 = no retrieval,\nplain HFLM), got -1")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", refuses)
+    assert run_cli(["run", "--model", "statecompose", "--model_args", "k=-1", "--tasks", "x"]) == 2
+    assert capsys.readouterr().err == "hf-statecompose lm-eval: error: --model_args: k must be >= 0 (0 = no retrieval, plain HFLM), got -1\n"

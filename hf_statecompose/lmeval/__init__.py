@@ -6,12 +6,17 @@ Named ``lmeval`` (not ``lm_eval``) so that it never shadows the harness itself. 
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 TASKS = ("statecompose_wikipedia", "statecompose_wikipedia_rolling", "statecompose_recall_mc")
 MODEL_TARGET = "hf_statecompose.lmeval.model:StateComposeLM"
+
+
+class ModelArgumentError(ValueError):
+    """``--model_args`` the ``statecompose`` model cannot use (reported by :func:`run_cli` as one line, exit 2)."""
 
 
 def register() -> bool:
@@ -45,6 +50,11 @@ def run_cli(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # argparse / lm-eval exits
         code = done.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except ModelArgumentError as error:  # a user error, not a bug: no traceback (HF_STATECOMPOSE_DEBUG=1 shows it)
+        if os.environ.get("HF_STATECOMPOSE_DEBUG"):
+            raise
+        print("hf-statecompose lm-eval: error: " + " ".join(str(error).split()), file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     return 0

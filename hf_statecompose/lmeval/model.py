@@ -30,7 +30,7 @@ import torch
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from . import TASKS_DIR
+from . import TASKS_DIR, ModelArgumentError
 
 logger = logging.getLogger("hf_statecompose")
 
@@ -70,6 +70,19 @@ def _as_int(name, value) -> int:
     if isinstance(value, float) and value != number:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     return number
+
+
+@contextmanager
+def _model_args_errors():
+    """What lm-eval's command line builds from ``--model_args``: a refusal there is the user's to fix
+    (a bad value, a missing file or folder, an unknown argument), so it becomes a ModelArgumentError."""
+    try:
+        yield
+    except ModelArgumentError:
+        raise
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        raise ModelArgumentError(f"--model_args: {message}") from error
 
 
 class StateComposeLM(HFLM):
@@ -121,6 +134,8 @@ class StateComposeLM(HFLM):
                 "k > 0 needs contexts to retrieve: pass store=<path of a StateStore built by this model> "
                 "or passages=<file.jsonl | bundled> (or k=0 for plain HFLM)"
             )
+        if passages is not None and passages != "bundled" and not Path(passages).expanduser().is_file():
+            _read_passages(passages)  # its error, before minutes of model and retriever loading
         if retriever is not None and not callable(retriever) and retriever not in ("minilm", "default"):
             raise ValueError(f"retriever={retriever!r}: use 'minilm' (the default) or, from Python, a callable list[str] -> [n, E]")
         if device is None:
@@ -142,6 +157,16 @@ class StateComposeLM(HFLM):
             self._ids_by_text: dict[str, list[str]] = {}
             for entry in self.store.entries():
                 self._ids_by_text.setdefault(entry.text, []).append(entry.id)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        with _model_args_errors():
+            return super().create_from_arg_string(arg_string, additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        with _model_args_errors():
+            return super().create_from_arg_obj(arg_dict, additional_config)
 
     # ------------------------------------------------------------------------------------- the store
     def _open_store(self, store, passages, retriever, storage_dtype):
