@@ -135,3 +135,25 @@ def test_encode_refuses_fractional_masks(setup):
     model, _ = setup
     with pytest.raises(ValueError, match="only 0"):
         ComposableMambaCache.encode(model, random_ids(4), attention_mask=torch.tensor([[0.5, 1.0, 1.0, 1.0]]))
+
+
+@torch.no_grad()
+def test_generate_checks_the_mask_it_would_infer_from_the_pad_token(setup):
+    """Without attention_mask, stock generate takes every pad_token_id (0 here) for padding."""
+    model, states = setup
+    ids = random_ids(4, batch=2)
+    right = ids.clone()
+    right[1, 2:] = 0
+    with pytest.raises(ValueError, match="left padding.*pad_token_id 0"):
+        model.generate(right, past_states=states, max_new_tokens=2)
+    hole = ids.clone()
+    hole[0, 1] = 0
+    with pytest.raises(ValueError, match="pad_token_id 0.*attention_mask explicitly"):
+        model.generate(hole, past_states=states, max_new_tokens=2)
+    left = ids.clone()
+    left[1, :2] = 0
+    inferred = model.generate(left, past_states=states, max_new_tokens=3, do_sample=False)
+    explicit = model.generate(left, attention_mask=(left != 0).long(), past_states=states, max_new_tokens=3, do_sample=False)
+    assert torch.equal(inferred, explicit)
+    # an explicit mask says which zeros are tokens: no inference then
+    model.generate(hole, attention_mask=torch.ones_like(hole), past_states=states, max_new_tokens=2)

@@ -165,6 +165,7 @@ def _enabled_class(stock: type) -> type:
                     raise ValueError("pass either past_states or cache_params, not both")
                 batch = _check_query(named, ("inputs", "input_ids"))
                 config = named.get("generation_config") or self.generation_config
+                _check_inferred_mask(named, config)
                 expand = max(
                     named.get("num_beams", getattr(config, "num_beams", 1)) or 1,
                     named.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1,
@@ -291,6 +292,29 @@ def _check_query(named: dict, id_names: tuple[str, ...]) -> int:
         # check_left_padded_mask compares the mask's shape with this stand-in for the query (no memory on 'meta')
         named["attention_mask"] = check_left_padded_mask(mask, torch.empty(shape, device="meta"))
     return shape[0]
+
+
+def _check_inferred_mask(named: dict, config) -> None:
+    """Without ``attention_mask``, stock ``generate`` takes every ``pad_token_id`` in the query for padding
+    (unless pad is also eos). Check that mask as an explicit one: a right-padded query would otherwise run
+    its padding after the state, with only a logged warning."""
+    ids = next((named[name] for name in ("inputs", "input_ids") if named.get(name) is not None), None)
+    if ids is None or named.get("attention_mask") is not None:
+        return
+    pad = named.get("pad_token_id", getattr(config, "pad_token_id", None))
+    eos = named.get("eos_token_id", getattr(config, "eos_token_id", None))
+    if pad is None or (pad in eos if isinstance(eos, (list, tuple)) else pad == eos):
+        return
+    inferred = ids.ne(int(pad))
+    if bool(inferred.all()):
+        return
+    try:
+        check_left_padded_mask(inferred, ids)
+    except ValueError as error:
+        raise ValueError(
+            f"{error} (no attention_mask was given, so generate takes the query's pad_token_id {int(pad)} for padding; "
+            "pass attention_mask explicitly)"
+        ) from None
 
 
 def _refuse_layer_checkpointing(model):
