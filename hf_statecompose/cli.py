@@ -179,8 +179,22 @@ def open_store(path: str, model_spec: str | None, storage_dtype: str | None = No
 
     if model_spec is None:
         model_spec = (header or {}).get("info", {}).get("model", "demo")
-    model, tokenizer = load_model(model_spec)
-    return StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": model_spec}), model, tokenizer
+        try:
+            model, tokenizer = load_model(model_spec)
+        except CommandLineError as error:
+            raise CommandLineError(f"the store at {path} records the model {model_spec!r}, which cannot be loaded here: "
+                                   f"pass --model ({error})") from None
+    else:
+        model, tokenizer = load_model(model_spec)
+    return StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)}), model, tokenizer
+
+
+def _recorded(spec: str) -> str:
+    """How a store records its model: a demo name, or the checkpoint folder's absolute path (so that
+    commands run from another folder reopen the same model)."""
+    from .demo import DEMO_SPECS
+
+    return spec if spec in DEMO_SPECS else str(Path(spec).resolve())
 
 
 def _build(args) -> None:
@@ -201,7 +215,7 @@ def _build(args) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         building = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
         try:
-            draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": spec})
+            draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": _recorded(spec)})
             ids = draft.add(texts, metadata, batch_size=args.batch_size)
             if target.is_dir():
                 target.rmdir()  # empty (checked above): os.replace wants the name free

@@ -50,6 +50,8 @@ def files(tmp_path):
     (tmp_path / "listed").mkdir()
     (tmp_path / "listed" / "store.json").write_text("[1, 2]")
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "orphan").mkdir()
+    (tmp_path / "orphan" / "store.json").write_text(json.dumps({"info": {"model": str(tmp_path / "gone")}}))
     return tmp_path
 
 
@@ -81,6 +83,7 @@ BAD_ARGUMENTS = [
     (["stats", "{tmp}/corrupt"], "store.json is unreadable or corrupted"),
     (["query", "{tmp}/corrupt", "hello"], "store.json is unreadable or corrupted"),
     (["stats", "{tmp}/listed"], "store.json is corrupted (not a store header)"),
+    (["stats", "{tmp}/orphan"], "records the model '{tmp}/gone', which cannot be loaded here: pass --model"),
 ]
 
 
@@ -88,7 +91,7 @@ BAD_ARGUMENTS = [
 def test_bad_invocations_are_one_line_exit_2(files, capsys, argv, message):
     before = sorted(p.name for p in files.iterdir())
     code, out, err = run_main([a.replace("{tmp}", str(files)) for a in argv], capsys)
-    assert_user_error(code, err, message)
+    assert_user_error(code, err, message.replace("{tmp}", str(files)))
     assert out == ""
     assert sorted(p.name for p in files.iterdir()) == before  # nothing created
     assert list((files / "empty_dir").iterdir()) == []
@@ -228,3 +231,15 @@ def test_query_and_extending_a_store(built, bag_of_words, capsys, tmp_path):
     extra.write_text("One more passage about rivers.\n\nAnd another about hills.\n")
     code, out, err = run_main(["build", store, extra], capsys)
     assert code == 0 and out.startswith("added 2 entries") and json.loads(out.split("\n", 1)[1])["entries"] == 6
+
+
+def test_a_checkpoint_folder_is_recorded_by_its_absolute_path(bag_of_words, capsys, tmp_path, monkeypatch):
+    demo = Path(cli.__file__).parent / "demo" / "models" / "mamba2"
+    (tmp_path / "p.txt").write_text("A passage.\n\nAnother one.\n")
+    monkeypatch.chdir(demo.parent)
+    code, _, err = run_main(["build", tmp_path / "s", tmp_path / "p.txt", "--model", "mamba2"], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "s" / "store.json").read_text())["info"]["model"] == str(demo)
+    monkeypatch.chdir(tmp_path)  # the relative name means nothing here: the recorded path still does
+    code, out, err = run_main(["stats", "s"], capsys)
+    assert code == 0 and json.loads(out)["entries"] == 2, err
