@@ -24,10 +24,13 @@ import torch
 from ._triton import interpreting
 from .compose import native as _compose_native
 from .compose.vectorized import compose_ssm_torch
-from .conv.vectorized import causal_conv1d as _conv_torch
+from .conv import native as _conv_native
+from .conv.vectorized import causal_conv1d as _conv_eager
 from .selective_scan import compiled
+from .selective_scan import native as _scan_native
 from .selective_scan.vectorized import selective_scan as _selective_scan_eager
-from .ssd.vectorized import ssd_scan as _ssd_torch
+from .ssd import native as _ssd_native
+from .ssd.vectorized import ssd_scan as _ssd_eager
 
 logger = logging.getLogger("hf_statecompose")
 
@@ -96,8 +99,13 @@ def selective_scan(*args, backend: str = "auto", **kwargs):
 
 def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                          initial_state=None, mask=None):
-    """The torch backend: compiled for long inference inputs, chunked eager otherwise (and with autograd)."""
+    """The torch backend: the native C kernel for float32 inference (see ``ops/_native.py``), else compiled
+    for long inference inputs, else chunked eager (and always with autograd)."""
     args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, mask)
+    if _scan_native.applicable(u, delta, A, B, C, initial_state, mask):
+        out = _scan_native.selective_scan_native(*args)
+        if out is not None:
+            return out
     if compiled.applicable(u, A, initial_state, u.shape[-1]):
         try:
             return compiled.selective_scan_compiled(*args)
@@ -108,12 +116,32 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
 
 def ssd_scan(*args, backend: str = "auto", **kwargs):
     """Mamba-2 chunked SSD scan (contract of :func:`hf_statecompose.ops.ssd_scan_ref`)."""
-    return _dispatch("ssd_scan", _ssd_torch, "x", args, kwargs, backend)
+    return _dispatch("ssd_scan", ssd_scan_torch, "x", args, kwargs, backend)
+
+
+def ssd_scan_torch(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, dt_limit=None, initial_state=None,
+                   mask=None, chunk_size: int = 64):
+    """The torch backend: the native C recurrence for float32 inference, else the chunked scan (with autograd)."""
+    args = (x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_state, mask)
+    if _ssd_native.applicable(x, dt, A, B, C, initial_state, mask):
+        out = _ssd_native.ssd_scan_native(*args)
+        if out is not None:
+            return out
+    return _ssd_eager(*args, chunk_size=chunk_size)
 
 
 def causal_conv1d(*args, backend: str = "auto", **kwargs):
     """Causal depthwise conv continuing a window (contract of :func:`hf_statecompose.ops.causal_conv1d_ref`)."""
-    return _dispatch("causal_conv1d", _conv_torch, "x", args, kwargs, backend)
+    return _dispatch("causal_conv1d", causal_conv1d_torch, "x", args, kwargs, backend)
+
+
+def causal_conv1d_torch(x, weight, bias=None, conv_state=None, mask=None, activation=None):
+    """The torch backend: the native C kernel for float32 inference, else one grouped conv (with autograd)."""
+    if _conv_native.applicable(x, weight, bias, conv_state, mask, activation):
+        out = _conv_native.causal_conv1d_native(x, weight, bias, conv_state, mask, activation)
+        if out is not None:
+            return out
+    return _conv_eager(x, weight, bias, conv_state, mask, activation)
 
 
 def compose_ssm(ssm_states, delta_sums, A, method, weights=None, backend: str = "auto"):

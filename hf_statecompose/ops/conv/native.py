@@ -1,0 +1,143 @@
+"""Causal depthwise conv (+ activation) continuing a window, as one C loop nest (CPU inference, float32),
+built by ``ops/_native.py``.
+
+Reads ``x`` tokens-first (``[B, T, C]`` with unit channel stride: the transposed views the mixers pass
+cost no copy) and writes the output tokens-first, returned as a ``[B, C, T]`` view, so the mixers'
+transpose back (the input of ``x_proj`` / the SSD scan) is free. Left padding (``mask``) as in
+:func:`hf_statecompose.ops.causal_conv1d_ref`: row b's real tokens see that row's window directly before
+them; padded positions are written as 0 (the caller masks them anyway).
+
+Same contract as :func:`hf_statecompose.ops.causal_conv1d_ref`, for float32 inputs without autograd.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import _native
+from .reference import _activation
+
+NAME = "causal_conv1d"
+SOURCE = _native.MATH + r"""
+#define W 16
+
+static inline float src_at(long s, long p, long K, const float* x, long x_st, const float* win, long c) {
+    /* input s of the row: a real token (s >= p) or the window entry directly before the real tokens */
+    return s >= p ? x[s * x_st + c] : (win ? win[c * K + K + s - p] : 0.0f);
+}
+
+/* x: [B, T, C] (unit channel stride); w_t: [K, C]; bias: [C]; window: [B, C, K]; mask: [B, T];
+   out: [B, T, C]; new_window: [B, C, K]. Optional pointers may be NULL. Each thread takes one contiguous
+   range of channels and walks the tokens in order: rows are streamed, never strided through. */
+void hsc_causal_conv1d(long batch, long T, long Cn, long K, const float* x, long x_sb, long x_st,
+    const float* w_t, const float* bias, const float* window, const float* mask, int silu,
+    float* out, float* new_window, int nthreads)
+{
+    long per = (Cn + nthreads - 1) / nthreads;
+    per = (per + W - 1) / W * W;
+    long nchunks = (Cn + per - 1) / per;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long job = 0; job < batch * nchunks; job++) {
+        long b = job / nchunks, lo = (job % nchunks) * per;
+        long hi = lo + per < Cn ? lo + per : Cn;
+        const float* xb = x + b * x_sb;
+        const float* wb = window ? window + b * Cn * K : 0;
+        float* ob = out + b * T * Cn;
+        long p = 0;
+        if (mask) {
+            float real = 0.0f;
+            for (long t = 0; t < T; t++) real += mask[b * T + t];
+            p = T - (long)(real + 0.5f);
+        }
+        for (long t = 0; t < T; t++) {
+            float* orow = ob + t * Cn;
+            if (t < p) {
+                for (long c = lo; c < hi; c++) orow[c] = 0.0f;
+            } else if (t < p + K - 1) { /* the first real tokens also read the window */
+                for (long c = lo; c < hi; c++) {
+                    float acc = bias ? bias[c] : 0.0f;
+                    for (long j = 0; j < K; j++) acc += w_t[j * Cn + c] * src_at(t - (K - 1) + j, p, K, xb, x_st, wb, c);
+                    orow[c] = silu ? hsc_silu(acc) : acc;
+                }
+            } else {
+                long c0 = lo;
+                for (; c0 + W <= hi; c0 += W) {
+                    float acc[W];
+                    #pragma omp simd
+                    for (long i = 0; i < W; i++) acc[i] = bias ? bias[c0 + i] : 0.0f;
+                    for (long j = 0; j < K; j++) {
+                        const float* xr = xb + (t - (K - 1) + j) * x_st + c0;
+                        const float* wr = w_t + j * Cn + c0;
+                        #pragma omp simd
+                        for (long i = 0; i < W; i++) acc[i] += wr[i] * xr[i];
+                    }
+                    #pragma omp simd
+                    for (long i = 0; i < W; i++) orow[c0 + i] = silu ? hsc_silu(acc[i]) : acc[i];
+                }
+                for (long c = c0; c < hi; c++) {
+                    float acc = bias ? bias[c] : 0.0f;
+                    for (long j = 0; j < K; j++) acc += w_t[j * Cn + c] * xb[(t - (K - 1) + j) * x_st + c];
+                    orow[c] = silu ? hsc_silu(acc) : acc;
+                }
+            }
+        }
+        float* nb = new_window + b * Cn * K;
+        for (long c = lo; c < hi; c++)
+            for (long k = 0; k < K; k++) nb[c * K + k] = src_at(T - K + k, p, K, xb, x_st, wb, c);
+    }
+}
+"""
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_NATIVE_ACTIVATIONS = {None: 0, "silu": 1, "swish": 1}
+
+
+def _library():
+    lib = _native.load(NAME, SOURCE)
+    if lib is not None and not getattr(lib, "_hsc_typed", False):
+        lib.hsc_causal_conv1d.restype = None
+        lib.hsc_causal_conv1d.argtypes = [_L, _L, _L, _L, _P, _L, _L, _P, _P, _P, _P, _I, _P, _P, _I]
+        lib._hsc_typed = True
+    return lib
+
+
+def applicable(x, weight, bias=None, conv_state=None, mask=None, activation=None) -> bool:
+    """CPU float32 inference (no autograd) with a supported activation, where the kernel builds."""
+    tensors = [t for t in (x, weight, bias, conv_state) if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return activation in _NATIVE_ACTIVATIONS and _native.enabled() and _native.failure(NAME) is None
+
+
+def causal_conv1d_native(x, weight, bias=None, conv_state=None, mask=None, activation=None):
+    """Same contract as :func:`hf_statecompose.ops.causal_conv1d_ref`; None if the kernel cannot be built."""
+    lib = _library()
+    if lib is None:
+        return None
+    _activation(activation)  # the same error as the other paths for an unknown name
+    batch, channels, length = x.shape
+    kernel = weight.shape[-1]
+    if tuple(weight.shape) != (channels, kernel):
+        raise ValueError(f"weight must be [C, K] with C={channels}, got {tuple(weight.shape)}")
+    if conv_state is not None and tuple(conv_state.shape) != (batch, channels, kernel):
+        raise ValueError(f"conv window must be [B, C, K] = {(batch, channels, kernel)}, got {tuple(conv_state.shape)}")
+    if mask is not None and tuple(mask.shape) != (batch, length):
+        raise ValueError(f"mask must be [B, T] = {(batch, length)}, got {tuple(mask.shape)}")
+    if x.stride(1) != 1:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    w_t = weight.t().contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    window = conv_state.contiguous() if conv_state is not None else None
+    mask_f = mask.to(torch.float32).contiguous() if mask is not None else None
+    out = x.new_empty((batch, length, channels))
+    new_window = x.new_empty((batch, channels, kernel))
+    lib.hsc_causal_conv1d(
+        batch, length, channels, kernel, x.data_ptr(), x.stride(0), x.stride(2), w_t.data_ptr(),
+        None if bias is None else bias.data_ptr(), None if window is None else window.data_ptr(),
+        None if mask_f is None else mask_f.data_ptr(), _NATIVE_ACTIVATIONS[activation],
+        out.data_ptr(), new_window.data_ptr(), torch.get_num_threads(),
+    )
+    return out.transpose(1, 2), new_window
