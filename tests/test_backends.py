@@ -167,7 +167,6 @@ def test_encode_and_generate_unchanged_by_backend(arch, backend):
 
 def test_encode_with_compiled_scan_matches_eager(monkeypatch):
     """A long Mamba-1 context (>= MIN_TOKENS) goes through the compiled scan; the eager scan agrees."""
-    monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "0")  # the native kernel would take precedence
     model = tiny_model("mamba")
     ids = random_ids(compiled.MIN_TOKENS + 9, generator=torch.Generator().manual_seed(8))
     calls = []
@@ -183,16 +182,135 @@ def test_encode_with_compiled_scan_matches_eager(monkeypatch):
         assert relative_error(fused.ssm_states[i], eager.ssm_states[i]) < 1e-5
 
 
-@pytest.mark.parametrize("method", ["soup", "caso", "picaso_s", "picaso_r"])
-def test_composer_same_result_on_every_backend(arch, method):
+@pytest.mark.parametrize("method", ["soup", "weighted", "caso", "picaso_s", "picaso_r"])
+def test_composer_matches_the_float64_reference_on_every_path(arch, method, monkeypatch):
+    """StateComposer on every path that can run here (the native CPU kernel, the blockwise torch path with
+    native kernels off, Triton where installed) against the reference composition in float64, every tensor:
+    SSM states, conv windows (the method's policy), ΣΔ and the token count."""
+    from hf_statecompose.ops.compose import compose_ssm_ref
+
     model = tiny_model(arch)
     g = torch.Generator().manual_seed(11)
-    states = [hsc.ComposableMambaCache.encode(model, random_ids(6 + k, generator=g)) for k in range(3)]
-    expected = hsc.StateComposer(method, backend="torch").compose(states)
-    for backend in _tiny_backends()[1:]:
-        got = hsc.StateComposer(method, backend=backend).compose(states)
-        for i in range(expected.num_layers):
-            assert relative_error(got.ssm_states[i], expected.ssm_states[i]) < 1e-5
-            assert torch.equal(got.conv_states[i], expected.conv_states[i])
+    with torch.no_grad():
+        states = [hsc.ComposableMambaCache.encode(model, random_ids(6 + k, batch=2, generator=g)) for k in range(3)]
+    w = [0.5, 0.2, 0.3]
+    kwargs = {"weights": w} if method == "weighted" else {}
+    conv_w = {"soup": [1 / 3] * 3, "weighted": w, "caso": [0, 0, 1], "picaso_s": [1 / 3] * 3, "picaso_r": [1 / 3] * 3}[method]
+    delta_w = [1 / 3] * 3 if method == "soup" else w if method == "weighted" else [1, 1, 1]
+    runs = {}
+    for backend in _tiny_backends():
+        runs[backend] = hsc.StateComposer(method, backend=backend, **kwargs).compose(states)
+    monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "0")
+    runs["torch, no native kernel"] = hsc.StateComposer(method, backend="torch", **kwargs).compose(states)
+    for name, got in runs.items():
+        for i in range(model.config.num_hidden_layers):
+            ssm = compose_ssm_ref(
+                [s.ssm_states[i].double() for s in states], torch.stack([s.delta_sums[i] for s in states]).double(),
+                states[0].A[i].double(), method, weights=torch.tensor(w, dtype=torch.float64) if method == "weighted" else None,
+            )
+            conv = sum(c * s.conv_states[i].double() for c, s in zip(conv_w, states))
+            delta = sum(c * s.delta_sums[i].double() for c, s in zip(delta_w, states))
+            assert relative_error(got.ssm_states[i].double(), ssm) < 1e-5, (name, i)
+            assert relative_error(got.conv_states[i].double(), conv) < 1e-6, (name, i)
+            assert relative_error(got.delta_sums[i].double(), delta) < 1e-6, (name, i)
+        assert got.num_tokens.tolist() == [21, 21], name
     with pytest.raises(ValueError, match="unknown backend"):
         hsc.StateComposer(method, backend="gpu")
+
+
+# ------------------------------------------------------------------ composition: reference, fast paths, gradients
+from hf_statecompose.ops.compose import MODEL_FREE_METHODS, compose_ssm_ref, compose_ssm_torch  # noqa: E402
+from hf_statecompose.ops.compose import native as compose_native  # noqa: E402
+
+# odd sizes: Mamba-1 rows of N = 5 and 21 elements (not multiples of the kernel's 16 lanes), Mamba-2 heads
+# not a multiple of 16 either, batch 1 and 3
+COMPOSE_SHAPES = {"mamba": [(3, 7, 5), (1, 4, 21)], "mamba2": [(3, 5, 2, 3), (1, 19, 3, 4)]}
+
+
+def _compose_inputs(arch, shape, n, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    states = [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for _ in range(n)]
+    delta = (torch.rand(n, shape[0], shape[1], generator=g, dtype=torch.float64) * 4).to(dtype)
+    delta[0, 0, 0] = 0.0  # a decay of exactly 1
+    delta[-1, -1, -1] = 200.0  # a decay below float32's smallest number: exp underflows
+    A = -torch.exp(torch.randn(shape[1:3] if arch == "mamba" else shape[1:2], generator=g, dtype=torch.float64)).to(dtype)
+    weights = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
+    return states, delta, A, weights / weights.sum()
+
+
+def _fold(states, log_decays, order):
+    x = torch.zeros_like(states[0])
+    for k in order:
+        x = torch.exp(log_decays[k]) * x + states[k]
+    return x
+
+
+def test_compose_reference_is_the_mean_over_orders(arch):
+    """compose_ssm_ref against the definitions written out here: CASO folds the states in list order,
+    PICASO-S averages the fold over all n! orders, PICASO-R over the n rotations."""
+    import itertools
+
+    for shape in COMPOSE_SHAPES[arch]:
+        for n in (1, 2, 3, 4):
+            states, delta, A, weights = _compose_inputs(arch, shape, n, seed=n, dtype=torch.float64)
+            log_decays = [delta[k][..., None] * A if arch == "mamba" else (delta[k] * A)[..., None, None] for k in range(n)]
+            perms = list(itertools.permutations(range(n)))
+            rotations = [[(s + j) % n for j in range(n)] for s in range(n)]
+            expected = {
+                "soup": sum(states) / n,
+                "weighted": sum(float(w) * x for w, x in zip(weights, states)),
+                "caso": _fold(states, log_decays, range(n)),
+                "picaso_s": sum(_fold(states, log_decays, p) for p in perms) / len(perms),
+                "picaso_r": sum(_fold(states, log_decays, r) for r in rotations) / n,
+            }
+            for method, want in expected.items():
+                got = compose_ssm_ref(states, delta, A, method, weights=weights if method == "weighted" else None)
+                assert relative_error(got, want) < 1e-12, (method, shape, n)
+
+
+def _fast_paths():
+    # the Triton kernel has its own tests against a float64 oracle (test_triton_compose.py); in the CPU
+    # interpreter it is too slow for this many shapes
+    paths = {"torch": compose_ssm_torch}
+    if compose_native.available():
+        paths["native"] = compose_native.compose_ssm_native
+    return paths
+
+
+@pytest.mark.parametrize("method", MODEL_FREE_METHODS)
+def test_fast_compose_paths_match_the_float64_reference(arch, method):
+    """Every CPU fast path (blockwise torch, native kernel) on fresh float32 inputs
+    against compose_ssm_ref on the same values in float64; n odd and even, odd shapes."""
+    paths = _fast_paths()
+    for shape in COMPOSE_SHAPES[arch]:
+        for n in (1, 2, 3, 8, 17):
+            states, delta, A, weights = _compose_inputs(arch, shape, n, seed=100 + n)
+            w = weights if method == "weighted" else None
+            want = compose_ssm_ref([s.double() for s in states], delta.double(), A.double(), method, weights=w)
+            for name, fn in paths.items():
+                got = fn(states, delta, A, method, weights=None if w is None else w.float())
+                assert got.dtype == torch.float32 and got.shape == states[0].shape
+                assert relative_error(got.double(), want) < 2e-6, (name, shape, n)
+
+
+@pytest.mark.parametrize("method", MODEL_FREE_METHODS)
+def test_torch_compose_gradients_match_the_reference(arch, method):
+    """The blockwise torch path is differentiable: its gradients (states, ΣΔ, A, weights) equal those of
+    the plain reference, in float64."""
+    states, delta, A, weights = _compose_inputs(arch, COMPOSE_SHAPES[arch][0], 5, seed=7, dtype=torch.float64)
+    delta = delta.clamp_max(10)  # keep every decay's gradient away from underflow
+    g = torch.Generator().manual_seed(8)
+    probe = torch.randn(states[0].shape, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (compose_ssm_ref, compose_ssm_torch):
+        leaves = [t.clone().requires_grad_(True) for t in (*states, delta, A, weights)]
+        out = fn(leaves[:5], leaves[5], leaves[6], method, weights=leaves[7] if method == "weighted" else None)
+        used = [t for t in leaves if method == "weighted" or t is not leaves[7]]
+        grads.append(torch.autograd.grad((out * probe).sum(), used, allow_unused=True))
+    for ref, fast in zip(*grads):
+        if ref is None:
+            assert fast is None or fast.abs().max() == 0
+        else:
+            assert relative_error(fast, ref) < 1e-10
+    if method not in ("soup", "weighted"):
+        assert grads[0][5].abs().max() > 0  # the decays matter: the ΣΔ gradient is not vacuous

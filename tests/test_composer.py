@@ -75,18 +75,54 @@ def test_conv_policies_and_decay_bookkeeping(states):
     assert StateComposer("picaso_s", conv="last").conv == "last"
 
 
-def test_many_states_and_long_contexts_stay_finite(arch):
+def test_many_states_and_long_contexts_match_the_reference(arch):
+    """64 states with decays down to e^-1000: every method equals the float64 reference (an isfinite check
+    alone could not fail here: compose raises on a non-finite result before any assertion runs)."""
+    from hf_statecompose.ops.compose import compose_ssm_ref
+
     model = tiny_model(arch, layers=1)
     with torch.no_grad():
         base = ComposableMambaCache.encode(model, random_ids(40))
     states = []
     for k in range(64):
         s = base.clone()
+        s.layers[0].recurrent_states[0] = s.ssm_states[0] * (1 + k % 5)  # the states differ
         s.delta_sums[0] = s.delta_sums[0] * (1 + 500 * (k % 3))  # very long contexts: decays ~ e^-1000s
         states.append(s)
-    for method in ("caso", "picaso_s", "picaso_r"):
+    delta = torch.stack([s.delta_sums[0] for s in states]).double()
+    for method in ("soup", "caso", "picaso_s", "picaso_r"):
         out = StateComposer(method).compose(states)
-        assert torch.isfinite(out.ssm_states[0]).all(), method
+        expected = compose_ssm_ref([s.ssm_states[0].double() for s in states], delta, base.A[0].double(), method)
+        torch.testing.assert_close(out.ssm_states[0].double(), expected, rtol=1e-5, atol=1e-6, msg=method)
+
+
+def test_picaso_s_refuses_work_beyond_its_cap(states, monkeypatch):
+    from hf_statecompose.composition import composer as composer_module
+
+    terms = len(states) * 2 * sum(  # n·⌈n/2⌉ per weight, n = 4
+        d.numel() * (s.shape[-1] if states[0].architecture == "mamba" else 1)
+        for d, s in zip(states[0].delta_sums, states[0].ssm_states)
+    )
+    monkeypatch.setattr(composer_module, "PICASO_S_MAX_TERMS", terms)
+    StateComposer("picaso_s").compose(states)  # exactly at the cap: composed
+    monkeypatch.setattr(composer_module, "PICASO_S_MAX_TERMS", terms - 1)
+    with pytest.raises(ValueError, match="use method='picaso_r'"):
+        StateComposer("picaso_s").compose(states)
+    StateComposer("picaso_r").compose(states)  # O(n): no cap
+
+
+def test_nan_anywhere_is_named_on_every_path(states, monkeypatch):
+    """The native kernel checks finiteness in its own pass; a NaN in any input (even a conv window that
+    the 'last' policy does not keep) is refused, naming the state, on both CPU paths."""
+    bad = states[2].clone()
+    bad.layers[1].conv_states[0][0, 0, 0] = float("nan")
+    for native in ("1", "0"):
+        monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", native)
+        with pytest.raises(ValueError, match=r"states\[2\]: layer 1 conv window contains NaN"):
+            StateComposer("soup").compose(states[:2] + [bad])
+    monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "1")
+    with pytest.raises(ValueError, match=r"states\[2\]"):
+        StateComposer("caso").compose(states[:2] + [bad, states[3]])
 
 
 def test_composition_is_differentiable(states):
