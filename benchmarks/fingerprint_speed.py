@@ -1,6 +1,6 @@
 """Cost of the state-safety checks on a 130M-shaped Mamba (random init, CPU unless --device).
 
-    python benchmarks/fingerprint_speed.py [--repeats 7] [--device cpu]
+    python benchmarks/fingerprint_speed.py [--repeats 7] [--device cpu] [--threads 1]
 
 * fingerprint: the full hash (every weight's bytes; ``model_fingerprint(model, cache=False)``) against
   the cached path (what every ``generate``/``encode`` pays: the cache key, i.e. config + tensor
@@ -9,8 +9,8 @@
   ``-exp(A_log)``) and ``check_state`` (full schema and values), against ``load`` of the same state file,
   which runs both.
 
-Ratios are against the baseline measured in the same run (full hash; load). The machine may be shared:
-absolute times are noisy, ratios less so. Writes benchmarks/results/fingerprint_speed.json.
+Ratios are against the baseline measured in the same run (full hash; load), the candidates run in turn
+(interleaved) so that load swings of a shared machine hit all alike: absolute times are noisy, ratios less so. Writes benchmarks/results/fingerprint_speed.json.
 """
 from pathlib import Path
 
@@ -18,6 +18,7 @@ HERE = Path(__file__).resolve().parent
 
 
 import argparse
+import statistics
 import tempfile
 
 import torch
@@ -26,27 +27,48 @@ from transformers import MambaConfig, MambaForCausalLM
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache
 from hf_statecompose.benchmarking import git_commit, median_time, write_result
-from hf_statecompose.state.fingerprint import model_fingerprint
+from hf_statecompose.state.fingerprint import _state_shaping_tensors, model_fingerprint
 from hf_statecompose.state.validation import check_against_model, check_state
+
+
+def identity_key(model):
+    """The cache key before content checksums: names, addresses, versions, shapes, dtypes."""
+    return tuple((n, t.data_ptr(), t._version, tuple(t.shape), str(t.dtype)) for n, t in _state_shaping_tensors(model))
+
+
+def interleaved(fns, repeats: int, device) -> list[float]:
+    """Median time of each of ``fns``, run in turn ``repeats`` times: load swings of a shared machine
+    hit every candidate alike, so the ratios hold better than the absolute times."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, bucket in zip(fns, times):
+            bucket.append(median_time(fn, 1, device))
+    return [statistics.median(bucket) for bucket in times]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)")
     parser.add_argument("--out", default=str(HERE / "results" / "fingerprint_speed.json"))
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = MambaConfig(hidden_size=768, num_hidden_layers=24, vocab_size=50280)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         model = hsc.enable(MambaForCausalLM(config).to(args.device, dtype).eval())
         params = sum(p.numel() for p in model.parameters())
-        full = median_time(lambda: model_fingerprint(model, cache=False), args.repeats, args.device)
         model_fingerprint(model)
-        cached = median_time(lambda: model_fingerprint(model), args.repeats * 3, args.device, warmup=1)
-        rows.append({"what": f"fingerprint, {str(dtype)[6:]}", "baseline": "full hash", "baseline_s": full,
+        full, cached, identity = interleaved(
+            [lambda: model_fingerprint(model, cache=False), lambda: model_fingerprint(model), lambda: identity_key(model)],
+            args.repeats, args.device)
+        rows.append({"what": f"fingerprint, cached path, {str(dtype)[6:]}", "baseline": "full hash", "baseline_s": full,
                      "s": cached, "ratio": cached / full, "params": params})
+        rows.append({"what": f"identity-only key, {str(dtype)[6:]} (the old cache key: misses .data edits)",
+                     "baseline": "full hash", "baseline_s": full, "s": identity, "ratio": identity / full})
         if dtype != torch.float32:
             continue
         with torch.no_grad():
@@ -55,17 +77,17 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "state.safetensors"
             state.save(path)
-            load = median_time(lambda: ComposableMambaCache.load(path, model=model), args.repeats, args.device, warmup=1)
-        against = median_time(lambda: check_against_model(state, model, fingerprint), args.repeats * 3, args.device, warmup=1)
-        schema = median_time(lambda: check_state(state), args.repeats * 3, args.device, warmup=1)
+            load, against, schema = interleaved(
+                [lambda: ComposableMambaCache.load(path, model=model), lambda: check_against_model(state, model, fingerprint),
+                 lambda: check_state(state)], args.repeats, args.device)
         for what, seconds in (("check_against_model (incl. A)", against), ("check_state (schema, values)", schema)):
             rows.append({"what": what, "baseline": "load(path, model)", "baseline_s": load, "s": seconds, "ratio": seconds / load})
     print(f"130M-shaped Mamba ({rows[0]['params'] / 1e6:.0f}M parameters), {args.device}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}+ runs (shared machine: noisy)")
+          f"threads={torch.get_num_threads()}, median of {args.repeats} interleaved runs (shared machine: noisy)")
     print("| what | time | baseline | baseline time | ratio |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['what']} | {r['s'] * 1e3:.1f} ms | {r['baseline']} | {r['baseline_s'] * 1e3:.1f} ms | {r['ratio']:.3f} |")
+        print(f"| {r['what']} | {r['s'] * 1e3:.1f} ms | {r['baseline']} | {r['baseline_s'] * 1e3:.1f} ms | {r['ratio']:.4f} |")
     write_result({"rows": rows, "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
                   "commit": git_commit(), "note": "shared machine: absolute times are noisy"}, args.out)
 

@@ -136,8 +136,14 @@ def _content_checksum(tensors) -> bytes:
             parts.append(_float_bits(flat[:: max(1, flat.numel() // _SAMPLES_PER_TENSOR)][:_SAMPLES_PER_TENSOR]))
     if not parts:
         return b""
-    bits = torch.cat([p.to("cpu") for p in parts])
-    return hashlib.blake2b(bits.numpy().tobytes(), digest_size=16).digest()
+    by_device: dict = {}
+    for part in parts:  # one concatenation and one copy to the host per device (not one per tensor)
+        by_device.setdefault(part.device, []).append(part)
+    digest = hashlib.blake2b(digest_size=16)
+    for device in sorted(by_device, key=str):
+        digest.update(str(device).encode())
+        digest.update(torch.cat(by_device[device]).cpu().numpy().tobytes())
+    return digest.digest()
 
 
 def _float_bits(values: torch.Tensor) -> torch.Tensor:
