@@ -16,6 +16,7 @@ A failed ``build`` of a new store leaves nothing behind. User errors print one l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -84,18 +85,25 @@ def _model_spec(spec: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the heavy parts
-def load_model(spec: str):
-    """``(model, tokenizer)``, enabled, for ``demo`` / ``demo-mamba`` / ``demo-mamba2`` or a local checkpoint folder."""
+@contextlib.contextmanager
+def _quiet_loading():
+    """Without transformers' "Loading weights" bars (the model's, the retriever's): noise before a
+    one-line error, and the checkpoints load in seconds. Our own progress (encoding) still shows."""
     from transformers.utils import logging as hf_logging
 
-    # transformers' "Loading weights" bar: noise before our one-line errors, and local checkpoints load fast
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        return _load_model(spec)
+        yield
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+def load_model(spec: str):
+    """``(model, tokenizer)``, enabled, for ``demo`` / ``demo-mamba`` / ``demo-mamba2`` or a local checkpoint folder."""
+    with _quiet_loading():
+        return _load_model(spec)
 
 
 def _load_model(spec: str):
@@ -186,7 +194,9 @@ def open_store(path: str, model_spec: str | None, storage_dtype: str | None = No
                                    f"pass --model ({error})") from None
     else:
         model, tokenizer = load_model(model_spec)
-    return StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)}), model, tokenizer
+    with _quiet_loading():
+        store = StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)})
+    return store, model, tokenizer
 
 
 def _recorded(spec: str) -> str:
@@ -215,7 +225,8 @@ def _build(args) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         building = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
         try:
-            draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": _recorded(spec)})
+            with _quiet_loading():
+                draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": _recorded(spec)})
             ids = draft.add(texts, metadata, batch_size=args.batch_size)
             if target.is_dir():
                 target.rmdir()  # empty (checked above): os.replace wants the name free
@@ -309,7 +320,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, KeyError, OSError) as error:  # CommandLineError and the store's / loaders' refusals
+    except (ValueError, KeyError, OSError, ImportError) as error:  # CommandLineError, the store's / loaders' refusals, a missing extra
         if os.environ.get("HF_STATECOMPOSE_DEBUG"):  # the traceback, for a bug report
             raise
         _fail(_text(error))
