@@ -163,8 +163,8 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
                 _refuse(where, f"layer {i} {name} is {tensor.dtype}, expected {dtype}"
                                + (" (the recorded model dtype)" if name == "conv window" else ""))
             if tuple(tensor.shape) != shape:
-                _refuse(where, f"layer {i} {name} has shape {tuple(tensor.shape)}, expected {shape} "
-                               f"(batch {batch} as in layer 0, the rest from the {architecture} config)")
+                origin = "from the" if name == "A" else f"batch {batch} as in layer 0, the rest from the"
+                _refuse(where, f"layer {i} {name} has shape {tuple(tensor.shape)}, expected {shape} ({origin} {architecture} config)")
             if tensor.device != device:
                 _refuse(where, f"layer {i} {name} is on {tensor.device}, layer 0 on {device}")
         with torch.no_grad():
