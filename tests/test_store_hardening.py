@@ -158,6 +158,17 @@ def test_a_lost_header_does_not_let_another_model_adopt_the_store(tmp_path):
         make_store(tmp_path / "s", other).ids()
 
 
+def test_a_store_of_the_unsealed_format_1_is_refused_with_the_fix(tmp_path):
+    model = tiny_model("mamba")
+    make_store(tmp_path / "s", model)
+    header = json.loads((tmp_path / "s" / "store.json").read_text())
+    header.update(format_version=1)
+    del header["digest"]
+    (tmp_path / "s" / "store.json").write_text(json.dumps(header))
+    with pytest.raises(ValueError, match="format 1.*rebuild"):
+        make_store(tmp_path / "s", model)
+
+
 def _flip_tensor_byte(path, tensor):
     data = path.read_bytes()
     header_len = int.from_bytes(data[:8], "little")
@@ -264,15 +275,21 @@ def test_reads_verify_each_entry_once_per_shard_file_and_again_when_the_file_cha
     assert len([h for h in hashed if "token_ids" in h]) == 1
 
 
-def test_stored_states_that_are_not_states_of_the_model_are_refused(tmp_path):
+@pytest.mark.parametrize("damage", ["negative ΣΔ", "NaN", "inf", "shape"])
+def test_stored_states_that_are_not_states_of_the_model_are_refused(tmp_path, damage):
     model = tiny_model("mamba")
     store = make_store(tmp_path / "s", model)
     ids = store.add(TEXTS[:1], show_progress=False)
     shard = next((tmp_path / "s" / "shards").glob("*.safetensors"))
     from safetensors.torch import load_file, save
 
-    tensors = load_file(shard)
-    tensors[f"{ids[0]}.delta_sum.0"] = -tensors[f"{ids[0]}.delta_sum.0"] - 1  # ΣΔ < 0: no encoding makes that
+    tensors = {name: t.clone() for name, t in load_file(shard).items()}  # load_file maps the file: detach from it
+    if damage == "negative ΣΔ":  # no encoding makes that
+        tensors[f"{ids[0]}.delta_sum.0"] = -tensors[f"{ids[0]}.delta_sum.0"] - 1
+    elif damage == "shape":
+        tensors[f"{ids[0]}.conv.1"] = tensors[f"{ids[0]}.conv.1"][..., :-1].contiguous()
+    else:
+        tensors[f"{ids[0]}.ssm.1"][0, 3, 2] = float(damage.lower())
     payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
     shard.write_bytes(payload)
     entry_tensors = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith(ids[0] + ".")}
@@ -282,7 +299,8 @@ def test_stored_states_that_are_not_states_of_the_model_are_refused(tmp_path):
         m["entries"][0]["checksum"] = store_module._checksum(entry_tensors)
 
     reseal(next((tmp_path / "s" / "shards").glob("*.json")), forge)
-    with pytest.raises(ValueError, match="ΣΔ is negative"):
+    expected = {"negative ΣΔ": "ΣΔ is negative", "NaN": "ssm holds NaN/inf", "inf": "ssm holds NaN/inf", "shape": "not a fp32 state of this model"}
+    with pytest.raises(ValueError, match=expected[damage]):
         make_store(tmp_path / "s", model).get(ids[0])
 
 
