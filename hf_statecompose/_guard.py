@@ -50,18 +50,20 @@ class _PostImportFinder:
         else:
             return None
         loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module") or "exec_module" in vars(loader):
+        own = getattr(loader, "__dict__", None)
+        # only a loader *instance* with its own attributes (a class such as BuiltinImporter serves every
+        # module of its kind); a module without such a loader is imported untouched, without the callback
+        if loader is None or isinstance(loader, type) or not isinstance(own, dict) or "exec_module" in own:
             return spec
         original = loader.exec_module
 
         def exec_module(module):
             original(module)
-            self.run(fullname, module)
+            if module.__name__ == fullname:  # a loader shared by several modules (a zip): only ours
+                own.pop("exec_module", None)
+                self.run(fullname, module)
 
-        try:
-            loader.exec_module = exec_module  # this loader instance serves only this module
-        except (AttributeError, TypeError):  # a loader without an instance dict: leave the import alone
-            return spec
+        own["exec_module"] = exec_module
         return spec
 
     def run(self, name, module) -> None:

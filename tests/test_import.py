@@ -128,6 +128,7 @@ def test_when_imported_runs_after_the_module_or_at_once(tmp_path, monkeypatch, c
     import hsc_probe_a  # noqa: F401
 
     assert seen == [42]  # right after its code ran
+    assert "exec_module" not in vars(hsc_probe_a.__loader__)  # the module's loader is left as it was
     _guard.when_imported("hsc_probe_a", lambda module: seen.append("again"))
     assert seen == [42, "again"]  # already imported: at once
 
