@@ -398,3 +398,28 @@ def test_compaction_killed_at_every_step_loses_nothing_and_readers_see_each_id_o
         assert stats["orphan_files"] == stats["superseded_shards"] == stats["deleted_pending"] == 0, (path.name, stats)
         assert stats["shards"] == 2 and not list(path.rglob(".tmp-*"))
         assert not any((path / "deleted").iterdir())  # ... tombstones included
+
+
+def test_a_damaged_manifest_that_a_live_one_supersedes_is_ignored_then_removed(tmp_path, monkeypatch):
+    model = tiny_model("mamba2")
+    store = make_store(tmp_path / "s", model)
+    ids = store.add(TEXTS[:3], show_progress=False)
+    store.delete(ids[0])
+    old = next((tmp_path / "s" / "shards").glob("*.json"))
+
+    class Stop(Exception):
+        pass
+
+    def stop(path):  # compaction stopped after committing the new shard, before removing the old one
+        raise Stop
+
+    monkeypatch.setattr(store_module, "_remove", stop)
+    with pytest.raises(Stop):
+        store.compact()
+    monkeypatch.undo()
+    assert len(list((tmp_path / "s" / "shards").glob("*.json"))) == 2
+    old.write_text("{damaged")
+    reader = make_store(tmp_path / "s", model)
+    assert sorted(reader.ids()) == sorted(ids[1:])
+    assert reader.stats()["superseded_shards"] == 1 and reader.compact()["superseded_shards_removed"] == 1
+    assert not old.exists() and sorted(reader.ids()) == sorted(ids[1:])

@@ -879,8 +879,9 @@ class StateStore:
             self.refresh()
             shard_dir = self.path / "shards"
             total = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
-            committed = set(self._manifests)
-            orphans = [name for name in os.listdir(shard_dir) if name.endswith(".safetensors") and name[: -len(".safetensors")] not in committed]
+            names = os.listdir(shard_dir)
+            committed = {name[:-5] for name in names if name.endswith(".json") and _is_id(name[:-5], "shard")}
+            orphans = [name for name in names if name.endswith(".safetensors") and name[: -len(".safetensors")] not in committed]
             all_ids = {r["id"] for sid in self._live_shards for r in self._manifests[sid]["entries"]}
             per_entry = None
             if self._entries:
