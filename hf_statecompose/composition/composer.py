@@ -86,15 +86,16 @@ class StateComposer:
     def compose(self, states: Sequence[ComposableMambaCache], model=None, *, validated: bool = False) -> ComposableMambaCache:
         """Compose a non-empty list of states of one model (same batch) into one state (same batch).
 
-        ``validated=True`` is for callers that already checked each state against ``model`` (type, filled
-        layers, fingerprint, shapes, dtype, device: ``generation.compose_for_batch`` does): the metadata
-        checks are then skipped. The finiteness check runs either way, once, with one host sync.
+        The states are checked once: their metadata against each other (one signature comparison per
+        state; the full ``check_compatible`` only to word an error), and the result for NaN / inf (one pass,
+        one host sync; the native CPU kernel does it while composing). ``validated=True`` is for callers
+        that already checked each state against ``model`` (``generation.compose_for_batch`` does): the
+        model-based methods then skip their own check against ``model``.
         """
         if isinstance(states, ComposableMambaCache):
             raise TypeError("compose takes a list of states, not a single state")
         states = list(states) if isinstance(states, (list, tuple)) else states
-        if not validated:
-            _check_compatible_fast(states)
+        _check_compatible_fast(states)
         n = len(states)
         weights = None
         if self.weights is not None:
