@@ -401,3 +401,26 @@ def test_native_library_is_cached_per_source(monkeypatch, tmp_path):
     monkeypatch.setattr(_native.subprocess, "run", lambda cmd, *a, **k: commands.append(cmd) or real_run(cmd, *a, **k))
     assert _native.load("test_cache", source).answer() == 42
     assert all("--version" in cmd for cmd in commands) and sorted(p.name for p in tmp_path.iterdir()) == built
+
+
+@pytest.mark.parametrize("width, groups", [(48, 1), (40, 2), (7, 1)])
+def test_native_gated_rms_norm_matches_the_transformers_module_in_float64(width, groups):
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    g = torch.Generator().manual_seed(width)
+    norm = MambaRMSNormGated(width, group_size=width // groups, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=g))
+    y = torch.randn(2, 5, width, generator=g) * 3
+    projected = torch.randn(2, 5, width + 9, generator=g)
+    gate = projected[..., 4:4 + width]  # a strided view, as the mixer passes it
+    with torch.no_grad():
+        got = ssd_native.gated_rms_norm_native(norm, y, gate)
+        if got is None:
+            _needs(None)
+        expected = norm.double()(y.double(), gate.double())
+    assert got.shape == y.shape and got.dtype == torch.float32
+    assert _rel(got, expected) < 2e-6
+    # anything else is left to the module: autograd, other dtypes
+    assert ssd_native.gated_rms_norm_native(norm.float(), y.double(), gate.double()) is None
+    assert ssd_native.gated_rms_norm_native(norm.float(), y.requires_grad_(), gate) is None

@@ -55,5 +55,5 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.
     )
     cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)
     # like the stock mixer: gated norm on the float32 scan output, then cast for out_proj
-    y = mixer.norm(y.reshape(batch, length, -1), gate)
+    y = backends.gated_rms_norm(mixer.norm, y.reshape(batch, length, -1), gate, backend=backend)
     return mixer.out_proj(y.to(dtype))

@@ -130,6 +130,16 @@ def ssd_scan_torch(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, dt_l
     return _ssd_eager(*args, chunk_size=chunk_size)
 
 
+def gated_rms_norm(norm, hidden_states, gate, backend: str = "auto"):
+    """Mamba-2's gated RMS norm ``norm(hidden_states, gate)``: one native pass for CPU float32 inference
+    (not under backend='triton'), else the module itself."""
+    if backend != "triton" and hidden_states.device.type == "cpu":
+        out = _ssd_native.gated_rms_norm_native(norm, hidden_states, gate)
+        if out is not None:
+            return out
+    return norm(hidden_states, gate)
+
+
 def causal_conv1d(*args, backend: str = "auto", **kwargs):
     """Causal depthwise conv continuing a window (contract of :func:`hf_statecompose.ops.causal_conv1d_ref`)."""
     return _dispatch("causal_conv1d", causal_conv1d_torch, "x", args, kwargs, backend)

@@ -24,7 +24,8 @@ from .reference import _check_shapes
 
 NAME = "ssd_scan"
 SOURCE = _native.MATH + r"""
-#define W 16
+#define W 64
+#define W2 16
 
 static inline __attribute__((always_inline)) void block(
     const int nw, long T, long N, long p0,
@@ -102,14 +103,53 @@ void hsc_ssd_scan(long batch, long T, long H, long P, long G, long N,
         float* hh = h + (b * H + hd) * P * N;
         float* yb = y + b * T * H * P + hd * P;
         float bias = dt_bias ? dt_bias[hd] : 0.0f, skip = Dskip ? Dskip[hd] : 0.0f;
-        if (p0 + W <= P)
+        if (p0 + W <= P) {
             block(W, T, N, p0, xb, x_st, db, dt_st, bias, softplus, clamp, lo, hi, A[hd], Bb, B_st, Cb, C_st,
                   skip, mb, hh, yb, H * P, &ds, hb);
-        else
-            for (long p = p0; p < P; p++)
+        } else {
+            long p = p0;
+            for (; p + W2 <= P; p += W2)
+                block(W2, T, N, p, xb, x_st, db, dt_st, bias, softplus, clamp, lo, hi, A[hd], Bb, B_st, Cb, C_st,
+                      skip, mb, hh, yb, H * P, &ds, hb);
+            for (; p < P; p++)
                 block(1, T, N, p, xb, x_st, db, dt_st, bias, softplus, clamp, lo, hi, A[hd], Bb, B_st, Cb, C_st,
                       skip, mb, hh, yb, H * P, &ds, hb);
+        }
         if (p0 == 0) dsum[b * H + hd] = ds;
+    }
+}
+
+/* The Mamba-2 gated RMS norm, as transformers' MambaRMSNormGated: g = y silu(z); per group of
+   group_size: g / sqrt(mean(g^2) + eps); times weight. y: [rows, width] contiguous; z: rows with
+   stride z_st (unit inner stride); out: [rows, width] contiguous. One pass per row instead of six. */
+void hsc_gated_rms_norm(long rows, long width, long group_size, const float* y, const float* z, long z_st,
+    const float* weight, float eps, float* out, int nthreads)
+{
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const float* yr = y + r * width;
+        const float* zr = z + r * z_st;
+        float* orow = out + r * width;
+        for (long g0 = 0; g0 < width; g0 += group_size) {
+            float part[W2];
+            for (int i = 0; i < W2; i++) part[i] = 0.0f;
+            long c = g0;
+            for (; c + W2 <= g0 + group_size; c += W2)
+                for (int i = 0; i < W2; i++) {
+                    float v = yr[c + i] * hsc_silu(zr[c + i]);
+                    orow[c + i] = v;
+                    part[i] += v * v;
+                }
+            for (; c < g0 + group_size; c++) {
+                float v = yr[c] * hsc_silu(zr[c]);
+                orow[c] = v;
+                part[0] += v * v;
+            }
+            float total = 0.0f;
+            for (int i = 0; i < W2; i++) total += part[i];
+            float scale = 1.0f / sqrtf(total / (float)group_size + eps);
+            for (c = g0; c < g0 + group_size; c++) orow[c] = weight[c] * (orow[c] * scale);
+        }
     }
 }
 """
@@ -123,6 +163,8 @@ def _library():
         lib.hsc_ssd_scan.restype = None
         lib.hsc_ssd_scan.argtypes = [_L] * 6 + [_P, _L, _L, _L, _P, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _L, _L,
                                                _P, _P, _I, _I, _F, _F, _P, _P, _P, _P, _I]
+        lib.hsc_gated_rms_norm.restype = None
+        lib.hsc_gated_rms_norm.argtypes = [_L, _L, _L, _P, _P, _L, _P, _F, _P, _I]
         lib._hsc_typed = True
     return lib
 
@@ -175,3 +217,34 @@ def ssd_scan_native(
             h.data_ptr(), y.data_ptr(), delta_sum.data_ptr(), torch.get_num_threads(),
         )
     return y, h, delta_sum
+
+
+def gated_rms_norm_native(norm, hidden_states, gate):
+    """``norm(hidden_states, gate)`` for transformers' ``MambaRMSNormGated`` in one pass (CPU float32
+    inference); None when that does not apply (other dtypes, autograd, another norm class, no kernel)."""
+    weight = getattr(norm, "weight", None)
+    group_size, eps = getattr(norm, "group_size", None), getattr(norm, "variance_epsilon", None)
+    tensors = (hidden_states, gate, weight)
+    if weight is None or group_size is None or eps is None or gate is None:
+        return None
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    width = hidden_states.shape[-1]
+    if gate.shape != hidden_states.shape or width % group_size or weight.shape != (width,):
+        return None
+    if not (_native.enabled() and _native.failure(NAME) is None):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    y = hidden_states.reshape(-1, width).contiguous()
+    z = gate.reshape(-1, width)
+    if z.stride(-1) != 1:
+        z = z.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty_like(y)
+    lib.hsc_gated_rms_norm(y.shape[0], width, group_size, y.data_ptr(), z.data_ptr(), z.stride(0), weight.data_ptr(),
+                           float(eps), out.data_ptr(), torch.get_num_threads())
+    return out.view(hidden_states.shape)
