@@ -11,19 +11,21 @@ For each architecture, n contexts of --context-length tokens are encoded once; t
   * the two concatenation baselines: ours (``StateComposer("concat")``: re-encode the n·L tokens into a
     state) and transformers' prefill of the concatenated tokens (``use_cache=True, logits_to_keep=1``).
 
-Ratios: method / floor (1.0 = at the floor) and concat / method (how much faster than re-encoding).
+Ratios: method / floor (1.0 = at the floor; the floor and the methods are timed in interleaved rounds and
+the ratio is the median of the per-round ratios) and concat / method (how much faster than re-encoding).
 Then PICASO-S / PICASO-R for large n (``--large-n``), on 130M shapes and on a tiny model (hidden 32),
 with the n states built from the encoded ones (tensors shared, ΣΔ rescaled per state, so memory stays
 small; shared tensors are partly cache-resident, so the large-n times are a lower bound for distinct
 states). A PICASO-S run above ``PICASO_S_MAX_TERMS`` reports the refusal instead of a time.
 Medians of --repeats runs; the machine may be shared: compare ratios within one run, not across runs.
 
-    python benchmarks/compose_floor.py [--arch mamba mamba2] [--n 10] [--repeats 7] [--baseline-repeats 2] [--large-n 100 1000]
+    python benchmarks/compose_floor.py [--arch mamba mamba2] [--n 10] [--repeats 15] [--baseline-repeats 2] [--large-n 100 1000]
 """
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 
 import torch
@@ -98,21 +100,32 @@ def run_arch(arch, n, repeats, baseline_repeats, length, bandwidth, seed):
     conv = [[s.conv_states[i] for s in states] for i in layers]
     moved = sum(t.numel() * t.element_size() for group in ssm + conv for t in group)
     moved += sum(group[0].numel() * group[0].element_size() for group in ssm + conv)  # the output
-    floor_sum = median_time(lambda: plain_sum(ssm + conv), repeats, warmup=1)
-    floor_bw = moved / bandwidth
-    rows = []
     with torch.no_grad():
         concat_ids = torch.cat(contexts, 1)
         # seconds each (transformers' CPU path is a per-token loop): fewer repeats, no warm-up
         ours = median_time(lambda: hsc.StateComposer("concat").compose(states, model=model), baseline_repeats)
         theirs = median_time(lambda: model(concat_ids, use_cache=True, logits_to_keep=1), baseline_repeats)
+    # interleaved rounds: each round times the floor and every method back to back, so that a burst of
+    # load from other jobs hits one round of all of them; per-round ratios, then their median
+    calls = {"floor": lambda: plain_sum(ssm + conv)}
     for method in MODEL_FREE_METHODS:
         kw = {"weights": [1 / n] * n} if method == "weighted" else {}
-        composer = hsc.StateComposer(method, **kw)
-        seconds = median_time(lambda: composer.compose(states), repeats, warmup=1)
+        calls[method] = (lambda c: lambda: c.compose(states))(hsc.StateComposer(method, **kw))
+    for fn in calls.values():  # warm-up (builds the native kernel once)
+        fn()
+    samples = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            samples[name].append(median_time(fn, 1))
+    floor_sum = statistics.median(samples["floor"])
+    floor_bw = moved / bandwidth
+    rows = []
+    for method in MODEL_FREE_METHODS:
+        seconds = statistics.median(samples[method])
         rows.append(dict(
-            arch=arch, n=n, method=method, seconds=seconds,
-            over_floor_sum=seconds / floor_sum, over_floor_bandwidth=seconds / floor_bw,
+            arch=arch, n=n, method=method, seconds=seconds, seconds_min=min(samples[method]),
+            over_floor_sum=statistics.median(m / f for m, f in zip(samples[method], samples["floor"])),
+            over_floor_bandwidth=seconds / floor_bw,
             speedup_vs_our_concat=ours / seconds, speedup_vs_transformers_prefill=theirs / seconds,
         ))
     print(f"  {arch} done", file=sys.stderr, flush=True)
@@ -142,14 +155,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", nargs="+", default=["mamba", "mamba2"], choices=list(CONFIGS))
     parser.add_argument("--n", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--baseline-repeats", type=int, default=2)
     parser.add_argument("--context-length", type=int, default=128)
     parser.add_argument("--large-n", nargs="*", type=int, default=[100, 1000])
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (the native kernel uses as many)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/compose_floor.json")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bandwidth = stream_bandwidth(args.repeats)
     rows, floors, large = [], [], []
     for arch in args.arch:

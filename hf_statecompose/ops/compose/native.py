@@ -252,7 +252,7 @@ def compose_layers_native(inputs, method, weights=None, delta_sums=None, A=None,
     row_w = torch.empty(len(inputs) * n * batch * rows if needs_weights and not per_element else 1)
     bad = lib.hsc_compose(
         len(inputs), in_ptrs.data_ptr(), out_ptrs.data_ptr(), dptrs.data_ptr(), aptrs.data_ptr(),
-        n, batch, rows, row_elems, int(per_element), _METHOD_IDS[method], user_w.data_ptr(),
+        n, batch, rows, row_elems, int(per_element and needs_weights), _METHOD_IDS[method], user_w.data_ptr(),
         nodes.data_ptr(), node_w.data_ptr(), nodes.numel(), row_w.data_ptr(), torch.get_num_threads(),
     )
     return outs, not bad
