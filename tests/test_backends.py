@@ -167,6 +167,7 @@ def test_encode_and_generate_unchanged_by_backend(arch, backend):
 
 def test_encode_with_compiled_scan_matches_eager(monkeypatch):
     """A long Mamba-1 context (>= MIN_TOKENS) goes through the compiled scan; the eager scan agrees."""
+    monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "0")  # the native kernel would take precedence
     model = tiny_model("mamba")
     ids = random_ids(compiled.MIN_TOKENS + 9, generator=torch.Generator().manual_seed(8))
     calls = []
