@@ -67,7 +67,7 @@ def test_caso_equals_concatenation_for_one_layer_without_conv_leakage(arch_):
 
 @torch.no_grad()
 def test_conv_leakage_is_real_with_a_conv_window(arch):
-    """With conv_kernel > 1, independently encoded states are not the concatenated one (MATH.md): the
+    """With conv_kernel > 1, independently encoded states are not the concatenated one (hf_statecompose/ops/compose/README.md): the
     test above is exact because of conv_kernel=1, not because the comparison is loose."""
     model = tiny_model(arch, layers=1, conv_kernel=4)
     contexts = [random_ids(n) for n in (9, 13)]

@@ -25,6 +25,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger("hf_statecompose")
 
 _lock = threading.Lock()
@@ -185,3 +187,14 @@ static inline float hsc_silu(float x) {
     return x * s;
 }
 """
+
+
+def runs_on(name: str, tensors) -> bool:
+    """Whether kernel ``name`` may run on ``tensors`` (None entries ignored): CPU float32 inference (no
+    autograd), native kernels on, and ``name`` not known to have failed to build."""
+    tensors = [t for t in tensors if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return enabled() and failure(name) is None

@@ -25,16 +25,13 @@ import math
 
 import torch
 
-try:  # the shared builder of the native CPU kernels (ops/_native.py)
-    from .. import _native
-except ImportError:  # a tree without it: the composer keeps its torch path
-    _native = None
+from .. import _native
 from .reference import _check_inputs
 from .weights import MODEL_FREE_METHODS, _gauss_legendre_01
 
 NAME = "compose_ssm"
 _METHOD_IDS = {name: i for i, name in enumerate(MODEL_FREE_METHODS)}
-SOURCE = ("" if _native is None else _native.MATH) + r"""
+SOURCE = _native.MATH + r"""
 #include <stdlib.h>
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
@@ -192,7 +189,7 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
 def _library():
-    lib = None if _native is None else _native.load(NAME, SOURCE)
+    lib = _native.load(NAME, SOURCE)
     if lib is not None and not getattr(lib, "_hsc_typed", False):
         lib.hsc_compose.restype = _I
         lib.hsc_compose.argtypes = [_L, _P, _P, _P, _P, _L, _L, _L, _L, _I, _I, _P, _P, _P, _L, _P, _I]
@@ -207,7 +204,7 @@ def available() -> bool:
 
 def applicable(ssm_states, delta_sums, A, weights=None) -> bool:
     """Whether :func:`compose_ssm_native` may run: CPU float32 states, no autograd, native kernels on."""
-    if _native is None or not _native.enabled() or not ssm_states:
+    if not _native.enabled() or not ssm_states:
         return False
     first = ssm_states[0]
     if first.device.type != "cpu" or first.dtype != torch.float32:

@@ -104,12 +104,7 @@ def _library():
 
 def applicable(x, weight, bias=None, conv_state=None, mask=None, activation=None) -> bool:
     """CPU float32 inference (no autograd) with a supported activation, where the kernel builds."""
-    tensors = [t for t in (x, weight, bias, conv_state) if t is not None]
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return activation in _NATIVE_ACTIVATIONS and _native.enabled() and _native.failure(NAME) is None
+    return activation in _NATIVE_ACTIVATIONS and _native.runs_on(NAME, (x, weight, bias, conv_state))
 
 
 def causal_conv1d_native(x, weight, bias=None, conv_state=None, mask=None, activation=None):

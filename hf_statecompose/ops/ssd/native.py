@@ -171,12 +171,7 @@ def _library():
 
 def applicable(x, dt, A, B, C, initial_state=None, mask=None, **_) -> bool:
     """CPU float32 inference (no autograd) on a machine where the kernel builds."""
-    tensors = [t for t in (x, dt, A, B, C, initial_state) if t is not None]
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return _native.enabled() and _native.failure(NAME) is None
+    return _native.runs_on(NAME, (x, dt, A, B, C, initial_state))
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
