@@ -34,17 +34,11 @@ from transformers import Mamba2ForCausalLM, MambaForCausalLM
 from transformers.utils import logging as hf_logging
 
 import hf_statecompose as hsc
-from hf_statecompose.benchmarking import git_commit, median_time, write_result
+from hf_statecompose.benchmarking import MODEL_130M_KWARGS, git_commit, median_time, write_result
 from hf_statecompose.composition import MODEL_FREE_METHODS
 
 hf_logging.set_verbosity_error()
-CONFIGS = {
-    # state-spaces/mamba-130m-hf shapes: D = 1536, N = 16, 24 layers
-    "mamba": (MambaForCausalLM, dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, expand=2, conv_kernel=4)),
-    # mamba2-130m shapes: H = 24 heads of P = 64, N = 128, 24 layers
-    "mamba2": (Mamba2ForCausalLM, dict(vocab_size=50280, hidden_size=768, state_size=128, num_hidden_layers=24, expand=2,
-                                       num_heads=24, head_dim=64, n_groups=1, chunk_size=256)),
-}
+CONFIGS = {"mamba": (MambaForCausalLM, MODEL_130M_KWARGS["mamba"]), "mamba2": (Mamba2ForCausalLM, MODEL_130M_KWARGS["mamba2"])}
 TINY = {
     "mamba": (MambaForCausalLM, dict(vocab_size=99, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2)),
     "mamba2": (Mamba2ForCausalLM, dict(vocab_size=99, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,

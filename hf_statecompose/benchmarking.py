@@ -9,6 +9,15 @@ import time
 
 import torch
 
+# config kwargs of the 130M-shaped random models the benchmarks use (one definition for every script)
+MODEL_130M_KWARGS = {
+    # state-spaces/mamba-130m-hf shapes: D = 1536, N = 16, 24 layers
+    "mamba": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, expand=2, conv_kernel=4),
+    # mamba2-130m shapes: H = 24 heads of P = 64, N = 128, 24 layers
+    "mamba2": dict(vocab_size=50280, hidden_size=768, state_size=128, num_hidden_layers=24, expand=2,
+                   num_heads=24, head_dim=64, n_groups=1, chunk_size=256),
+}
+
 
 def _sync(device) -> None:
     if device is not None and torch.device(device).type == "cuda":
