@@ -6,13 +6,20 @@ For each architecture, n contexts of --context-length tokens are encoded once; t
     x_0.clone(); acc += x_k``): reading the inputs once and writing one state, with torch's own kernels;
   * floor (bandwidth): the bytes composition must move (n states read + one written, SSM and conv) divided
     by the streaming bandwidth of a large ``copy_`` (read + write) measured just before;
+  * floor (compute): the least arithmetic the decay-based methods (caso, picaso_s, picaso_r) need, one
+    multiply and one ``exp`` per SSM state element and state (Mamba-1: n·Σ B·D·N, a weight per element;
+    Mamba-2: n·Σ B·H, a weight per head), as a bare C loop with the kernel's own ``exp``, reading only ΣΔ
+    and A (``ops.compose.native.exp_floor``); and, as a cross-check of that ``exp``, torch's ``exp`` over
+    the same n·Σ log decays (``torch.exp(x, out=buf)``, float32; it also writes them, so it is partly
+    memory-bound). A method can at best overlap memory and arithmetic: its floor is the larger of the two;
   * every model-free method through the public ``StateComposer(method).compose(states)`` (input checks,
     finiteness check included);
   * the two concatenation baselines: ours (``StateComposer("concat")``: re-encode the n·L tokens into a
     state) and transformers' prefill of the concatenated tokens (``use_cache=True, logits_to_keep=1``).
 
-Ratios: method / floor (1.0 = at the floor; the floor and the methods are timed in interleaved rounds and
-the ratio is the median of the per-round ratios) and concat / method (how much faster than re-encoding).
+Ratios: method / floor (1.0 = at the floor; the floors and the methods are timed in interleaved rounds and
+the ratio is the median of the per-round ratios; the bandwidth floor is a computed time) and concat / method
+(how much faster than re-encoding).
 Then PICASO-S / PICASO-R for large n (``--large-n``), on 130M shapes and on a tiny model (hidden 32),
 with the n states built from the encoded ones (tensors shared, ΣΔ rescaled per state, so memory stays
 small; shared tensors are partly cache-resident, so the large-n times are a lower bound for distinct
@@ -36,6 +43,7 @@ from transformers.utils import logging as hf_logging
 import hf_statecompose as hsc
 from hf_statecompose.benchmarking import MODEL_130M_KWARGS, git_commit, median_time, write_result
 from hf_statecompose.composition import MODEL_FREE_METHODS
+from hf_statecompose.ops.compose import native as compose_native
 
 hf_logging.set_verbosity_error()
 CONFIGS = {"mamba": (MambaForCausalLM, MODEL_130M_KWARGS["mamba"]), "mamba2": (Mamba2ForCausalLM, MODEL_130M_KWARGS["mamba2"])}
@@ -101,7 +109,19 @@ def run_arch(arch, n, repeats, baseline_repeats, length, bandwidth, seed):
         theirs = median_time(lambda: model(concat_ids, use_cache=True, logits_to_keep=1), baseline_repeats)
     # interleaved rounds: each round times the floor and every method back to back, so that a burst of
     # load from other jobs hits one round of all of them; per-round ratios, then their median
-    calls = {"floor": lambda: plain_sum(ssm + conv)}
+    # the compute floor: n exps per SSM weight (per element for Mamba-1, per head for Mamba-2)
+    mamba1 = arch == "mamba"
+    deltas = [d for s in states for d in s.delta_sums]  # state-major, as the kernel takes them
+    A = list(states[0].A)
+    log_decays = torch.cat([
+        torch.stack([(s.delta_sums[i][:, :, None] * A[i] if mamba1 else s.delta_sums[i] * A[i]).reshape(-1) for s in states])
+        for i in layers
+    ], 1)  # [n, Σ weights per state]
+    exps = log_decays.numel()
+    exp_out = torch.empty_like(log_decays)
+    calls = {"floor": lambda: plain_sum(ssm + conv), "exp": lambda: torch.exp(log_decays, out=exp_out)}
+    if compose_native.available():
+        calls["compute"] = lambda: compose_native.exp_floor(deltas, A, n, mamba1)
     for method in MODEL_FREE_METHODS:
         kw = {"weights": [1 / n] * n} if method == "weighted" else {}
         calls[method] = (lambda c: lambda: c.compose(states))(hsc.StateComposer(method, **kw))
@@ -113,17 +133,24 @@ def run_arch(arch, n, repeats, baseline_repeats, length, bandwidth, seed):
             samples[name].append(median_time(fn, 1))
     floor_sum = statistics.median(samples["floor"])
     floor_bw = moved / bandwidth
+    floor_compute = statistics.median(samples["compute"]) if "compute" in samples else None
     rows = []
     for method in MODEL_FREE_METHODS:
         seconds = statistics.median(samples[method])
+        decay_based = method not in ("soup", "weighted")
         rows.append(dict(
             arch=arch, n=n, method=method, seconds=seconds, seconds_min=min(samples[method]),
             over_floor_sum=statistics.median(m / f for m, f in zip(samples[method], samples["floor"])),
             over_floor_bandwidth=seconds / floor_bw,
+            over_floor_compute=(
+                statistics.median(m / f for m, f in zip(samples[method], samples["compute"]))
+                if decay_based and floor_compute else None
+            ),
             speedup_vs_our_concat=ours / seconds, speedup_vs_transformers_prefill=theirs / seconds,
         ))
     print(f"  {arch} done", file=sys.stderr, flush=True)
     return rows, dict(arch=arch, n=n, bytes_moved=moved, floor_sum_s=floor_sum, floor_bandwidth_s=floor_bw,
+                      exps=exps, floor_compute_s=floor_compute, torch_exp_s=statistics.median(samples["exp"]),
                       our_concat_s=ours, transformers_prefill_s=theirs, concat_tokens=int(concat_ids.shape[1]))
 
 
@@ -172,14 +199,18 @@ def main():
 
     print(f"\nstreaming bandwidth (copy, read + write): {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
     for f in floors:
+        compute = f"{f['floor_compute_s'] * 1e3:.2f} ms" if f["floor_compute_s"] else "n/a (no C compiler)"
         print(f"{f['arch']}: n = {f['n']}, {f['bytes_moved'] / 1e6:.1f} MB moved; floor: plain sum {f['floor_sum_s'] * 1e3:.2f} ms, "
-              f"bytes / bandwidth {f['floor_bandwidth_s'] * 1e3:.2f} ms; our concat encode ({f['concat_tokens']} tokens) "
+              f"bytes / bandwidth {f['floor_bandwidth_s'] * 1e3:.2f} ms, compute ({f['exps'] / 1e6:.2f} M exps, C loop) {compute} "
+              f"(torch.exp of them {f['torch_exp_s'] * 1e3:.2f} ms); our concat encode ({f['concat_tokens']} tokens) "
               f"{f['our_concat_s'] * 1e3:.0f} ms, transformers' prefill {f['transformers_prefill_s'] * 1e3:.0f} ms")
-    print("\n| arch | method | time (ms) | / floor (sum) | / floor (bytes/bandwidth) | vs our concat | vs transformers' prefill |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("\n| arch | method | time (ms) | / floor (sum) | / floor (bytes/bandwidth) | / floor (compute) | vs our concat | vs transformers' prefill |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        compute = f"{r['over_floor_compute']:.2f}x" if r["over_floor_compute"] is not None else "–"
         print(f"| {r['arch']} | {r['method']} | {r['seconds'] * 1e3:.2f} | {r['over_floor_sum']:.2f}x | "
-              f"{r['over_floor_bandwidth']:.2f}x | {r['speedup_vs_our_concat']:.0f}x faster | {r['speedup_vs_transformers_prefill']:.0f}x faster |")
+              f"{r['over_floor_bandwidth']:.2f}x | {compute} | {r['speedup_vs_our_concat']:.0f}x faster | "
+              f"{r['speedup_vs_transformers_prefill']:.0f}x faster |")
     print("\n| arch | shapes | n | method | time (s) |")
     print("|---|---|---:|---|---:|")
     for r in large:

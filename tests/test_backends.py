@@ -315,3 +315,58 @@ def test_torch_compose_gradients_match_the_reference(arch, method):
             assert relative_error(fast, ref) < 1e-10
     if method not in ("soup", "weighted"):
         assert grads[0][5].abs().max() > 0  # the decays matter: the ΣΔ gradient is not vacuous
+
+
+# ------------------------------------------------------------------ the native composition kernel, more inputs
+@pytest.mark.skipif(not compose_native.available(), reason="no C compiler for the native kernel")
+@pytest.mark.parametrize("method", MODEL_FREE_METHODS)
+def test_native_compose_matches_the_float64_reference_on_extreme_decays(arch, method):
+    """The native kernel (its decay-only exp, CASO as a fold in context order, PICASO-R folded backwards,
+    one call for many layers) on fresh float32 inputs against compose_ssm_ref in float64: n = 1, 2, 10
+    and 17, rows not a multiple of its 16 lanes, log decays from 0 down to far below float32's range
+    (underflow), ΣΔ = 0 and ΣΔ = inf (a decay of exactly 0)."""
+    g = torch.Generator().manual_seed(21)
+    shapes = {"mamba": [(2, 3, 16), (1, 5, 7), (3, 2, 37)], "mamba2": [(2, 21, 3, 2), (1, 3, 5, 4)]}[arch]
+    for shape in shapes:
+        for n in (1, 2, 10, 17):
+            states = [torch.randn(shape, generator=g) for _ in range(n)]
+            # log decays ΣΔ·A spread over [-1e3, 0] on a log scale, so every magnitude is hit
+            delta = (10 ** (torch.rand(n, shape[0], shape[1], generator=g) * 5 - 3)).float()
+            delta[0, 0, 0] = 0.0
+            delta[-1, -1, -1] = float("inf")
+            A = -torch.exp(torch.randn(shape[1:3] if arch == "mamba" else shape[1:2], generator=g)).float()
+            weights = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
+            w = weights / weights.sum() if method == "weighted" else None
+            want = compose_ssm_ref([s.double() for s in states], delta.double(), A.double(), method, weights=w)
+            got = compose_native.compose_ssm_native(states, delta, A, method, weights=None if w is None else w.float())
+            assert got.dtype == torch.float32 and got.shape == states[0].shape
+            assert torch.isfinite(got).all()
+            assert relative_error(got.double(), want) < 2e-6, (shape, n)
+
+
+@pytest.mark.skipif(not compose_native.available(), reason="no C compiler for the native kernel")
+def test_native_decay_exp_is_float32_accurate_everywhere():
+    """The kernel's exp of log decays, read off CASO with two states (x = a_1 x_0 + x_1 with x_0 = 1,
+    x_1 = 0 gives a_1 = exp(ΣΔ_1 A)) on a dense grid of log decays in [-104, 0]: within 2 ulp of float64's
+    exp wherever the result is a normal float32, 0 <= result < 2^-126 below that, exactly 1 at 0 and
+    exactly 0 for -inf."""
+    x = -torch.linspace(0, 104, 200_001, dtype=torch.float64)
+    x = torch.cat([x, -torch.logspace(-30, 2, 20_001, dtype=torch.float64), torch.tensor([0.0, -88.0, -87.3])])
+    A = x.float()
+    A = A[A < 0]  # A must be negative; 0 comes from ΣΔ = 0 below
+    D = A.numel()
+    states = [torch.ones(1, D, 1), torch.zeros(1, D, 1)]
+    delta = torch.ones(2, 1, D)
+    got = compose_native.compose_ssm_native(states, delta, A[:, None], "caso")[0, :, 0].double()
+    want = torch.exp(A.double())
+    normal = want >= 2.0 ** -126
+    ulp = 2.0 ** (torch.floor(torch.log2(want[normal])) - 23)
+    assert ((got[normal] - want[normal]).abs() / ulp).max() <= 2.0
+    assert (got[~normal] >= 0).all() and (got[~normal] < 2.0 ** -126).all()
+    one, zero = torch.ones(1, 1, 1), torch.zeros(1, 1, 1)
+    decay_0 = compose_native.compose_ssm_native(
+        [one, one, zero], torch.tensor([[[1.0]], [[0.0]], [[float("inf")]]]), torch.tensor([[-1.0]]), "caso",
+    )  # x = a_1 a_2 x_0 + a_2 x_1 + x_2 with a_2 = exp(-inf) = 0
+    assert decay_0.item() == 0.0
+    decay_1 = compose_native.compose_ssm_native([one, zero], torch.tensor([[[1.0]], [[0.0]]]), torch.tensor([[-3.0]]), "caso")
+    assert decay_1.item() == 1.0  # a_1 = exp(0 · A) = 1

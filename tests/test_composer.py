@@ -156,3 +156,80 @@ def test_compose_states_function(states):
     a = hsc.compose_states(states, "picaso_s")
     b = StateComposer("picaso_s").compose(states)
     assert torch.equal(a.ssm_states[0], b.ssm_states[0])
+
+
+def test_native_path_matches_the_torch_path_with_many_layers_and_odd_sizes(arch, monkeypatch):
+    """One call of the native kernel composes every layer's SSM state, conv window and ΣΔ: on states of
+    a model with more layers and rows not a multiple of 16 it equals the per-layer torch path (native
+    kernels off), for every method and conv policy; a non-contiguous input or one that needs gradients
+    takes the torch path and still composes."""
+    model = tiny_model(arch, layers=5)  # Mamba-1: rows of N = 8 elements, half the kernel's 16 lanes
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        states = [ComposableMambaCache.encode(model, random_ids(5 + k, batch=2, generator=g)) for k in range(7)]
+    w = [1 / 7] * 7
+    cases = [("soup", {}), ("weighted", {"weights": w}), ("caso", {}), ("picaso_s", {}), ("picaso_r", {}),
+             ("caso", {"conv": "mean"}), ("soup", {"conv": "weighted", "weights": w})]
+    for method, kwargs in cases:
+        native = StateComposer(method, **kwargs).compose(states)
+        monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "0")
+        torch_path = StateComposer(method, **kwargs).compose(states)
+        monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "1")
+        for i in range(native.num_layers):
+            for a, b in ((native.ssm_states[i], torch_path.ssm_states[i]), (native.conv_states[i], torch_path.conv_states[i]),
+                         (native.delta_sums[i], torch_path.delta_sums[i])):
+                torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+            assert native.A[i] is states[0].A[i]
+        assert torch.equal(native.num_tokens, torch_path.num_tokens)
+    # a transposed-back (non-contiguous) SSM state, and a state that needs gradients: the torch path
+    odd = states[1].clone()
+    odd.layers[0].recurrent_states[0] = odd.ssm_states[0].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not odd.ssm_states[0].is_contiguous()
+    ref = StateComposer("caso").compose(states)
+    got = StateComposer("caso").compose([states[0], odd] + states[2:])
+    torch.testing.assert_close(got.ssm_states[0], ref.ssm_states[0], rtol=2e-5, atol=1e-6)
+    leaf = states[3].clone()
+    leaf.layers[1].recurrent_states[0].requires_grad_(True)
+    out = StateComposer("picaso_r").compose(states[:3] + [leaf])
+    assert out.ssm_states[1].requires_grad
+
+
+def test_composed_state_is_a_full_cache_that_saves_loads_and_generates(model, tmp_path):
+    """The native path builds its output cache without re-deriving the layers from the config: it is the
+    same object as _empty_like() + set_layer gives (every attribute), every tensor its own storage, and it
+    saves, loads and continues generation like any state."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        states = [ComposableMambaCache.encode(model, random_ids(4 + k, generator=g)) for k in range(3)]
+    composed = StateComposer("picaso_r").compose(states)
+    built = states[0]._empty_like()
+    for i in range(composed.num_layers):
+        built.set_layer(i, ssm_state=composed.ssm_states[i], conv_state=composed.conv_states[i],
+                        delta_sum=composed.delta_sums[i], A=composed.A[i])
+    built.num_tokens = composed.num_tokens
+    assert vars(composed).keys() == vars(built).keys()
+    for key, value in vars(built).items():
+        if key != "layers":
+            assert getattr(composed, key) is value or getattr(composed, key) == value, key
+    for a, b in zip(composed.layers, built.layers):
+        assert type(a) is type(b) and vars(a).keys() == vars(b).keys()
+        for key, value in vars(b).items():
+            other = vars(a)[key]
+            if isinstance(value, dict):
+                assert value.keys() == other.keys() and all(
+                    (x is y) or (x == y) for x, y in zip(value.values(), other.values())), key
+            else:
+                assert other == value, key
+    storages = {t.untyped_storage().data_ptr() for i in range(composed.num_layers)
+                for t in (composed.ssm_states[i], composed.conv_states[i], composed.delta_sums[i])}
+    assert len(storages) == 3 * composed.num_layers
+    composed.save(tmp_path / "c.safetensors")
+    loaded = ComposableMambaCache.load(tmp_path / "c.safetensors", model=model)
+    for i in range(composed.num_layers):
+        assert torch.equal(loaded.ssm_states[i], composed.ssm_states[i])
+        assert torch.equal(loaded.conv_states[i], composed.conv_states[i])
+    query = random_ids(3, generator=g)
+    with torch.no_grad():
+        first = model.generate(query, past_states=[composed], max_new_tokens=4, do_sample=False)
+        again = model.generate(query, past_states=[loaded], max_new_tokens=4, do_sample=False)
+    assert torch.equal(first, again)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from operator import attrgetter
 from typing import Sequence
 
 import torch
@@ -95,7 +96,7 @@ class StateComposer:
         if isinstance(states, ComposableMambaCache):
             raise TypeError("compose takes a list of states, not a single state")
         states = list(states) if isinstance(states, (list, tuple)) else states
-        _check_compatible_fast(states)
+        gathered = _check_compatible_fast(states)
         n = len(states)
         weights = None
         if self.weights is not None:
@@ -113,7 +114,7 @@ class StateComposer:
         if n == 1:
             _check_finite_once(states[0], states)
             return states[0]._map_rows(lambda t: t)  # one state composes to itself, exactly (tensors shared)
-        composed, finite = _compose_model_free(states, self.method, self.conv, weights, self.backend)
+        composed, finite = _compose_model_free(states, self.method, self.conv, weights, self.backend, gathered)
         if not finite:  # None (not known: the torch / Triton paths) or False
             _check_finite_once(composed, states)
         return composed
@@ -153,17 +154,63 @@ def _signature(state):
     return len(state.layers), state.model_dtype, state.fingerprint, layers
 
 
+_shape, _dtype, _is_cpu = attrgetter("shape"), attrgetter("dtype"), attrgetter("is_cpu")
+
+
+class _Gathered:
+    """Every state's per-layer tensors, state-major (``ssm[k * layers + i]``: state k, layer i), for states
+    whose SSM states (every state, every layer) share one shape and dtype and are all on the CPU, and
+    likewise the conv windows: then the states agree in all that ``check_compatible`` compares per layer."""
+
+    __slots__ = ("ssm", "conv", "delta", "ssm_shape", "conv_shape", "ssm_dtype", "conv_dtype")
+
+    def __init__(self, ssm, conv, delta, ssm_shape, conv_shape, ssm_dtype, conv_dtype):
+        self.ssm, self.conv, self.delta = ssm, conv, delta
+        self.ssm_shape, self.conv_shape, self.ssm_dtype, self.conv_dtype = ssm_shape, conv_shape, ssm_dtype, conv_dtype
+
+
+def _gather_uniform(states, first):
+    """A :class:`_Gathered` for CPU states of one model (layer count, model dtype, fingerprint) with
+    one shape and dtype of SSM states and of conv windows throughout, else None (the caller then compares
+    per layer). One pass of a few attribute reads per tensor."""
+    ssm, conv, delta = [], [], []
+    nl, model_dtype, fingerprint = len(first.layers), first.model_dtype, first.fingerprint
+    for state in states:
+        if len(state.layers) != nl or state.model_dtype != model_dtype or state.fingerprint != fingerprint:
+            return None
+        s, c, d = state.layer_tensors()
+        ssm += s
+        conv += c
+        delta += d
+    try:
+        shapes = set(map(_shape, ssm))
+        conv_shapes = set(map(_shape, conv))
+        dtypes = set(map(_dtype, ssm))
+        conv_dtypes = set(map(_dtype, conv))
+        on_cpu = all(map(_is_cpu, ssm)) and all(map(_is_cpu, conv))
+    except AttributeError:  # a layer without its tensors
+        return None
+    if len(shapes) != 1 or len(conv_shapes) != 1 or len(dtypes) != 1 or len(conv_dtypes) != 1 or not on_cpu:
+        return None
+    return _Gathered(ssm, conv, delta, shapes.pop(), conv_shapes.pop(), dtypes.pop(), conv_dtypes.pop())
+
+
 def _check_compatible_fast(states):
-    """``check_compatible`` in one comparison per state when all is well; on any difference (or an odd
-    input) the full check runs and raises its precise message."""
+    """``check_compatible`` in one pass when all is well; on any difference (or an odd input) the full
+    check runs and raises its precise message. Returns the :class:`_Gathered` tensors when the states
+    are uniform CPU states (what the native kernel can take), else None."""
     if (
         isinstance(states, list) and states and all(isinstance(s, ComposableMambaCache) for s in states)
         and states[0].layers and all(layer.has_previous_state[0] for layer in states[0].layers)
     ):
+        gathered = _gather_uniform(states, states[0])
+        if gathered is not None:
+            return gathered
         first = _signature(states[0])
         if len(first[3]) == first[0] and all(_signature(s) == first for s in states[1:]):
-            return
+            return None
     check_compatible(states)
+    return None
 
 
 def _check_states_fit_model(states, model, method):
@@ -218,12 +265,13 @@ def compose_model_free(
     :mod:`hf_statecompose.ops.compose`: the weights are computed from the decays block by block, in
     registers by the Triton kernel, or per row by the native CPU kernel, never as a tensor the size of
     all states)."""
-    return _compose_model_free(states, method, conv, weights, backend)[0]
+    gathered = _gather_uniform(states, states[0]) if states[0].layers else None
+    return _compose_model_free(states, method, conv, weights, backend, gathered)[0]
 
 
-def _compose_model_free(states, method, conv, weights, backend):
+def _compose_model_free(states, method, conv, weights, backend, gathered=None):
     """(composed state, whether it is known to be finite: True / False, or None when not checked)."""
-    native = _compose_native(states, method, conv, weights, backend)
+    native = _compose_native(states, method, conv, weights, backend, gathered) if gathered is not None else None
     if native is not None:
         return native
     first = states[0]
@@ -254,52 +302,63 @@ def _add_token_counts(out, states):
         out.num_tokens = torch.stack([s.num_tokens for s in states]).sum(0)
 
 
-def _compose_native(states, method, conv, weights, backend):
-    """All layers' SSM states, conv windows and ΣΔ in three calls of the native CPU kernel (one read of
-    each input, no per-layer Python work, finiteness checked in the same pass), or None when it does not
-    apply (not CPU / float32, autograd, other shapes per layer, no C compiler): the caller takes the
-    per-layer path."""
+_contiguous, _requires_grad = torch.Tensor.is_contiguous, attrgetter("requires_grad")
+
+
+def _compose_native(states, method, conv, weights, backend, gathered):
+    """All layers' SSM states, conv windows and ΣΔ in one call of the native CPU kernel (one read of each
+    input, no per-layer Python work, finiteness checked in the same pass), or None when it does not apply
+    (not float32, not contiguous, autograd, other shapes per layer, no C compiler): the caller takes the
+    per-layer path. ``gathered``: the states' tensors from :func:`_gather_uniform` (one shape and dtype
+    of SSM states and of conv windows, all on the CPU)."""
     first = states[0]
-    if not first.layers or resolve(backend, first.device, "compose_ssm") != "torch":
-        return None
-    per_state = [s.layer_tensors() for s in states]  # (ssm list, conv list, ΣΔ list) per state
-    ssm = [list(t) for t in zip(*(p[0] for p in per_state))]  # [layer][state]
-    convs = [list(t) for t in zip(*(p[1] for p in per_state))]
-    deltas = [list(t) for t in zip(*(p[2] for p in per_state))]
-    A = list(first.A)
-    grad = torch.is_grad_enabled()
-    for group in (ssm, convs, deltas):
-        shape = group[0][0].shape
-        for layer in group:
-            for t in layer:
-                if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape != shape or (grad and t.requires_grad):
-                    return None
-    if not compose_native.applicable(ssm[0], deltas[0][0], A[0], weights) or any(
-        a.dtype != torch.float32 or not a.is_contiguous() or (grad and a.requires_grad) for a in A
+    if (
+        gathered.ssm_dtype != torch.float32 or gathered.conv_dtype != torch.float32 or not compose_native.enabled()
+        or resolve(backend, first.device, "compose_ssm") != "torch"
     ):
         return None
-    n = len(states)
-    ssm_out = compose_native.compose_layers_native(
-        ssm, method, weights=weights if method == "weighted" else None, delta_sums=deltas, A=A,
-        per_element=first.architecture == "mamba",
-    )
-    if ssm_out is None:
+    n, nl, mamba1 = len(states), len(first.layers), first.architecture == "mamba"
+    ssm, convs, deltas, A = gathered.ssm, gathered.conv, gathered.delta, first.A
+    shape = gathered.ssm_shape
+    rows = shape[:2]
+    try:  # ΣΔ [B, R] float32 on the CPU; A [R, N] (Mamba-1) or [R] (Mamba-2), float32, on the CPU
+        if (
+            set(map(_shape, deltas)) != {rows} or set(map(_dtype, deltas)) != {torch.float32}
+            or not all(map(_is_cpu, deltas)) or len(shape) != (3 if mamba1 else 4)
+            or set(map(_shape, A)) != {shape[1:3] if mamba1 else shape[1:2]}
+            or set(map(_dtype, A)) != {torch.float32} or not all(map(_is_cpu, A))
+        ):
+            return None
+    except (AttributeError, TypeError):  # a missing ΣΔ or A
         return None
+    if not (all(map(_contiguous, ssm)) and all(map(_contiguous, convs)) and all(map(_contiguous, deltas))
+            and all(map(_contiguous, A))):
+        return None
+    if torch.is_grad_enabled() and (
+        any(map(_requires_grad, ssm)) or any(map(_requires_grad, convs)) or any(map(_requires_grad, deltas))
+        or any(map(_requires_grad, A)) or (torch.is_tensor(weights) and weights.requires_grad)
+    ):
+        return None
+    w = None if weights is None else weights.tolist()
+    uniform = [1.0 / n] * n
     if conv == "last":  # one-hot weights: an exact copy of the last window, and NaN anywhere still shows
-        conv_weights = torch.zeros(n)
-        conv_weights[-1] = 1.0
+        conv_w = [0.0] * (n - 1) + [1.0]
     else:
-        conv_weights = weights if conv == "weighted" else None
-    conv_out = compose_native.compose_layers_native(convs, "soup" if conv_weights is None else "weighted", weights=conv_weights)
+        conv_w = w if conv == "weighted" else uniform
     if method in ("soup", "weighted"):  # a convex combination: the same combination of ΣΔ
-        delta_out = compose_native.compose_layers_native(deltas, method, weights=weights if method == "weighted" else None)
-    else:  # the order-based methods stand for a concatenation: the total
-        delta_out = compose_native.compose_layers_native(deltas, "weighted", weights=torch.ones(n))
-    out = first._empty_like()
-    for i in range(len(A)):
-        out.set_layer(i, ssm_state=ssm_out[0][i], conv_state=conv_out[0][i], delta_sum=delta_out[0][i], A=A[i])
+        ssm_w = delta_w = uniform if method == "soup" else w
+    else:  # the order-based methods stand for a concatenation: the total ΣΔ
+        ssm_w, delta_w = None, [1.0] * n
+    done = compose_native.compose_native(
+        nl, n, [(ssm, ssm_w), (convs, conv_w), (deltas, delta_w)],
+        method=method, delta=deltas, A=A, per_element=mamba1,
+    )
+    if done is None:
+        return None
+    (ssm_out, conv_out, delta_out), finite = done
+    out = first._filled_like(ssm_out, conv_out, delta_out)
     _add_token_counts(out, states)
-    return out, ssm_out[1] and conv_out[1] and delta_out[1]
+    return out, finite
 
 
 def _check_finite_once(composed, states):

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from .fingerprint import architecture_of, base_model_of, model_fingerprint
 
@@ -52,8 +53,11 @@ class ComposableMambaCache(DynamicCache):
     def is_compileable(self) -> bool:
         return False
 
-    def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None):
-        super().__init__(config=config)
+    def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None, _layers=None):
+        if _layers is None:
+            super().__init__(config=config)
+        else:  # empty layers made by the caller (_filled_like): what DynamicCache derives from the config
+            Cache.__init__(self, layers=_layers)
         self.config = config
         self.architecture = architecture
         self.fingerprint = fingerprint
@@ -205,6 +209,23 @@ class ComposableMambaCache(DynamicCache):
             model_dtype=self.model_dtype,
             model_info=self.model_info,
         )
+
+    def _filled_like(self, ssm_states, conv_states, delta_sums) -> "ComposableMambaCache":
+        """What ``_empty_like()`` then ``set_layer(i, ...)`` on every layer (with this cache's ``A``) give, but
+        each empty layer is made by its own class's constructor instead of DynamicCache re-deriving the
+        layer types from the config (which costs more than composing a small state)."""
+        layers = [type(layer)(number_of_states=layer.number_of_states) for layer in self.layers]
+        out = type(self)(
+            self.config,
+            architecture=self.architecture,
+            fingerprint=self.fingerprint,
+            model_dtype=self.model_dtype,
+            model_info=self.model_info,
+            _layers=layers,
+        )
+        for i, (ssm_state, conv_state, delta_sum, A) in enumerate(zip(ssm_states, conv_states, delta_sums, self.A)):
+            out.set_layer(i, ssm_state=ssm_state, conv_state=conv_state, delta_sum=delta_sum, A=A)
+        return out
 
     def clone(self) -> "ComposableMambaCache":
         return self._map_rows(lambda t: t.clone())

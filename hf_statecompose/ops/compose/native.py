@@ -3,12 +3,21 @@
 Why: on a CPU the eager torch path costs several passes per state (the weights are formed, then each
 state is multiplied in), one Python-dispatched op each, and ``exp`` of very negative log decays (long
 contexts) falls into the slow denormal path; the composition is then 5–50× its memory floor (reading the
-n states once). Here every row (Mamba-1: a channel ``d``, its ``N`` state elements; Mamba-2: a head,
-its ``P·N`` elements) computes its weights in a small buffer (Mamba-1: one per element and state; Mamba-2:
-one scalar per state) and then reads each state's row once, accumulating in the output. Rows run on
-torch's OpenMP threads. Denormals are flushed to zero inside the kernel (x86): a decay product below
-float32's smallest normal number (1.2e-38) contributes less than rounding anyway, and denormal
-arithmetic is ~100× slower.
+n states once). Here one call composes a whole state: the SSM states of every layer with the method's
+weights, and any number of "flat" groups (the conv windows, ΣΔ; the SSM states too for ``soup`` /
+``weighted``) as weighted sums with one weight per input. Rows run on torch's OpenMP threads, each group
+split evenly between them with no barrier in between. Denormals are flushed to zero inside the kernel
+(x86): a decay product below float32's smallest normal number (1.2e-38) contributes less than rounding
+anyway, and denormal arithmetic is ~100× slower.
+
+Mamba-1 (a weight per state element): every piece of V = 16 elements of a channel reads each state's row
+once and forms its weights on the fly from ``a_k = exp(A ⊙ ΣΔ_k)`` (``exp_decay``: ``hsc_exp``'s
+polynomial with one power-of-two scale, enough for log decays), without a weight buffer where it can:
+CASO is the fold in context order, ``acc = a_k · acc + x_k`` (n - 1 exps per element, no buffer);
+PICASO-R computes the n decays once, the weight of the last state from their prefix products, then folds
+backwards ``S_k = (1 - Π a) + a_{k+1} S_{k+1}``, ``acc += S_k x_k``; PICASO-S forms its weights (``O(n·G)``
+multiply-adds per element, G Gauss–Legendre nodes) in a small buffer first. Mamba-2 (one weight per head):
+a first pass computes every row's weights, V heads at a time, then each row is a weighted sum.
 
 The weights are those of :mod:`.weights`, same formulas and same stability (no division by a decay, no
 overflowing product, ``-inf`` log decays are decays of 0); PICASO-S uses prefix and suffix products of the
@@ -16,12 +25,15 @@ overflowing product, ``-inf`` log decays are decays of 0); PICASO-S uses prefix 
 
 Same contract as :func:`.vectorized.compose_ssm_torch` for float32 states, ΣΔ and ``A`` (others are
 converted), contiguous states, no autograd. :func:`compose_ssm_native` returns None when the kernel cannot
-be built (no C compiler); the caller then uses the torch path.
+be built (no C compiler); the caller then uses the torch path. :func:`compose_native` is the many-layer,
+many-group entry the composer uses; :func:`exp_floor` times the minimum arithmetic of the decay-based
+methods (one multiply and one exp per state element and state), for the benchmarks.
 """
 from __future__ import annotations
 
 import ctypes
 import math
+from array import array
 
 import torch
 
@@ -40,8 +52,38 @@ SOURCE = _native.MATH + r"""
 
 enum { SOUP = 0, WEIGHTED = 1, CASO = 2, PICASO_S = 3, PICASO_R = 4 };
 
+/* exp(x) for log decays (x <= 0 in use), cheaper than hsc_exp (15 vector instructions instead of ~24):
+   Cody–Waite reduction x = k ln2 + r with k rounded by the 1.5 * 2^23 shifter (whose low bits then hold k),
+   a degree-6 minimax polynomial for exp(r) on [-ln2/2, ln2/2] (relative error 2e-8 with its float32
+   coefficients; about 1 ulp in all, as hsc_exp), and one power-of-two scale instead of two. Results
+   below float32's smallest normal number come out 0 or as a denormal that the kernel's flush-to-zero
+   turns into 0 (x <= -88 and -inf give exactly 0); +inf from x >= 88.38 (exp(88.72) is float32's
+   largest; log decays are never positive); NaN for NaN (the clamps let it through). */
+/* The clamps' bounds live in (non-const) globals, read once per function into lo, hi: with constants, gcc
+   sinks the clamps past the polynomial (their results are constants) as 4 compares and 2 blends; with
+   values it cannot see it emits one max and one min (whose operand order lets NaN through). */
+float hsc_decay_lo = -88.0f, hsc_decay_hi = 89.0f;
+#define EXP_BOUNDS const float lo = hsc_decay_lo, hi = hsc_decay_hi;
+static inline float exp_decay(float x, float lo, float hi) {
+    float xc = x < lo ? lo : x;     /* -88: k >= -127, a scale of +0.0 */
+    xc = xc > hi ? hi : xc;         /* 89: k <= 128, a scale of +inf */
+    const float t = xc * 1.44269504088896341f + 12582912.0f;
+    const float k = t - 12582912.0f;
+    float r = xc - k * 0.693359375f;
+    r = r + k * 2.12194440e-4f;
+    float p = 1.3893843861e-3f;
+    p = p * r + 8.3763878793e-3f;
+    p = p * r + 4.1667141020e-2f;
+    p = p * r + 1.6666400433e-1f;
+    p = p * r + 4.9999997020e-1f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* the shifter's bits are 0x4B400000 + k; << 23 drops the 0x4B400000: the bits of 2^k */
+    return p * hsc_as_float((int32_t)((uint32_t)(hsc_as_int(t) + 127) << 23));
+}
+
 /* 1 - exp(x) for x <= 0 (-inf allowed), accurate near 0 (Taylor series for x > -0.35), as the Triton kernel */
-static inline float neg_expm1(float x) {
+static inline float neg_expm1(float x, float lo, float hi) {
     float xs = x > -0.35f ? x : -0.35f;
     float s = 1.0f / 40320.0f;
     s = s * xs + 1.0f / 5040.0f;
@@ -51,40 +93,20 @@ static inline float neg_expm1(float x) {
     s = s * xs + 1.0f / 6.0f;
     s = s * xs + 0.5f;
     s = s * xs + 1.0f;
-    return x > -0.35f ? -(s * xs) : 1.0f - hsc_exp(x);
+    return x > -0.35f ? -(s * xs) : 1.0f - exp_decay(x, lo, hi);
 }
 
-/* The weights of V lanes and n states, W[k * V + l], from the log decays ld[k * V + l] (Mamba-1: V
-   consecutive state elements of one channel; Mamba-2: V heads). V is a compile-time constant, so every
-   lane loop is one or two SIMD registers, without alias checks. */
+/* V lanes: Mamba-1 V consecutive state elements of one channel; Mamba-2 V heads. V is a compile-time
+   constant, so every lane loop is one or two SIMD registers, without alias checks. */
 #define V 16
 /* vectorise each lane loop as is (gcc would otherwise unroll it fully and then fail to vectorise it) */
 #define LANES _Pragma("omp simd") for (int l = 0; l < V; l++)
-static void lane_weights(int method, long n, const float* restrict ld,
-                         const float* restrict gl_t, const float* restrict gl_w, long G,
-                         float* restrict W, float* restrict d, float* restrict p) {
-    float s[V], om[V], pre[V];
-    if (method == CASO) {  /* W_k = exp(Σ_{j>k} log a_j) */
-        LANES s[l] = 0.0f;
-        for (long k = n - 1; k >= 0; k--)
-            LANES { W[k * V + l] = hsc_exp(s[l]); s[l] += ld[k * V + l]; }
-        return;
-    }
-    for (long k = 0; k < n; k++) LANES d[k * V + l] = hsc_exp(ld[k * V + l]);
-    if (method == PICASO_R) {
-        /* S_{n-1} = 1 + Σ_{m>=1} Π_{j<m} a_j;  S_k = (1 - P) + a_{k+1} S_{k+1};  W_k = S_k / n */
-        LANES { s[l] = 0.0f; pre[l] = 1.0f; }
-        for (long k = 0; k < n; k++) LANES s[l] += ld[k * V + l];
-        LANES { om[l] = neg_expm1(s[l]); s[l] = 1.0f; }
-        for (long k = 0; k < n - 1; k++)
-            LANES { pre[l] *= d[k * V + l]; s[l] += pre[l]; }
-        const float inv_n = 1.0f / (float)n;
-        LANES W[(n - 1) * V + l] = s[l] * inv_n;
-        for (long k = n - 2; k >= 0; k--)
-            LANES { s[l] = om[l] + d[(k + 1) * V + l] * s[l]; W[k * V + l] = s[l] * inv_n; }
-        return;
-    }
-    /* PICASO_S: W_k = Σ_q w_q Π_{i≠k} f_i(t_q), f_i = 1 - t + t a_i, Π_{i≠k} = prefix_k · suffix_k */
+
+/* PICASO-S weights of V lanes from the decays d[k * V + l]: W_k = Σ_q w_q Π_{i≠k} f_i(t_q),
+   f_i = 1 - t + t a_i, Π_{i≠k} = prefix_k · suffix_k (p: a buffer of n * V) */
+static void picaso_s_weights(long n, const float* restrict d, const float* restrict gl_t,
+                             const float* restrict gl_w, long G, float* restrict W, float* restrict p) {
+    float s[V];
     for (long i = 0; i < n * V; i++) W[i] = 0.0f;
     for (long q = 0; q < G; q++) {
         const float t = gl_t[q], one_t = 1.0f - gl_t[q], wq = gl_w[q];
@@ -97,37 +119,143 @@ static void lane_weights(int method, long n, const float* restrict ld,
     }
 }
 
-/* nl layers, each: n inputs of B * R rows of M contiguous elements; input k of layer i starts at
-   ptrs[i * n + k], its output at outs[i]; row r = b * R + rr. For the decay-based methods the ΣΔ of input k
-   of layer i is dptrs[i * n + k] ([B, R]) and A is aptrs[i] (per_element ? [R, M] : [R]).
-   per_element (Mamba-1): rows are cut into pieces of V elements, each with its own weights.
-   Otherwise (Mamba-2) a first pass computes one weight per row and input, V rows at a time, into rw.
-   Returns 1 if an output holds NaN or inf (x - x is 0 exactly for finite x), else 0. */
-int hsc_compose(long nl, const int64_t* ptrs, const int64_t* outs, const int64_t* dptrs, const int64_t* aptrs,
-                long n, long B, long R, long M, int per_element, int method, const float* uw,
-                const float* gl_t, const float* gl_w, long G, float* rw, int nthreads) {
+/* The weights of V lanes and n states, W[k * V + l], from the log decays ld[k * V + l] (Mamba-2 rows) */
+static void lane_weights(int method, long n, const float* restrict ld,
+                         const float* restrict gl_t, const float* restrict gl_w, long G,
+                         float* restrict W, float* restrict d, float* restrict p) {
+    float s[V], om[V], pre[V];
+    EXP_BOUNDS
+
+    if (method == CASO) {  /* W_k = exp(Σ_{j>k} log a_j) */
+        LANES s[l] = 0.0f;
+        for (long k = n - 1; k >= 0; k--)
+            LANES { W[k * V + l] = exp_decay(s[l], lo, hi); s[l] += ld[k * V + l]; }
+        return;
+    }
+    for (long k = 0; k < n; k++) LANES d[k * V + l] = exp_decay(ld[k * V + l], lo, hi);
+    if (method == PICASO_R) {
+        /* S_{n-1} = 1 + Σ_{m>=1} Π_{j<m} a_j;  S_k = (1 - P) + a_{k+1} S_{k+1};  W_k = S_k / n */
+        LANES { s[l] = 0.0f; pre[l] = 1.0f; }
+        for (long k = 0; k < n; k++) LANES s[l] += ld[k * V + l];
+        LANES { om[l] = neg_expm1(s[l], lo, hi); s[l] = 1.0f; }
+        for (long k = 0; k < n - 1; k++)
+            LANES { pre[l] *= d[k * V + l]; s[l] += pre[l]; }
+        const float inv_n = 1.0f / (float)n;
+        LANES W[(n - 1) * V + l] = s[l] * inv_n;
+        for (long k = n - 2; k >= 0; k--)
+            LANES { s[l] = om[l] + d[(k + 1) * V + l] * s[l]; W[k * V + l] = s[l] * inv_n; }
+        return;
+    }
+    picaso_s_weights(n, d, gl_t, gl_w, G, W, p);
+}
+
+/* Row k of a Mamba-1 piece: the state's m <= V elements at off, zero-padded to V lanes in pad if m < V */
+static inline const float* lanes_of(const int64_t* xp, long k, long nl, long off, long m, float* pad) {
+    const float* x = (const float*)(intptr_t)xp[k * nl] + off;
+    if (m == V) return x;
+    for (int l = 0; l < V; l++) pad[l] = l < m ? x[l] : 0.0f;
+    return pad;
+}
+
+/* One Mamba-1 piece (V lanes, zero-padded): acc = Σ_k W_k x_k with W from the log decays dk(k) * a[l].
+   dp: the ΣΔ pointers of this layer (stride nl), r the row; xp: the inputs (stride nl). */
+#define DK(k) (((const float*)(intptr_t)dp[(k) * nl])[r])
+static void piece_decay(int method, long n, long nl, const int64_t* xp, const int64_t* dp, long r,
+                        long off, long m, const float* restrict a, const float* gl_t, const float* gl_w,
+                        long G, float* restrict buf, float* restrict acc) {
+    EXP_BOUNDS
+    float pad[V];
+    float *W = buf, *d = buf + n * V, *p = buf + 2 * n * V, *dks = buf + 3 * n * V;
+    /* the n ΣΔ first, into a buffer: read through the pointer table inside the loops below, gcc would
+       fetch two states' at once with a (slow) gather */
+    for (long k = 0; k < n; k++) dks[k] = DK(k);
+    if (method == CASO) {  /* the fold in context order: acc = a_k acc + x_k */
+        const float* x = lanes_of(xp, 0, nl, off, m, pad);
+        LANES acc[l] = x[l];
+        for (long k = 1; k < n; k++) {
+            const float dk = dks[k];
+            x = lanes_of(xp, k, nl, off, m, pad);
+            LANES acc[l] = acc[l] * exp_decay(dk * a[l], lo, hi) + x[l];
+        }
+        return;
+    }
+    if (method == PICASO_R) {
+        /* forward: the decays, Σ log a, and S_{n-1} = 1 + Σ_{m>=1} Π_{j<m} a_j; backward:
+           S_k = (1 - Π a) + a_{k+1} S_{k+1}, acc = Σ_k S_k x_k; the weights are S_k / n */
+        float s[V], pre[V], sum[V], om[V];
+        LANES { s[l] = 1.0f; pre[l] = 1.0f; sum[l] = 0.0f; }
+        for (long k = 0; k < n; k++) {
+            const float dk = dks[k];
+            LANES { const float ld = dk * a[l]; d[k * V + l] = exp_decay(ld, lo, hi); sum[l] += ld; }
+            if (k < n - 1) {
+                LANES { pre[l] *= d[k * V + l]; s[l] += pre[l]; }
+            }
+        }
+        LANES om[l] = neg_expm1(sum[l], lo, hi);
+        const float* x = lanes_of(xp, n - 1, nl, off, m, pad);
+        LANES acc[l] = s[l] * x[l];
+        for (long k = n - 2; k >= 0; k--) {
+            x = lanes_of(xp, k, nl, off, m, pad);
+            LANES { s[l] = om[l] + d[(k + 1) * V + l] * s[l]; acc[l] += s[l] * x[l]; }
+        }
+        const float inv_n = 1.0f / (float)n;
+        LANES acc[l] *= inv_n;
+        return;
+    }
+    /* PICASO_S */
+    for (long k = 0; k < n; k++) {
+        const float dk = dks[k];
+        LANES d[k * V + l] = exp_decay(dk * a[l], lo, hi);
+    }
+    picaso_s_weights(n, d, gl_t, gl_w, G, W, p);
+    LANES acc[l] = 0.0f;
+    for (long k = 0; k < n; k++) {
+        const float* x = lanes_of(xp, k, nl, off, m, pad);
+        LANES acc[l] += W[k * V + l] * x[l];
+    }
+}
+
+#define FLAT_CHUNK 2048
+
+/* One call for n inputs of nl layers. Inputs are state-major: input k of layer i is at table[k * nl + i].
+   Decay-weighted SSM group (method CASO, PICASO_S or PICASO_R; none for another method): inputs in[],
+   outputs out[i], of B * R rows of M contiguous elements (row r = b * R + rr); the ΣΔ dptrs[] ([B, R]),
+   A aptrs[i] (per_element ? [R, M] : [R]). per_element (Mamba-1): rows are cut into pieces of V elements,
+   each with its own weights; otherwise (Mamba-2) a first pass computes one weight per row and input.
+   Flat groups g < nflat: flat_numel[g] elements per tensor, inputs flat_in[g * n * nl + k * nl + i],
+   output flat_out[g * nl + i] = Σ_k flat_w[g * n + k] · input k.
+   Returns 1 if an output holds NaN or inf (x - x is 0 exactly for finite x), 2 if out of memory, else 0. */
+int hsc_compose(long nl, long n, int method, const int64_t* in, const int64_t* out, const int64_t* dptrs,
+                const int64_t* aptrs, long B, long R, long M, int per_element, const float* gl_t,
+                const float* gl_w, long G, long nflat, const int64_t* flat_in, const int64_t* flat_out,
+                const int64_t* flat_numel, const float* flat_w, int nthreads) {
     const long rows = B * R;
-    const int needs_weights = method != SOUP && method != WEIGHTED;
-    const int row_weights = needs_weights && !per_element;
+    const int decay = method == CASO || method == PICASO_S || method == PICASO_R;
+    const int row_weights = decay && !per_element;
     const long chunks = per_element ? (M + V - 1) / V : 1;
-    const long pieces = nl * rows * chunks;
+    const long pieces = decay ? nl * rows * chunks : 0;
     const long groups = (rows + V - 1) / V;
-    int nonfinite = 0;
-    #pragma omp parallel num_threads(nthreads) reduction(|:nonfinite)
+    float* rw = row_weights ? (float*)malloc(sizeof(float) * (size_t)(nl * n * rows)) : NULL;
+    if (row_weights && rw == NULL) return 2;
+    int nonfinite = 0, oom = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|:nonfinite, oom)
     {
 #ifdef HSC_FTZ
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);  /* flush-to-zero | denormals-are-zero */
 #endif
-        float* buf = needs_weights ? (float*)malloc(sizeof(float) * 4 * n * V) : NULL;
+        float* buf = decay ? (float*)malloc(sizeof(float) * 4 * n * V) : NULL;
+        const int have = !decay || buf != NULL;
+        oom |= !have;
         float *W = buf, *d = buf + n * V, *p = buf + 2 * n * V, *ld = buf + 3 * n * V;
         if (row_weights) {  /* rw[(layer * n + k) * rows + r] */
             #pragma omp for schedule(static)
             for (long lg = 0; lg < nl * groups; lg++) {
+                if (!have) continue;
                 const long layer = lg / groups, r0 = (lg % groups) * V;
                 const float* A = (const float*)(intptr_t)aptrs[layer];
                 for (long k = 0; k < n; k++) {
-                    const float* dk = (const float*)(intptr_t)dptrs[layer * n + k];
+                    const float* dk = (const float*)(intptr_t)dptrs[k * nl + layer];
                     for (int l = 0; l < V; l++) ld[k * V + l] = r0 + l < rows ? dk[r0 + l] * A[(r0 + l) % R] : 0.0f;
                 }
                 lane_weights(method, n, ld, gl_t, gl_w, G, W, d, p);
@@ -135,40 +263,26 @@ int hsc_compose(long nl, const int64_t* ptrs, const int64_t* outs, const int64_t
                     for (int l = 0; l < V && r0 + l < rows; l++) rw[(layer * n + k) * rows + r0 + l] = W[k * V + l];
             }  /* the implicit barrier: every row weight is ready before the sums */
         }
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (long pc = 0; pc < pieces; pc++) {
+            if (!have) continue;
             const long layer = pc / (rows * chunks), rc = pc % (rows * chunks);
             const long r = rc / chunks, j0 = (rc % chunks) * V, rr = r % R;
             const long m = per_element ? (M - j0 < V ? M - j0 : V) : M;  /* elements in this piece */
             const long off = r * M + j0;
-            float* o = (float*)(intptr_t)outs[layer] + off;
-            const int64_t* xp = ptrs + layer * n;
+            float* o = (float*)(intptr_t)out[layer] + off;
+            const int64_t* xp = in + layer;
             int bad = 0;  /* an integer OR vectorises; a float sum would be one long dependency chain */
-            if (per_element && needs_weights) {
-                const float* A = (const float*)(intptr_t)aptrs[layer] + rr * M + j0;
-                for (long k = 0; k < n; k++) {
-                    const float dk = ((const float*)(intptr_t)dptrs[layer * n + k])[r];
-                    LANES ld[k * V + l] = l < m ? dk * A[l] : 0.0f;
-                }
-                lane_weights(method, n, ld, gl_t, gl_w, G, W, d, p);
-                float acc[V];
-                LANES acc[l] = 0.0f;
-                if (m == V) {
-                    for (long k = 0; k < n; k++) {
-                        const float* x = (const float*)(intptr_t)xp[k] + off;
-                        LANES acc[l] += W[k * V + l] * x[l];
-                    }
-                } else {
-                    for (long k = 0; k < n; k++) {
-                        const float* x = (const float*)(intptr_t)xp[k] + off;
-                        for (long j = 0; j < m; j++) acc[j] += W[k * V + j] * x[j];
-                    }
-                }
+            if (per_element) {
+                const float* Ar = (const float*)(intptr_t)aptrs[layer] + rr * M + j0;
+                float a[V], acc[V];
+                for (int l = 0; l < V; l++) a[l] = l < m ? Ar[l] : 0.0f;
+                piece_decay(method, n, nl, xp, dptrs + layer, r, off, m, a, gl_t, gl_w, G, buf, acc);
                 for (long j = 0; j < m; j++) o[j] = acc[j];
             } else {
                 for (long k = 0; k < n; k++) {
-                    const float* x = (const float*)(intptr_t)xp[k] + off;
-                    const float w = row_weights ? rw[(layer * n + k) * rows + r] : (method == SOUP ? 1.0f / (float)n : uw[k]);
+                    const float* x = (const float*)(intptr_t)xp[k * nl] + off;
+                    const float w = rw[(layer * n + k) * rows + r];
                     if (k == 0) for (long j = 0; j < m; j++) o[j] = w * x[j];
                     else for (long j = 0; j < m; j++) o[j] += w * x[j];
                 }
@@ -176,12 +290,93 @@ int hsc_compose(long nl, const int64_t* ptrs, const int64_t* outs, const int64_t
             for (long j = 0; j < m; j++) bad |= !(o[j] - o[j] == 0.0f);
             nonfinite |= bad;
         }
+        for (long g = 0; g < nflat; g++) {
+            const long numel = flat_numel[g], fchunks = (numel + FLAT_CHUNK - 1) / FLAT_CHUNK;
+            const int64_t* gin = flat_in + g * n * nl;
+            const float* w = flat_w + g * n;
+            #pragma omp for schedule(static) nowait
+            for (long pc = 0; pc < nl * fchunks; pc++) {
+                const long layer = pc / fchunks, off = (pc % fchunks) * FLAT_CHUNK;
+                const long m = numel - off < FLAT_CHUNK ? numel - off : FLAT_CHUNK;
+                float* o = (float*)(intptr_t)flat_out[g * nl + layer] + off;
+                int bad = 0;
+                for (long k = 0; k < n; k++) {
+                    const float* x = (const float*)(intptr_t)gin[k * nl + layer] + off;
+                    const float wk = w[k];
+                    if (k == 0) for (long j = 0; j < m; j++) o[j] = wk * x[j];
+                    else for (long j = 0; j < m; j++) o[j] += wk * x[j];
+                }
+                for (long j = 0; j < m; j++) bad |= !(o[j] - o[j] == 0.0f);
+                nonfinite |= bad;
+            }
+        }
         free(buf);
 #ifdef HSC_FTZ
         _mm_setcsr(csr);
 #endif
     }
-    return nonfinite ? 1 : 0;
+    free(rw);
+    return oom ? 2 : (nonfinite ? 1 : 0);
+}
+
+/* The minimum arithmetic of the decay-based methods, for the benchmarks: exp(ΣΔ_k · A) for every state
+   element and state (nl layers, ΣΔ and A as in hsc_compose), summed so that nothing is optimised away;
+   no state is read. */
+float hsc_exp_floor(long nl, long n, const int64_t* dptrs, const int64_t* aptrs, long B, long R, long M,
+                    int per_element, int nthreads) {
+    EXP_BOUNDS
+    const long rows = B * R;
+    /* Mamba-1: pieces of V elements of one row; Mamba-2: V rows (one weight each) */
+    const long chunks = per_element ? (M + V - 1) / V : 1, per_layer = per_element ? rows * chunks : (rows + V - 1) / V;
+    float total = 0.0f;
+    int oom = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(+:total) reduction(|:oom)
+    {
+#ifdef HSC_FTZ
+        const unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
+#endif
+        float* dks = (float*)malloc(sizeof(float) * n);
+        oom |= dks == NULL;
+        #pragma omp for schedule(static)
+        for (long pc = 0; pc < nl * per_layer; pc++) {
+            const long layer = pc / per_layer, rc = pc % per_layer;
+            const float* A = (const float*)(intptr_t)aptrs[layer];
+            float a[V], s[V], dl[V];
+            long r = 0, r0 = 0;
+            if (per_element) {
+                const long j0 = (rc % chunks) * V, m = M - j0 < V ? M - j0 : V;
+                r = rc / chunks;
+                for (int l = 0; l < V; l++) a[l] = l < m ? A[(r % R) * M + j0 + l] : 0.0f;
+            } else {
+                r0 = rc * V;
+                for (int l = 0; l < V; l++) a[l] = r0 + l < rows ? A[(r0 + l) % R] : 0.0f;
+            }
+            LANES s[l] = 0.0f;
+            if (per_element) {
+                if (dks == NULL) continue;
+                for (long k = 0; k < n; k++) dks[k] = ((const float*)(intptr_t)dptrs[k * nl + layer])[r];
+                for (long k = 0; k < n; k++) {
+                    const float dk = dks[k];
+                    LANES s[l] += exp_decay(dk * a[l], lo, hi);
+                }
+            } else {
+                for (long k = 0; k < n; k++) {
+                    const float* dk = (const float*)(intptr_t)dptrs[k * nl + layer];
+                    for (int l = 0; l < V; l++) dl[l] = r0 + l < rows ? dk[r0 + l] : 0.0f;
+                    LANES s[l] += exp_decay(dl[l] * a[l], lo, hi);
+                }
+            }
+            float t = 0.0f;
+            for (int l = 0; l < V; l++) t += s[l];
+            total += t;
+        }
+        free(dks);
+#ifdef HSC_FTZ
+        _mm_setcsr(csr);
+#endif
+    }
+    return oom ? NAN : total;
 }
 """
 
@@ -192,7 +387,9 @@ def _library():
     lib = _native.load(NAME, SOURCE)
     if lib is not None and not getattr(lib, "_hsc_typed", False):
         lib.hsc_compose.restype = _I
-        lib.hsc_compose.argtypes = [_L, _P, _P, _P, _P, _L, _L, _L, _L, _I, _I, _P, _P, _P, _L, _P, _I]
+        lib.hsc_compose.argtypes = [_L, _L, _I, _P, _P, _P, _P, _L, _L, _L, _I, _P, _P, _L, _L, _P, _P, _P, _P, _I]
+        lib.hsc_exp_floor.restype = ctypes.c_float
+        lib.hsc_exp_floor.argtypes = [_L, _L, _P, _P, _L, _L, _L, _I, _I]
         lib._hsc_typed = True
     return lib
 
@@ -200,6 +397,11 @@ def _library():
 def available() -> bool:
     """Whether the kernel is built (or can be): native kernels on and a C compiler found."""
     return _library() is not None
+
+
+def enabled() -> bool:
+    """Whether native kernels are on (``HF_STATECOMPOSE_NATIVE``); says nothing about the compiler."""
+    return _native.enabled()
 
 
 def applicable(ssm_states, delta_sums, A, weights=None) -> bool:
@@ -213,46 +415,93 @@ def applicable(ssm_states, delta_sums, A, weights=None) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def _pointers(tensors) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+_data_ptr = torch.Tensor.data_ptr
+_NO_FLOATS = array("f", [0.0])
 
 
-def compose_layers_native(inputs, method, weights=None, delta_sums=None, A=None, per_element=False):
-    """The kernel over many layers in one call: ``inputs[i]`` is layer i's list of n float32 contiguous CPU
-    tensors, all of one shape (``[B, R, *row]`` for the decay-based methods; any for ``soup`` /
-    ``weighted``); ``delta_sums[i]`` the n ΣΔ ``[B, R]`` and ``A[i]`` the layer's A (only for the
-    decay-based methods). Trusts its caller (no checks: the composer validated
-    the states). Returns (outputs, all_finite), or None if the kernel cannot be built."""
+def _address(buffer: array, offset: int = 0) -> int:
+    return buffer.buffer_info()[0] + offset * buffer.itemsize
+
+
+def compose_native(nl, n, groups, method=None, delta=None, A=None, per_element=False):
+    """The kernel over ``nl`` layers of ``n`` states in one call.
+
+    ``groups``: a list of ``(inputs, weights)``; ``inputs`` holds the ``n * nl`` float32 contiguous CPU
+    tensors of a group state-major (``inputs[k * nl + i]``: state k, layer i), all of one shape; ``weights``
+    n floats (the group's output is ``Σ_k weights[k] · input k``), or None for the one group composed with
+    the decay-based ``method`` (``caso``, ``picaso_s``, ``picaso_r``): its tensors are ``[B, R, *row]``,
+    ``delta`` the ``n * nl`` ΣΔ ``[B, R]`` (state-major; may be another group's inputs), ``A`` the ``nl``
+    per-layer A (``[R, M]`` if ``per_element`` (Mamba-1), else ``[R]``). Trusts its caller (no checks: the
+    composer validated the states). Returns (per group, its ``nl`` outputs; all finite), or None if the
+    kernel cannot be built."""
     lib = _library()
     if lib is None:
         return None
-    n, first = len(inputs[0]), inputs[0][0]
-    outs = [torch.empty_like(first) for _ in inputs]
-    if first.numel() == 0:
-        return outs, True
-    needs_weights = method not in ("soup", "weighted")
-    if needs_weights:
+    outputs, inputs, flat_out, numels, flat_w = [], [], [], [], []
+    decay_in = decay_out = None
+    for tensors, weights in groups:
+        outs = [torch.empty_like(tensors[i]) for i in range(nl)]
+        outputs.append(outs)
+        if weights is None:
+            decay_in, decay_out = tensors, outs
+        else:
+            inputs += tensors
+            flat_out += outs
+            numels.append(tensors[0].numel())
+            flat_w += weights
+    nflat = len(numels)
+    decay = decay_in is not None and decay_in[0].numel() > 0
+    # one table of pointers: flat inputs, flat outputs, then (decay group) inputs, outputs, ΣΔ, A
+    tensors = inputs + flat_out
+    if decay:
+        tensors += decay_in + decay_out
+        delta_at = next((j * n * nl for j in range(nflat) if inputs[j * n * nl] is delta[0]), None)
+        if delta_at is None:
+            delta_at = len(tensors)
+            tensors += delta
+        tensors += A
+    table = array("q", map(_data_ptr, tensors))
+    base = table.buffer_info()[0]
+    sizes = array("q", numels or [0])
+    weights = array("f", flat_w) if flat_w else _NO_FLOATS
+    nodes = node_w = _NO_FLOATS
+    G = 0
+    if decay:
+        first = decay_in[0]
         batch, rows, row_elems = first.shape[0], first.shape[1], first[0, 0].numel()
-    else:  # one weight per input: the tensors are flat vectors, whatever their shape
-        batch, rows, row_elems = 1, 1, first.numel()
-    flat = [t for layer in inputs for t in layer]
-    dptrs = _pointers([d for layer in delta_sums for d in layer]) if needs_weights else _pointers(flat[:1])
-    aptrs = _pointers(A) if needs_weights else dptrs
-    user_w = weights.to(torch.float32).contiguous() if weights is not None else torch.zeros(1)
-    if method == "picaso_s":
-        t, w = _gauss_legendre_01(math.ceil(n / 2))
-        nodes, node_w = t.to(torch.float32), w.to(torch.float32)
+        at = len(inputs) + len(flat_out)
+        decay_args = (
+            _METHOD_IDS[method], base + 8 * at, base + 8 * (at + n * nl), base + 8 * delta_at,
+            base + 8 * (len(tensors) - nl), batch, rows, row_elems, int(per_element),
+        )
+        if method == "picaso_s":
+            G = math.ceil(n / 2)
+            t, w = _gauss_legendre_01(G)
+            nodes, node_w = array("f", t.tolist()), array("f", w.tolist())
     else:
-        nodes = node_w = torch.zeros(1)
-    # the pointer tables and buffers must outlive the call: named, not temporaries
-    in_ptrs, out_ptrs = _pointers(flat), _pointers(outs)
-    row_w = torch.empty(len(inputs) * n * batch * rows if needs_weights and not per_element else 1)
-    bad = lib.hsc_compose(
-        len(inputs), in_ptrs.data_ptr(), out_ptrs.data_ptr(), dptrs.data_ptr(), aptrs.data_ptr(),
-        n, batch, rows, row_elems, int(per_element and needs_weights), _METHOD_IDS[method], user_w.data_ptr(),
-        nodes.data_ptr(), node_w.data_ptr(), nodes.numel(), row_w.data_ptr(), torch.get_num_threads(),
+        decay_args = (-1, 0, 0, 0, 0, 0, 0, 0, 0)
+    status = lib.hsc_compose(
+        nl, n, *decay_args, _address(nodes), _address(node_w), G,
+        nflat, base, base + 8 * len(inputs), _address(sizes), _address(weights), torch.get_num_threads(),
     )
-    return outs, not bad
+    if status == 2:
+        raise MemoryError("the native composition kernel could not allocate its buffers")
+    return outputs, status == 0
+
+
+def exp_floor(delta, A, n, per_element) -> float:
+    """Run :c:`hsc_exp_floor` once: ``delta`` the ``n * nl`` ΣΔ (state-major), ``A`` the ``nl`` A; returns
+    the sum (for the benchmarks; raises if the kernel cannot be built)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native composition kernel is not available")
+    nl = len(A)
+    table = array("q", map(_data_ptr, list(delta) + list(A)))
+    base = table.buffer_info()[0]
+    first = delta[0]
+    row_elems = A[0].shape[-1] if per_element else 1
+    return lib.hsc_exp_floor(nl, n, base, base + 8 * n * nl, first.shape[0], first.shape[1], row_elems,
+                             int(per_element), torch.get_num_threads())
 
 
 @torch.no_grad()
@@ -262,9 +511,13 @@ def compose_ssm_native(ssm_states, delta_sums, A, method, weights=None) -> torch
     states, n, mamba1 = _check_inputs(ssm_states, delta_sums, A, method, weights)
     # no copy for the usual contiguous states; the ΣΔ and A conversions are a few KB
     states = [s.contiguous() for s in states]
-    delta = delta_sums.to(torch.float32).contiguous()
-    done = compose_layers_native(
-        [states], method, weights=weights, delta_sums=[list(delta.unbind(0))],
-        A=[A.to(torch.float32).contiguous()], per_element=mamba1,
-    )
-    return None if done is None else done[0][0]
+    if method in ("soup", "weighted"):
+        w = [1.0 / n] * n if method == "soup" else weights.to(torch.float32).tolist()
+        done = compose_native(1, n, [(states, w)])
+    else:
+        delta = delta_sums.to(torch.float32).contiguous()
+        done = compose_native(
+            1, n, [(states, None)], method=method, delta=list(delta.unbind(0)),
+            A=[A.to(torch.float32).contiguous()], per_element=mamba1,
+        )
+    return None if done is None else done[0][0][0]
