@@ -213,16 +213,20 @@ class ComposableMambaCache(DynamicCache):
     def _filled_like(self, ssm_states, conv_states, delta_sums) -> "ComposableMambaCache":
         """What ``_empty_like()`` then ``set_layer(i, ...)`` on every layer (with this cache's ``A``) give, but
         each empty layer is made by its own class's constructor instead of DynamicCache re-deriving the
-        layer types from the config (which costs more than composing a small state)."""
-        layers = [type(layer)(number_of_states=layer.number_of_states) for layer in self.layers]
-        out = type(self)(
-            self.config,
-            architecture=self.architecture,
-            fingerprint=self.fingerprint,
-            model_dtype=self.model_dtype,
-            model_info=self.model_info,
-            _layers=layers,
-        )
+        layer types from the config (which costs more than composing a small state). A subclass with its
+        own ``__init__`` or ``_empty_like`` gets exactly ``_empty_like()`` + ``set_layer``."""
+        cls = type(self)
+        if cls.__init__ is ComposableMambaCache.__init__ and cls._empty_like is ComposableMambaCache._empty_like:
+            out = cls(
+                self.config,
+                architecture=self.architecture,
+                fingerprint=self.fingerprint,
+                model_dtype=self.model_dtype,
+                model_info=self.model_info,
+                _layers=[type(layer)(number_of_states=layer.number_of_states) for layer in self.layers],
+            )
+        else:
+            out = self._empty_like()
         for i, (ssm_state, conv_state, delta_sum, A) in enumerate(zip(ssm_states, conv_states, delta_sums, self.A)):
             out.set_layer(i, ssm_state=ssm_state, conv_state=conv_state, delta_sum=delta_sum, A=A)
         return out
