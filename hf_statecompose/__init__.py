@@ -6,7 +6,9 @@ run when (and if) the module it needs is imported by anyone:
 
 * lm-eval's model registry gets the model ``statecompose`` (when ``lm_eval.api.registry`` is imported);
 * transformers' stock Mamba / Mamba-2 ``forward`` and ``generate`` refuse ``past_states=`` with a
-  ``ValueError`` naming :func:`enable` (a model that was never enabled would silently ignore them).
+  ``ValueError`` naming :func:`enable` (a model that was never enabled would silently ignore them);
+* transformers' ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM`` learn the SeRpEnt-Mamba model
+  (``model_type = "serpent_mamba"``) when transformers imports them.
 """
 from __future__ import annotations
 
@@ -19,8 +21,12 @@ __version__ = "0.1.0"
 # public name -> the subpackage that defines it
 _EXPORTS = {
     "ComposableMambaCache": "state",
+    "ComposableSeRpEntCache": "state",
     "model_fingerprint": "state",
     "encode": "models",
+    "SeRpEntMambaConfig": "models",
+    "SeRpEntMambaModel": "models",
+    "SeRpEntMambaForCausalLM": "models",
     "METHODS": "composition",
     "StateComposer": "composition",
     "compose_states": "composition",
@@ -58,6 +64,10 @@ __all__ = [
     "leave_one_out",
     "load_demo",
     "ComposableMambaCache",
+    "ComposableSeRpEntCache",
+    "SeRpEntMambaConfig",
+    "SeRpEntMambaForCausalLM",
+    "SeRpEntMambaModel",
     "StateComposer",
     "compose_states",
     "disable",
@@ -106,6 +116,22 @@ def _install_encoder(_module=None) -> None:
     importlib.import_module(f"{__name__}.models")
 
 
+def _register_serpent_config(_module=None) -> None:
+    """``AutoConfig`` learns ``serpent_mamba`` as soon as transformers has it: the SeRpEnt package registers its
+    config when imported. This may run while transformers is half way through importing its modeling
+    code, so that package's import stays clear of that code (and if the package is itself half imported,
+    it registers when it finishes)."""
+    importlib.import_module(f"{__name__}.models.serpent")
+
+
+def _register_serpent_models(_module=None) -> None:
+    """``AutoModel`` / ``AutoModelForCausalLM`` learn the SeRpEnt-Mamba classes as soon as transformers has
+    them: the modeling module registers its classes when imported."""
+    importlib.import_module(f"{__name__}.models.serpent.modeling_serpent")
+
+
 _guard.install()
 _guard.when_imported("lm_eval.api.registry", _register_lm_eval_model)
 _guard.when_imported(f"{__name__}.state", _install_encoder)
+_guard.when_imported("transformers.models.auto.configuration_auto", _register_serpent_config)
+_guard.when_imported("transformers.models.auto.modeling_auto", _register_serpent_models)

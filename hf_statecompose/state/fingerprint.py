@@ -14,7 +14,8 @@ import json
 
 import torch
 
-SUPPORTED_MODEL_TYPES = {"mamba": "mamba", "mamba2": "mamba2"}
+# model_type -> architecture (SeRpEnt-Mamba: hf_statecompose.models.serpent, one Mamba-1 state per layer and branch)
+SUPPORTED_MODEL_TYPES = {"mamba": "mamba", "mamba2": "mamba2", "serpent_mamba": "serpent_mamba"}
 
 # config entries that do not change the states (runtime flags, bookkeeping, generation defaults)
 _CONFIG_KEYS_IGNORED = {
@@ -44,7 +45,8 @@ _CONFIG_KEYS_IGNORED = {
 
 
 def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The Mamba backbone (``model.backbone`` for the LM classes, the model itself for the bare ones)."""
+    """The backbone (``model.backbone`` for the LM classes, the model itself for the bare ones) of a Mamba,
+    Mamba-2 or SeRpEnt-Mamba model."""
     # peft wraps the model: PeftModel.base_model (LoraModel).model is the transformers model
     inner = model
     for _ in range(3):
@@ -57,8 +59,8 @@ def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
             break
         inner = getattr(inner, "model", inner)
     raise TypeError(
-        f"{type(model).__name__} is not a Mamba or Mamba-2 model from transformers (no `.backbone.layers`); "
-        "pass a MambaForCausalLM, Mamba2ForCausalLM, MambaModel or Mamba2Model"
+        f"{type(model).__name__} is not a Mamba, Mamba-2 or SeRpEnt-Mamba model (no `.backbone.layers`); "
+        "pass a MambaForCausalLM, Mamba2ForCausalLM, SeRpEntMambaForCausalLM or their bare models"
     )
 
 
@@ -67,8 +69,8 @@ def architecture_of(model: torch.nn.Module) -> str:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
-            f"hf_statecompose supports transformers' Mamba and Mamba-2 models (model_type 'mamba' or 'mamba2'), "
-            f"got model_type {model_type!r} ({type(model).__name__})"
+            "hf_statecompose supports transformers' Mamba and Mamba-2 models and its own SeRpEnt-Mamba "
+            f"(model_type 'mamba', 'mamba2' or 'serpent_mamba'), got model_type {model_type!r} ({type(model).__name__})"
         )
     return SUPPORTED_MODEL_TYPES[model_type]
 

@@ -1,0 +1,171 @@
+"""``ComposableSeRpEntCache``: the state of a SeRpEnt-Mamba model (``model_type = "serpent_mamba"``).
+
+A SeRpEnt layer runs one Mamba-1 SSM per branch on that branch's resampled sequence. This cache holds
+``num_hidden_layers * num_branches`` *virtual layers*, ``v = layer * num_branches + branch``, each exactly
+the state of a Mamba-1 layer (what :class:`ComposableMambaCache` documents, with Mamba-1 semantics):
+
+* ``ssm_states[v]`` ``[B, i_b, N]`` (float32), ``conv_states[v]`` ``[B, i_b, conv_kernel]`` (model dtype),
+* ``delta_sums[v]`` ``[B, i_b]`` (ΣΔ over the branch's *resampled* elements) and ``A[v]`` ``[i_b, N]``,
+  so ``log_decay(v) = ΣΔ[:, :, None] * A[None]``,
+
+plus, per virtual layer, what the resampling needs to continue exactly where the last chunk stopped:
+
+* ``clocks[v]`` ``[B]`` int64: the running dimensionless time ``u = t / Δ̄`` as a fixed-point integer
+  (``CLOCK_ONE`` per unit); the latest grid point created is ``clock >> CLOCK_BITS``;
+* ``window_inputs[v]`` ``[B, K, H]`` (float32; float64 for a float64 model), ``window_times[v]`` ``[B, K]`` int64 and
+  ``window_valid[v]`` ``[B, K]`` bool: the last K real inputs of the layer (after its norm), oldest
+  first, with their clock values (missing ones, at the start of a sequence, are marked invalid);
+* ``last_outputs[v]`` ``[B, h_b]``: the branch SSM's output at the latest grid point, which tokens read
+  until the next grid point is created (zeros before the first one).
+
+Everything else (token counts, context token ids, fingerprint, batch operations, persistence hooks) is
+inherited; the batch operations are extended so that the resampling extras follow their rows (beam
+search reorders them, ``num_return_sequences`` repeats them).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers.configuration_utils import PreTrainedConfig
+
+from .cache import ComposableMambaCache
+from .fingerprint import architecture_of, base_model_of, model_fingerprint
+
+# fixed-point resolution of the resampling clock: each token advances it by round(δ · 2^20), δ in [κ, 1]
+CLOCK_BITS = 20
+CLOCK_ONE = 1 << CLOCK_BITS
+
+_EXTRAS = ("clocks", "window_inputs", "window_times", "window_valid", "last_outputs")
+
+
+class ComposableSeRpEntCache(ComposableMambaCache):
+    """The cache of a SeRpEnt-Mamba model: one Mamba-1 state per (layer, branch) plus the resampling extras."""
+
+    def __init__(self, config, *, architecture: str = "serpent_mamba", fingerprint: str = "",
+                 model_dtype: torch.dtype = torch.float32, model_info=None, **kwargs):
+        num_branches = len(config.branch_compressions)
+        # DynamicCache builds its layer list from a config's layer types; the SeRpEnt config has one entry
+        # per layer, we need one LinearAttentionLayer per (layer, branch): the layer types of a Mamba that deep
+        layout = PreTrainedConfig()
+        layout.num_hidden_layers = config.num_hidden_layers * num_branches
+        layout.layer_types = ["linear_attention"] * layout.num_hidden_layers
+        super().__init__(layout, architecture=architecture, fingerprint=fingerprint, model_dtype=model_dtype,
+                         model_info=model_info, **kwargs)
+        self.config = config
+        self.num_branches = num_branches
+        self.resample_window = config.resample_window
+        num_virtual = len(self.layers)
+        for name in _EXTRAS:
+            setattr(self, name, [None] * num_virtual)
+
+    @classmethod
+    def empty_for(cls, model) -> "ComposableSeRpEntCache":
+        """A cache with no state yet, for a SeRpEnt ``model``: the model's forward fills it."""
+        architecture = architecture_of(model)
+        if architecture != "serpent_mamba":
+            raise TypeError(f"ComposableSeRpEntCache is the state of SeRpEnt models, got a {architecture!r} model")
+        return cls._for_config(model.config, next(base_model_of(model).parameters()).dtype, model_fingerprint(model))
+
+    @classmethod
+    def _for_config(cls, config, dtype: torch.dtype, fingerprint: str = "") -> "ComposableSeRpEntCache":
+        info = {
+            "model_type": config.model_type,
+            "num_hidden_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "state_size": config.state_size,
+            "branch_compressions": list(config.branch_compressions),
+            "resample_window": config.resample_window,
+        }
+        return cls(config, architecture="serpent_mamba", fingerprint=fingerprint, model_dtype=dtype, model_info=info)
+
+    # ------------------------------------------------------------------ layout
+    def virtual_layer(self, layer_idx: int, branch: int) -> int:
+        return layer_idx * self.num_branches + branch
+
+    def log_decay(self, layer_idx: int) -> torch.Tensor:
+        """Mamba-1 semantics for every virtual layer: ``ΣΔ[b, d] · A[d, n]`` as ``[B, i_b, N]``."""
+        delta_sum, A = self.delta_sums[layer_idx], self.A[layer_idx]
+        if delta_sum is None:
+            raise ValueError(f"layer {layer_idx} of this cache holds no state yet; encode a context first")
+        return delta_sum[:, :, None] * A[None]
+
+    def ensure_layer(self, layer_idx: int, *, batch: int, hidden_size: int, branch_hidden: int,
+                     ssm_shape: tuple, conv_shape: tuple, A: torch.Tensor, dtype: torch.dtype,
+                     device: torch.device) -> None:
+        """Give virtual layer ``layer_idx`` its empty state if it has none: what a first forward starts from
+        (zero SSM state and conv window, clock 0, no inputs seen, zero last output)."""
+        if self.layers[layer_idx].has_previous_state[0]:
+            return
+        self.set_layer(
+            layer_idx,
+            ssm_state=torch.zeros((batch, *ssm_shape), dtype=torch.float32, device=device),
+            conv_state=torch.zeros((batch, *conv_shape), dtype=dtype, device=device),
+            delta_sum=torch.zeros((batch, ssm_shape[0]), dtype=torch.float32, device=device),
+            A=A if torch.is_grad_enabled() else A.detach(),
+        )
+        K = self.resample_window
+        self.set_resampling(
+            layer_idx,
+            clock=torch.zeros(batch, dtype=torch.long, device=device),
+            inputs=torch.zeros((batch, K, hidden_size), dtype=torch.promote_types(dtype, torch.float32), device=device),
+            times=torch.zeros((batch, K), dtype=torch.long, device=device),
+            valid=torch.zeros((batch, K), dtype=torch.bool, device=device),
+            last_output=torch.zeros((batch, branch_hidden), dtype=dtype, device=device),
+        )
+
+    def set_resampling(self, layer_idx: int, *, clock, inputs, times, valid, last_output) -> None:
+        self.clocks[layer_idx] = clock
+        self.window_inputs[layer_idx] = inputs
+        self.window_times[layer_idx] = times
+        self.window_valid[layer_idx] = valid
+        self.last_outputs[layer_idx] = last_output
+
+    # ------------------------------------------------------------------ batch operations
+    def _map_extras(self, out: "ComposableSeRpEntCache", fn) -> "ComposableSeRpEntCache":
+        for name in _EXTRAS:
+            setattr(out, name, [fn(t) if t is not None else None for t in getattr(self, name)])
+        return out
+
+    def _map_rows(self, fn) -> "ComposableSeRpEntCache":
+        return self._map_extras(super()._map_rows(fn), fn)
+
+    @classmethod
+    def stack(cls, caches: Sequence["ComposableSeRpEntCache"]) -> "ComposableSeRpEntCache":
+        out = super().stack(caches)
+        for name in _EXTRAS:
+            per_layer = zip(*(getattr(c, name) for c in caches))
+            setattr(out, name, [None if any(t is None for t in ts) else torch.cat(ts) for ts in per_layer])
+        return out
+
+    def _index_extras(self, index):
+        super()._index_extras(index)
+        for name in _EXTRAS:
+            setattr(self, name, [t.index_select(0, index.to(t.device)) if t is not None else None
+                                 for t in getattr(self, name)])
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        if not self.is_filled():
+            return  # nothing stored yet
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int):
+        if not self.is_filled():
+            return
+        super().batch_repeat_interleave(repeats)
+        for name in _EXTRAS:
+            setattr(self, name, [t.repeat_interleave(repeats, dim=0) if t is not None else None
+                                 for t in getattr(self, name)])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        if not self.is_filled():
+            return
+        super().reorder_cache(beam_idx)
+
+    def __repr__(self):
+        filled = self.is_filled() if self.layers else False
+        tokens = self.num_tokens.tolist() if self.num_tokens is not None else None
+        return (
+            f"ComposableSeRpEntCache(layers={self.config.num_hidden_layers}x{self.num_branches} branches, "
+            f"batch={self.batch_size if filled else 0}, tokens={tokens}, fingerprint={self.fingerprint[:12]}…)"
+        )
