@@ -415,3 +415,20 @@ def test_save_pretrained_and_trust_remote_code_in_a_fresh_process(tmp_path, mode
     assert type(loaded) is hsc.SeRpEntMambaForCausalLM
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, expected)
+
+
+def test_rows_without_a_new_grid_point_keep_their_branch_state_exactly(model):
+    ids = ids_of(4, 9)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache_params
+        before = copy.deepcopy(cache)
+        assert all(torch.equal(a, b) for a, b in zip(before.window_inputs, cache.window_inputs))
+        model(ids_of(4, 1, seed=9), cache_params=cache)
+    checked = 0
+    for v in range(cache.num_layers):
+        idle = (cache.clocks[v] >> CLOCK_BITS) == (before.clocks[v] >> CLOCK_BITS)  # rows that made no grid point
+        for name in ("ssm_states", "conv_states", "delta_sums", "last_outputs"):
+            now, then = getattr(cache, name)[v], getattr(before, name)[v]
+            assert torch.equal(now[idle], then[idle]), name
+        checked += int(idle.sum())
+    assert checked > 0  # the κ = 0.1 and 0.5 branches do skip tokens
