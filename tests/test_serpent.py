@@ -432,3 +432,10 @@ def test_rows_without_a_new_grid_point_keep_their_branch_state_exactly(model):
             assert torch.equal(now[idle], then[idle]), name
         checked += int(idle.sum())
     assert checked > 0  # the κ = 0.1 and 0.5 branches do skip tokens
+
+
+def test_past_states_are_refused_until_the_model_is_enabled(model):
+    ids = ids_of(1, 4)
+    for call in (lambda: model(ids, past_states=[object()]), lambda: model.backbone(ids, past_states=[object()])):
+        with pytest.raises(ValueError, match=r"past_states needs hf_statecompose\.enable"):
+            call()

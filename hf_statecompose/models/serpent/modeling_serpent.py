@@ -332,6 +332,17 @@ class SeRpEntMambaBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- models
+def _refuse_past_states(model, kwargs) -> None:
+    # forward's **kwargs would swallow past_states: a model that was not given hf_statecompose.enable would
+    # silently run without its contexts (as the guard on transformers' Mamba classes refuses them)
+    if kwargs.get("past_states") is not None:
+        raise ValueError(
+            f"{type(model).__name__}.forward() got past_states, but past_states needs hf_statecompose.enable(model) "
+            "first: this model was never enabled (or was disabled), so it would ignore the states and silently run "
+            "without any context. Call `model = hf_statecompose.enable(model)` once after loading it"
+        )
+
+
 @dataclass
 class SeRpEntMambaOutput(ModelOutput):
     """Output of :class:`SeRpEntMambaModel`: the final hidden states (after the last norm), the cache
@@ -420,6 +431,7 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
             1 for real tokens, 0 for left padding (padding is skipped: it neither advances the time nor
             becomes a neighbour). With a cache, only its last ``sequence_length`` columns are read.
         """
+        _refuse_past_states(self, kwargs)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -528,6 +540,7 @@ class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, GenerationMixin):
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
             Compute the logits of the last ``logits_to_keep`` positions only (0: all), or of the given indices.
         """
+        _refuse_past_states(self, kwargs)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.backbone(
             input_ids,
