@@ -18,6 +18,16 @@ composed by a policy:
 
 The composed ΣΔ is the total over contexts for the order-based methods (the decay of a concatenation
 is order-independent) and the weighted mean for ``soup`` / ``weighted`` (a convex combination).
+
+Per architecture (:mod:`hf_statecompose.state.architectures`): Mamba-1 decays are per element, Mamba-2
+per head; SeRpEnt-Mamba states are one Mamba-1 state per (layer, branch), composed per element with each
+branch's decay. What a state carries beyond its SSM states, conv windows and ΣΔ is set by the composed
+cache's :meth:`~hf_statecompose.state.cache.ComposableMambaCache._finish_composition` hook: nothing for
+Mamba / Mamba-2; for SeRpEnt the resampling state (clock and grid phase, neighbour window with its times,
+last ȳ) of the **last** state in the list (the context nearest the query in concatenation order), for every
+model-free method (one state composes to itself, so n = 1 stays exact). ``concat`` gets it from the
+re-encoding (exact); ``piconcat_r`` from its list-order concatenation, the rotation that ends with the
+last state.
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ from ..models import encode
 from ..ops.backends import check_backend_name, compose_ssm, resolve
 from ..ops.compose import native as compose_native
 from ..ops.compose import MODEL_FREE_METHODS
+from ..state.architectures import architecture
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import model_fingerprint
 from ..state.validation import check_against_model, check_compatible, check_finite
@@ -129,8 +140,9 @@ PICASO_S_MAX_TERMS = 5 * 10**10
 
 def _check_picaso_s_cost(states):
     first, n = states[0], len(states)
+    per_element = architecture(first.architecture).per_element_decay  # a weight per state element, or per head
     per_state = sum(
-        d.numel() * (ssm.shape[-1] if first.architecture == "mamba" else 1)
+        d.numel() * (ssm.shape[-1] if per_element else 1)
         for d, ssm in zip(first.delta_sums, first.layer_tensors()[0])
     )
     terms = n * math.ceil(n / 2) * per_state
@@ -294,6 +306,7 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
             A=first.A[i],
         )
     _add_token_counts(out, states)
+    out._finish_composition(states)
     return out, None
 
 
@@ -317,7 +330,7 @@ def _compose_native(states, method, conv, weights, backend, gathered):
         or resolve(backend, first.device, "compose_ssm") != "torch"
     ):
         return None
-    n, nl, mamba1 = len(states), len(first.layers), first.architecture == "mamba"
+    n, nl, mamba1 = len(states), len(first.layers), architecture(first.architecture).per_element_decay
     ssm, convs, deltas, A = gathered.ssm, gathered.conv, gathered.delta, first.A
     shape = gathered.ssm_shape
     rows = shape[:2]
@@ -358,6 +371,7 @@ def _compose_native(states, method, conv, weights, backend, gathered):
     (ssm_out, conv_out, delta_out), finite = done
     out = first._filled_like(ssm_out, conv_out, delta_out)
     _add_token_counts(out, states)
+    out._finish_composition(states)
     return out, finite
 
 
@@ -436,6 +450,8 @@ def _piconcat_r(states, model) -> ComposableMambaCache:
             A=encoded.A[i],
         )
     out.num_tokens = encoded.num_tokens.view(batch, n)[:, 0].clone()
+    # what else the state carries (SeRpEnt's resampling state): from the list-order concatenation of each row
+    out._finish_composition([encoded.select(list(range(0, batch * n, n)))])
     return out
 
 

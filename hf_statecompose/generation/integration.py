@@ -1,10 +1,10 @@
-"""``enable(model)``: ``past_states=`` for ``generate`` and ``forward`` of Mamba / Mamba-2 models.
+"""``enable(model)``: ``past_states=`` for ``generate`` and ``forward`` of Mamba / Mamba-2 / SeRpEnt-Mamba models.
 
 What ``enable`` changes, and why it changes nothing else:
 
 * each mixer's class is swapped for a subclass whose ``forward`` runs our initial-state-aware path
   (:mod:`hf_statecompose.models`) only when ``cache_params`` is a ``ComposableMambaCache``; any other
-  call goes to the stock forward untouched;
+  call goes to the stock forward untouched (SeRpEnt-Mamba's mixers always run on its cache: they stay);
 * the model's class is swapped for a subclass of its stock class (same name, same module, made once per
   stock class) whose ``forward`` and ``generate`` take ``past_states=`` / ``composition=``. Without
   ``past_states`` they call the stock methods with the same arguments. With ``past_states`` the query is
@@ -68,7 +68,7 @@ def is_enabled(model) -> bool:
 
 
 def enable(model, backend: str | None = None):
-    """Teach a Mamba / Mamba-2 model ``past_states=`` (idempotent; returns the model).
+    """Teach a Mamba / Mamba-2 / SeRpEnt-Mamba model ``past_states=`` (idempotent; returns the model).
 
     Calls without ``past_states`` behave exactly as before. ``backend`` (``"auto"``, ``"torch"`` or
     ``"triton"``, see :mod:`hf_statecompose.ops.backends`) picks the kernels of the state-aware path;
@@ -199,7 +199,7 @@ def compose_for_batch(model, past_states, composition, batch_size: int) -> Compo
             _check_batch_one(row_states, f"past_states[{r}]")
             _check_each_against_model(row_states, model, fingerprint, f"past_states[{r}]")
             rows.append(composer.compose(row_states, model=model))
-        composed = ComposableMambaCache.stack(rows)
+        composed = type(rows[0]).stack(rows)  # the states' own class: a subclass's extras follow their rows
     else:
         if not isinstance(past_states, (list, tuple)):
             raise TypeError(f"past_states must be a list of ComposableMambaCache, got {type(past_states).__name__}")

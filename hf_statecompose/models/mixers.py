@@ -8,6 +8,9 @@ The subclasses are made at run time (one per stock mixer class, cached), so pick
 name: each reduces itself to :func:`_new_state_aware_mixer` and the stock class, importable names that
 re-create the state-aware mixer on load. That is what lets ``copy.deepcopy``, ``pickle`` and
 ``torch.save`` of a model with these mixers work.
+
+A mixer class with ``_hsc_runs_on_cache = True`` (SeRpEnt-Mamba's ``SeRpEntMixer``) always runs on this
+package's cache: it is left as it is, and reads the backend from its ``_hsc_backend`` attribute.
 """
 from __future__ import annotations
 
@@ -77,7 +80,7 @@ def enable_state_path(model, backend: str | None = None):
     for block in backbone.layers:
         mixer = block.mixer
         base = type(mixer)
-        if isinstance(mixer, _StateAwareMixer):
+        if isinstance(mixer, _StateAwareMixer) or getattr(mixer, "_hsc_runs_on_cache", False):
             continue
         if not any(issubclass(base, cls) for cls in _PATH_FOR_MIXER):
             raise TypeError(f"unsupported mixer {base.__name__}; expected transformers' MambaMixer or Mamba2Mixer")
@@ -87,7 +90,10 @@ def enable_state_path(model, backend: str | None = None):
 
 def state_path_enabled(model) -> bool:
     """Whether ``model``'s mixers are the state-aware ones."""
-    return all(isinstance(block.mixer, _StateAwareMixer) for block in base_model_of(model).layers)
+    return all(
+        isinstance(block.mixer, _StateAwareMixer) or getattr(block.mixer, "_hsc_runs_on_cache", False)
+        for block in base_model_of(model).layers
+    )
 
 
 def disable_state_path(model):

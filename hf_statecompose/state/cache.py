@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from .architectures import architecture
 from .fingerprint import architecture_of, base_model_of, model_fingerprint
 
 
@@ -72,8 +73,15 @@ class ComposableMambaCache(DynamicCache):
     # ------------------------------------------------------------------ construction
     @classmethod
     def empty_for(cls, model) -> "ComposableMambaCache":
-        """A cache with no state yet, for ``model``: the model's forward fills it."""
-        architecture = architecture_of(model)
+        """A cache with no state yet, for ``model``: the model's forward fills it. Called on this class, it
+        gives the cache class of the model's architecture (a :class:`ComposableSeRpEntCache` for a SeRpEnt
+        model, with the same public contract)."""
+        name = architecture_of(model)
+        target = architecture(name).cache_class()
+        if target is not cls:
+            if not issubclass(target, cls):
+                raise TypeError(f"{cls.__name__} cannot hold the states of a {name!r} model; use {target.__name__}")
+            return target.empty_for(model)
         parameter = next(base_model_of(model).parameters())
         info = {
             "model_type": model.config.model_type,
@@ -83,7 +91,7 @@ class ComposableMambaCache(DynamicCache):
         }
         return cls(
             model.config,
-            architecture=architecture,
+            architecture=name,
             fingerprint=model_fingerprint(model),
             model_dtype=parameter.dtype,
             model_info=info,
@@ -149,7 +157,7 @@ class ComposableMambaCache(DynamicCache):
         delta_sum, A = self.delta_sums[layer_idx], self.A[layer_idx]
         if delta_sum is None:
             raise ValueError(f"layer {layer_idx} of this cache holds no state yet; encode a context first")
-        if self.architecture == "mamba":
+        if architecture(self.architecture).per_element_decay:
             return delta_sum[:, :, None] * A[None]
         return (delta_sum * A[None])[:, :, None, None]
 
@@ -268,11 +276,14 @@ class ComposableMambaCache(DynamicCache):
 
     @classmethod
     def stack(cls, caches: Sequence["ComposableMambaCache"]) -> "ComposableMambaCache":
-        """Concatenate caches of the same model along the batch."""
+        """Concatenate caches of the same model along the batch (called on this class, the caches' own
+        class does it, so that a subclass's extra tensors follow their rows)."""
         from .validation import check_compatible
 
         check_compatible(caches, same_batch=False)
         first = caches[0]
+        if cls is ComposableMambaCache and type(first) is not cls:
+            return type(first).stack(caches)
         out = first._empty_like()
         for i in range(first.num_layers):
             out.set_layer(
@@ -290,6 +301,11 @@ class ComposableMambaCache(DynamicCache):
                 [torch.nn.functional.pad(c.token_ids, (width - c.token_ids.shape[1], 0), value=-1) for c in caches]
             )
         return out
+
+    def _finish_composition(self, states: Sequence["ComposableMambaCache"]) -> None:
+        """Called by the composer on a state it composed from ``states`` (list order, non-empty) after
+        setting every layer's SSM state, conv window and ΣΔ: a subclass fills in what else its states carry
+        (SeRpEnt: the resampling state, from the last state). Nothing more for Mamba / Mamba-2."""
 
     def context_tokens(self, row: int) -> torch.Tensor:
         """The token ids this row's state was encoded from (no padding)."""

@@ -14,8 +14,11 @@ import json
 
 import torch
 
-# model_type -> architecture (SeRpEnt-Mamba: hf_statecompose.models.serpent, one Mamba-1 state per layer and branch)
-SUPPORTED_MODEL_TYPES = {"mamba": "mamba", "mamba2": "mamba2", "serpent_mamba": "serpent_mamba"}
+from .architectures import ARCHITECTURES
+
+# model_type -> architecture (SeRpEnt-Mamba: hf_statecompose.models.serpent, one Mamba-1 state per layer and
+# branch); what each architecture's states hold: .architectures
+SUPPORTED_MODEL_TYPES = {name: name for name in ARCHITECTURES}
 
 # config entries that do not change the states (runtime flags, bookkeeping, generation defaults)
 _CONFIG_KEYS_IGNORED = {

@@ -1,7 +1,9 @@
 """States on disk: safetensors tensors + JSON metadata. No pickle, atomic writes, checked reads.
 
-A state file holds, per layer ``l``: ``ssm.l``, ``conv.l``, ``delta_sum.l``, ``A.l``; plus ``num_tokens``
-and optionally ``token_ids``. The safetensors header's ``__metadata__`` holds one JSON document under
+A state file holds, per state layer ``l``: ``ssm.l``, ``conv.l``, ``delta_sum.l``, ``A.l``, and the extra
+tensors of the architecture (SeRpEnt-Mamba: ``resample.clock.l``, ``resample.inputs.l``,
+``resample.times.l``, ``resample.valid.l``, ``resample.last_output.l``; see :mod:`.architectures`); plus
+``num_tokens`` and optionally ``token_ids``. The safetensors header's ``__metadata__`` holds one JSON document under
 ``hf_statecompose`` (format version, architecture, fingerprint, model dtype, model info) and a
 blake2b digest of all tensor bytes, so a file whose data was damaged after writing is refused.
 Writes go to a temporary file in the same folder, are fsynced, then renamed over the target: a crash
@@ -12,21 +14,30 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import types
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
+from .architectures import ARCHITECTURES, architecture
 from .files import atomic_write
 
 FORMAT_VERSION = 1
 _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
 
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """On the CPU with standard strides. ``contiguous()`` is not enough: a size-1 dimension may keep any
+    stride (SeRpEnt's clock ``[1]`` is a column of a ``[1, T]`` tensor), which a byte view refuses."""
+    tensor = tensor.detach().cpu()
+    return tensor if tensor.stride() == torch.empty(tensor.shape, device="meta").stride() else tensor.new_empty(tensor.shape).copy_(tensor)
+
+
 def _digest(tensors: dict) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
+        tensor = _dense(tensors[name])
         digest.update(name.encode())
         digest.update(str(tensor.dtype).encode())
         digest.update(str(tuple(tensor.shape)).encode())
@@ -42,11 +53,13 @@ def state_to_tensors(state) -> dict:
         tensors[f"conv.{i}"] = state.conv_states[i]
         tensors[f"delta_sum.{i}"] = state.delta_sums[i]
         tensors[f"A.{i}"] = state.A[i]
+        for extra in architecture(state.architecture).extras:
+            tensors[f"{extra.file_key}.{i}"] = getattr(state, extra.attribute)[i]
     if state.num_tokens is not None:
         tensors["num_tokens"] = state.num_tokens
     if state.token_ids is not None:
         tensors["token_ids"] = state.token_ids
-    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    return {k: _dense(v) for k, v in tensors.items()}
 
 
 def serialize_state(state) -> bytes:
@@ -161,8 +174,10 @@ def _check_metadata(meta, path) -> None:
                 f"{path}: state metadata {key!r} must be a {kind.__name__}, got {type(value).__name__} "
                 "(corrupted or hand-made file); re-encode the context"
             )
-    if meta["architecture"] not in ("mamba", "mamba2"):
-        raise ValueError(f"{path}: unknown architecture {meta['architecture']!r} (expected 'mamba' or 'mamba2')")
+    if meta["architecture"] not in ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unknown architecture {meta['architecture']!r} (expected one of {', '.join(map(repr, ARCHITECTURES))})"
+        )
     if meta["model_dtype"] not in _DTYPES:
         raise ValueError(f"{path}: unknown model dtype {meta['model_dtype']!r} (expected one of {sorted(_DTYPES)})")
     if meta["num_layers"] < 1:
@@ -172,15 +187,17 @@ def _check_metadata(meta, path) -> None:
         raise ValueError(
             f"{path}: the recorded config is for model_type {model_type!r}, the metadata says {meta['architecture']!r}"
         )
-    if meta["config"].get("num_hidden_layers") != meta["num_layers"]:
-        raise ValueError(
-            f"{path}: the recorded config has {meta['config'].get('num_hidden_layers')!r} layers, "
-            f"the metadata says {meta['num_layers']}"
-        )
+    try:  # the config's number of state layers (SeRpEnt: layers x branches), read from the JSON itself
+        expected = ARCHITECTURES[meta["architecture"]].num_state_layers(types.SimpleNamespace(**meta["config"]))
+    except (AttributeError, TypeError, ValueError):
+        expected = meta["config"].get("num_hidden_layers")
+    if expected != meta["num_layers"]:
+        raise ValueError(f"{path}: the recorded config has {expected!r} layers, the metadata says {meta['num_layers']}")
 
 
-def _check_tensor_names(tensors: dict, num_layers: int, path) -> None:
-    expected = {f"{kind}.{i}" for kind in ("ssm", "conv", "delta_sum", "A") for i in range(num_layers)}
+def _check_tensor_names(tensors: dict, num_layers: int, path, architecture_name: str = "mamba") -> None:
+    kinds = ("ssm", "conv", "delta_sum", "A") + tuple(e.file_key for e in architecture(architecture_name).extras)
+    expected = {f"{kind}.{i}" for kind in kinds for i in range(num_layers)}
     missing = sorted(expected - set(tensors))
     unknown = sorted(set(tensors) - expected - {"num_tokens", "token_ids"})
     if missing:
@@ -209,13 +226,19 @@ def load_state(path, model=None, device=None):
     """
     from transformers import AutoConfig
 
-    from .cache import ComposableMambaCache
+    from .fingerprint import architecture_of
     from .validation import check_against_model, check_state
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no state file at {path}")
     meta = _read_metadata(path)
+    if model is not None and architecture_of(model) != meta["architecture"]:
+        raise ValueError(
+            f"{path} holds a state of a {meta['architecture']!r} model, this model is {architecture_of(model)!r}: "
+            "the state belongs to another model; re-encode the context with this model"
+        )
+    layout = ARCHITECTURES[meta["architecture"]]
     try:
         tensors = load_file(path)
     except Exception as error:
@@ -223,7 +246,7 @@ def load_state(path, model=None, device=None):
     if _digest(tensors) != meta["tensor_digest"]:
         raise ValueError(f"{path}: tensor data does not match its recorded digest (corrupted file); re-encode the context")
     num_layers = meta["num_layers"]
-    _check_tensor_names(tensors, num_layers, path)
+    _check_tensor_names(tensors, num_layers, path, meta["architecture"])
     if model is not None:
         config = model.config
     else:
@@ -233,7 +256,7 @@ def load_state(path, model=None, device=None):
             config = AutoConfig.for_model(model_type, **config_dict)
         except Exception as error:
             raise ValueError(f"{path}: the recorded model config cannot be rebuilt ({error}); re-encode the context") from None
-    state = ComposableMambaCache(
+    state = layout.cache_class()(
         config,
         architecture=meta["architecture"],
         fingerprint=meta["fingerprint"],
@@ -256,6 +279,8 @@ def load_state(path, model=None, device=None):
             delta_sum=to(tensors[f"delta_sum.{i}"]),
             A=to(tensors[f"A.{i}"]),
         )
+        for extra in layout.extras:
+            getattr(state, extra.attribute)[i] = to(tensors[f"{extra.file_key}.{i}"])
     state.num_tokens = to(tensors["num_tokens"]) if "num_tokens" in tensors else None
     state.token_ids = to(tensors["token_ids"]) if "token_ids" in tensors else None
     if model is not None:

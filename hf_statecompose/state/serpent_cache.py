@@ -20,7 +20,21 @@ plus, per virtual layer, what the resampling needs to continue exactly where the
 
 Everything else (token counts, context token ids, fingerprint, batch operations, persistence hooks) is
 inherited; the batch operations are extended so that the resampling extras follow their rows (beam
-search reorders them, ``num_return_sequences`` repeats them).
+search reorders them, ``num_return_sequences`` repeats them). State files store the extras as
+``resample.clock.{v}``, ``resample.inputs.{v}``, ``resample.times.{v}``, ``resample.valid.{v}`` and
+``resample.last_output.{v}`` (their dtypes, shapes and value checks: :data:`.architectures.SERPENT_MAMBA`).
+
+**Composition.** The branch SSM states compose as Mamba-1 states (per element, with each branch's decay
+``exp(ΣΔ · A)``: they are Mamba SSMs over the resampled inputs). The resampling state of a composition
+(clock, hence the grid phase; the neighbour window with its times; the last ȳ) is the one of the **last**
+state in the list, the context nearest the query in concatenation order, for every model-free method
+(:meth:`_finish_composition`); for one state it is that state's, so one state + query stays exact. The
+clock's absolute value plays no role (the model reads only its phase, ``clock mod 2^20``, and its
+differences to the window's times), so the last state's window keeps its exact distances; what is
+approximate is the phase (after a real concatenation it depends on the earlier contexts' total time) and
+that the window, last ȳ and conv window saw only the last context. ``concat`` re-encodes the tokens and is
+exact; ``piconcat_r`` takes the resampling state of its list-order concatenation (the rotation that ends
+with the last state, i.e. what ``concat`` gives).
 """
 from __future__ import annotations
 
@@ -29,6 +43,7 @@ from typing import Sequence
 import torch
 from transformers.configuration_utils import PreTrainedConfig
 
+from .architectures import SERPENT_MAMBA
 from .cache import ComposableMambaCache
 from .fingerprint import architecture_of, base_model_of, model_fingerprint
 
@@ -36,7 +51,7 @@ from .fingerprint import architecture_of, base_model_of, model_fingerprint
 CLOCK_BITS = 20
 CLOCK_ONE = 1 << CLOCK_BITS
 
-_EXTRAS = ("clocks", "window_inputs", "window_times", "window_valid", "last_outputs")
+_EXTRAS = tuple(extra.attribute for extra in SERPENT_MAMBA.extras)  # clocks, window_inputs, ...
 
 
 class ComposableSeRpEntCache(ComposableMambaCache):
@@ -83,12 +98,26 @@ class ComposableSeRpEntCache(ComposableMambaCache):
     def virtual_layer(self, layer_idx: int, branch: int) -> int:
         return layer_idx * self.num_branches + branch
 
-    def log_decay(self, layer_idx: int) -> torch.Tensor:
-        """Mamba-1 semantics for every virtual layer: ``ΣΔ[b, d] · A[d, n]`` as ``[B, i_b, N]``."""
-        delta_sum, A = self.delta_sums[layer_idx], self.A[layer_idx]
-        if delta_sum is None:
-            raise ValueError(f"layer {layer_idx} of this cache holds no state yet; encode a context first")
-        return delta_sum[:, :, None] * A[None]
+    # log_decay(v): Mamba-1 semantics for every virtual layer (ΣΔ[b, d] · A[d, n] as [B, i_b, N]), inherited:
+    # the architecture's description says its decay is per element
+
+    def _finish_composition(self, states) -> None:
+        """The resampling state of a composition is the last state's (see the module docstring): copies, so
+        that the composed state shares no tensor with an input but for n = 1 (which composes to itself)."""
+        last = states[-1]
+        copy = (lambda t: t) if len(states) == 1 else (lambda t: t.clone())
+        for name in _EXTRAS:
+            setattr(self, name, [copy(t) if t is not None else None for t in getattr(last, name)])
+
+    def to(self, device=None, dtype=None) -> "ComposableSeRpEntCache":
+        """As :meth:`ComposableMambaCache.to`; ``dtype`` also converts the last outputs (model dtype) and the
+        window inputs (float32, float64 for a float64 model), as a model in that dtype keeps them."""
+        out = super().to(device, dtype)
+        if dtype is not None:
+            out.last_outputs = [t.to(dtype) if t is not None else None for t in out.last_outputs]
+            inputs_dtype = torch.promote_types(dtype, torch.float32)
+            out.window_inputs = [t.to(inputs_dtype) if t is not None else None for t in out.window_inputs]
+        return out
 
     def ensure_layer(self, layer_idx: int, *, batch: int, hidden_size: int, branch_hidden: int,
                      ssm_shape: tuple, conv_shape: tuple, A: torch.Tensor, dtype: torch.dtype,

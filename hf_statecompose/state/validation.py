@@ -1,7 +1,11 @@
 """Checks that turn bad input into a clear error naming the problem and the fix."""
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from .architectures import ARCHITECTURES, architecture, architecture_of_config
 
 
 def _describe(cache) -> str:
@@ -47,6 +51,12 @@ def check_compatible(states, *, same_batch: bool = True, where: str = "past_stat
         check_is_state(state, f"{where}[{k}]")
     first = states[0]
     for k, state in enumerate(states[1:], start=1):
+        if state.architecture != first.architecture:
+            raise ValueError(
+                f"{where}[{k}] was encoded by a different model (a {state.architecture!r} model: {_describe(state)}) "
+                f"than {where}[0] (a {first.architecture!r} model: {_describe(first)}); encode every context with "
+                "the same model"
+            )
         if state.num_layers != first.num_layers:
             raise ValueError(f"{where}[{k}] has {state.num_layers} layers, {where}[0] has {first.num_layers}")
         if same_batch and state.batch_size != first.batch_size:
@@ -82,20 +92,20 @@ def check_compatible(states, *, same_batch: bool = True, where: str = "past_stat
 
 
 def expected_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per-row shapes of (SSM state, conv window) for one layer of a model with this config."""
-    if config.model_type == "mamba":
-        return (config.intermediate_size, config.state_size), (config.intermediate_size, config.conv_kernel)
-    intermediate = int(config.expand * config.hidden_size)
-    conv_dim = intermediate + 2 * config.n_groups * config.state_size
-    return (config.num_heads, config.head_dim, config.state_size), (conv_dim, config.conv_kernel)
+    """Per-row shapes of (SSM state, conv window) for one state layer of a model with this config (a layer
+    of Mamba / Mamba-2, a (layer, branch) of SeRpEnt-Mamba; see :mod:`.architectures`)."""
+    return architecture_of_config(config).state_shapes(config)
 
 
 def expected_decay_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per-row shape of ΣΔ and the shape of ``A`` for one layer of a model with this config:
-    Mamba-1 ``(D,)`` and ``(D, N)``, Mamba-2 ``(H,)`` and ``(H,)``."""
-    if config.model_type == "mamba":
-        return (config.intermediate_size,), (config.intermediate_size, config.state_size)
-    return (config.num_heads,), (config.num_heads,)
+    """Per-row shape of ΣΔ and the shape of ``A`` for one state layer of a model with this config:
+    Mamba-1 and SeRpEnt-Mamba ``(D,)`` and ``(D, N)``, Mamba-2 ``(H,)`` and ``(H,)``."""
+    return architecture_of_config(config).decay_shapes(config)
+
+
+def expected_num_layers(config) -> int:
+    """The number of state layers of a model with this config (SeRpEnt: layers x branches)."""
+    return architecture_of_config(config).num_state_layers(config)
 
 
 # A stored A must equal the model's -exp(A_log) computed in float32. Encoded and checked on the same
@@ -119,8 +129,9 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
 
     Without ``model`` (what a state file can be checked against by itself):
 
-    * the architecture is ``"mamba"`` or ``"mamba2"`` and matches ``state.config.model_type``; one
-      state per layer of the config, every layer filled;
+    * the architecture is one of :data:`.architectures.ARCHITECTURES` (``"mamba"``, ``"mamba2"``,
+      ``"serpent_mamba"``) and matches ``state.config.model_type``; one state per state layer of the
+      config (SeRpEnt: layers x branches), every layer filled;
     * dtypes: SSM state, ΣΔ and ``A`` float32, conv window ``state.model_dtype``, ``num_tokens`` and
       ``token_ids`` int64; all tensors on one device;
     * shapes from the config (:func:`expected_state_shapes`, :func:`expected_decay_shapes`) with one
@@ -128,7 +139,9 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
       ``A`` ``[D, N]`` or ``[H]``, ``num_tokens`` ``[B]``, ``token_ids`` ``[B, T]``;
     * values: SSM state and conv window finite; ΣΔ finite and ``>= 0`` (a decay ``exp(A·ΣΔ)`` above 1
       would amplify the context); ``A`` finite and ``< 0``; ``num_tokens >= 0``; ``token_ids`` in
-      ``[-1, vocab_size)``, left padded with -1, and as many real ids per row as ``num_tokens``.
+      ``[-1, vocab_size)``, left padded with -1, and as many real ids per row as ``num_tokens``;
+    * the architecture's extra tensors (SeRpEnt's resampling state): present in every layer, dtypes and
+      shapes from the description, values checked by it (:func:`check_extras`).
 
     With ``model``, also: each layer's ``A`` equals ``-exp(A_log)`` of that layer's mixer, in float32,
     to relative ``A_rtol`` (default :data:`A_RTOL`). The fingerprint, dtype and device of the model are
@@ -137,15 +150,16 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
     check_is_state(state, where)
     config = state.config
     architecture = state.architecture
-    if architecture not in ("mamba", "mamba2") or getattr(config, "model_type", None) != architecture:
+    if architecture not in ARCHITECTURES or getattr(config, "model_type", None) != architecture:
         _refuse(where, f"architecture {architecture!r} does not match its config's model_type "
-                       f"{getattr(config, 'model_type', None)!r} (expected 'mamba' or 'mamba2' for both)")
-    if state.num_layers != config.num_hidden_layers:
-        _refuse(where, f"it holds {state.num_layers} layers, its config {config.num_hidden_layers}")
+                       f"{getattr(config, 'model_type', None)!r} (expected one of {', '.join(map(repr, ARCHITECTURES))} for both)")
+    layout = ARCHITECTURES[architecture]
+    if state.num_layers != layout.num_state_layers(config):
+        _refuse(where, f"it holds {state.num_layers} layers, its config {layout.num_state_layers(config)}")
     if state.model_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         _refuse(where, f"model dtype {state.model_dtype} is not a floating point dtype")
-    ssm_shape, conv_shape = expected_state_shapes(config)
-    delta_shape, A_shape = expected_decay_shapes(config)
+    ssm_shape, conv_shape = layout.state_shapes(config)
+    delta_shape, A_shape = layout.decay_shapes(config)
     batch = state.ssm_states[0].shape[0] if state.ssm_states[0].dim() else 0
     if batch < 1:
         _refuse(where, f"layer 0 SSM state has shape {tuple(state.ssm_states[0].shape)}: no batch dimension")
@@ -180,8 +194,41 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
             if not torch.isfinite(A).all() or (A >= 0).any():
                 _refuse(where, f"layer {i} A must be finite and negative (it is -exp(A_log)), got max {float(A.max()):.3g}")
     _check_token_counts(state, batch, device, where)
+    check_extras(state, where, batch=batch, device=device)
     if model is not None:
         _check_A_against_model(state, model, where, A_rtol)
+
+
+def check_extras(state, where: str = "state", *, batch: int | None = None, device=None) -> None:
+    """The extra per-layer tensors of the state's architecture (SeRpEnt: clock, window inputs, times and
+    valid mask, last output): present in every layer, their dtypes (from the recorded model dtype) and
+    shapes (from the config, with the state's batch) as the architecture describes them, on the states'
+    device, and their values as it checks them (finite, clock >= 0, ...). Nothing for Mamba / Mamba-2.
+    Small tensors: cheap enough to run on every ``past_states`` call."""
+    layout = architecture(state.architecture)
+    if not layout.extras:
+        return
+    batch = state.batch_size if batch is None else batch
+    device = state.device if device is None else device
+    refuse = functools.partial(_refuse, where)
+    for v in range(state.num_layers):
+        for extra in layout.extras:
+            tensors = getattr(state, extra.attribute, None)
+            tensor = tensors[v] if isinstance(tensors, list) and len(tensors) == state.num_layers else None
+            if not isinstance(tensor, torch.Tensor):
+                refuse(f"layer {v} {extra.label} is missing ({type(tensor).__name__}): the state carries no "
+                       f"{state.architecture} resampling state")
+            dtype, shape = extra.dtype(state.model_dtype), (batch, *extra.row_shape(state.config))
+            if tensor.dtype != dtype:
+                refuse(f"layer {v} {extra.label} is {tensor.dtype}, expected {dtype}")
+            if tuple(tensor.shape) != shape:
+                refuse(f"layer {v} {extra.label} has shape {tuple(tensor.shape)}, expected {shape} "
+                       f"(batch {batch}, the rest from the {state.architecture} config)")
+            if tensor.device != device:
+                refuse(f"layer {v} {extra.label} is on {tensor.device}, the states on {device}")
+        if layout.check_extra_values is not None:
+            with torch.no_grad():
+                layout.check_extra_values(state, v, refuse)
 
 
 def _check_token_counts(state, batch: int, device, where: str) -> None:
@@ -212,18 +259,20 @@ def _check_token_counts(state, batch: int, device, where: str) -> None:
 
 
 def _check_A_against_model(state, model, where: str, A_rtol: float) -> None:
-    from .fingerprint import base_model_of
+    from .fingerprint import architecture_of, base_model_of
 
-    layers = base_model_of(model).layers
-    if len(layers) != state.num_layers:
+    layout = architecture(architecture_of(model))
+    backbone = base_model_of(model)
+    num_layers = layout.num_state_layers(model.config)
+    if num_layers != state.num_layers:
         raise ValueError(
-            f"{where} has {state.num_layers} layers, the model {len(layers)}; "
+            f"{where} has {state.num_layers} layers, the model {num_layers}; "
             "the state belongs to another model: re-encode the contexts with this model"
         )
     with torch.no_grad():
         expected = []
-        for i, layer in enumerate(layers):
-            A_log = getattr(getattr(layer, "mixer", None), "A_log", None)
+        for i in range(num_layers):
+            A_log = layout.A_log_of(backbone, i)
             if A_log is None:
                 raise TypeError(f"layer {i} of {type(model).__name__} has no mixer.A_log: not a Mamba / Mamba-2 model")
             stored = state.A[i]
@@ -247,7 +296,17 @@ def _check_A_against_model(state, model, where: str, A_rtol: float) -> None:
 def check_against_model(state, model, fingerprint: str, where: str = "past_states"):
     """The state was encoded by this very model, in its dtype, on its device, with its shapes, and its
     ``A`` is the model's ``-exp(A_log)`` (to :data:`A_RTOL`). ``fingerprint`` is ``model_fingerprint(model)``
-    (passed in so that checking many states hashes the model once)."""
+    (passed in so that checking many states hashes the model once). The extra tensors of the architecture
+    (SeRpEnt's resampling state) are checked too (:func:`check_extras`)."""
+    from .fingerprint import architecture_of
+
+    model_architecture = architecture_of(model)
+    if state.architecture != model_architecture:
+        raise ValueError(
+            f"{where} is a state of a {state.architecture!r} model ({_describe(state)}), this model is "
+            f"{model_architecture!r}: the state belongs to another model; states only fit the exact model "
+            "that encoded them: re-encode the contexts with this model"
+        )
     parameter = next(model.parameters())
     if state.model_dtype != parameter.dtype:
         raise ValueError(
@@ -257,9 +316,10 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
         )
     if state.device != parameter.device:
         raise ValueError(f"{where} is on {state.device}, the model on {parameter.device}; use state.to(device)")
-    if state.num_layers != model.config.num_hidden_layers:
+    num_layers = expected_num_layers(model.config)
+    if state.num_layers != num_layers:
         raise ValueError(
-            f"{where} has {state.num_layers} layers, the model {model.config.num_hidden_layers}; "
+            f"{where} has {state.num_layers} layers, the model {num_layers}; "
             "the state belongs to another model: re-encode the contexts with this model"
         )
     ssm_shape, conv_shape = expected_state_shapes(model.config)
@@ -280,6 +340,7 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
     # the fingerprint names the model, A is read from the state: a state whose A was altered (a
     # crafted file that copied the fingerprint) would decay contexts wrongly without this
     _check_A_against_model(state, model, where, A_RTOL)
+    check_extras(state, where)
 
 
 def check_left_padded_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -301,6 +301,9 @@ class SeRpEntMixer(nn.Module):
     """The SeRpEnt block of one layer: every branch on the same input, outputs concatenated (eq. 15b
     without the skip, which the layer adds as its residual)."""
 
+    # it always runs on this package's cache: hf_statecompose.enable leaves it as it is (no mixer swap)
+    _hsc_runs_on_cache = True
+
     def __init__(self, config: SeRpEntMambaConfig, ssm_config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx

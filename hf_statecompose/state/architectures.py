@@ -1,0 +1,161 @@
+"""One description per architecture of what its states hold: the single source that the cache, validation,
+state files, fingerprints and the composer read, instead of tests on the architecture's name.
+
+For each architecture (``model_type`` of the config): how many *state layers* a model has (one per layer for
+Mamba / Mamba-2; one per (layer, branch) for SeRpEnt-Mamba, ``v = layer * num_branches + branch``), the
+per-row shapes of the SSM state, the conv window and ΣΔ and the shape of ``A``, whether the decay is per
+element (Mamba-1: ``ΣΔ[d] · A[d, n]``) or per head (Mamba-2: ``ΣΔ[h] · A[h]``), where the ``A_log`` of state
+layer ``v`` lives in a model, which cache class holds the states, and the extra per-layer tensors beyond the
+SSM state, the conv window and ΣΔ (SeRpEnt's resampling state) with their dtypes, shapes, file names and
+value checks.
+
+Every function of a config here reads only plain config entries (no derived properties), so that a config
+rebuilt from a state file's JSON, or the JSON itself seen through attributes, answers the same.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExtraTensor:
+    """A per-state-layer tensor beyond the SSM state, conv window and ΣΔ: ``getattr(cache, attribute)[v]``,
+    ``[B, *row_shape(config)]`` of ``dtype(model_dtype)``, stored in files as ``f"{file_key}.{v}"``."""
+
+    attribute: str
+    file_key: str
+    label: str
+    row_shape: Callable[[object], tuple]
+    dtype: Callable[[torch.dtype], torch.dtype]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    per_element_decay: bool  # ΣΔ [B, D] with A [D, N] (Mamba-1 semantics) vs ΣΔ [B, H] with A [H]
+    num_state_layers: Callable[[object], int]
+    state_shapes: Callable[[object], tuple]  # per-row (SSM state, conv window)
+    decay_shapes: Callable[[object], tuple]  # (per-row ΣΔ, A)
+    A_log_of: Callable[[torch.nn.Module, int], torch.Tensor | None]  # (backbone, state layer) -> A_log or None
+    cache_module: str  # module (in this package) and class of the cache that holds these states
+    cache_class_name: str
+    extras: tuple[ExtraTensor, ...] = field(default=())
+    # value checks of the extras of one state layer, after their dtypes and shapes were checked:
+    # (state, layer, refuse(problem)) -> None; refuse raises
+    check_extra_values: Callable | None = None
+
+    def cache_class(self) -> type:
+        return getattr(importlib.import_module(f"{__package__}.{self.cache_module}"), self.cache_class_name)
+
+
+def _mixer_A_log(backbone, v):
+    return getattr(getattr(backbone.layers[v], "mixer", None), "A_log", None)
+
+
+# ---------------------------------------------------------------------------------------------- Mamba, Mamba-2
+MAMBA = Architecture(
+    name="mamba",
+    per_element_decay=True,
+    num_state_layers=lambda c: c.num_hidden_layers,
+    state_shapes=lambda c: ((c.intermediate_size, c.state_size), (c.intermediate_size, c.conv_kernel)),
+    decay_shapes=lambda c: ((c.intermediate_size,), (c.intermediate_size, c.state_size)),
+    A_log_of=_mixer_A_log,
+    cache_module="cache",
+    cache_class_name="ComposableMambaCache",
+)
+
+
+def _mamba2_state_shapes(c):
+    intermediate = int(c.expand * c.hidden_size)
+    conv_dim = intermediate + 2 * c.n_groups * c.state_size
+    return (c.num_heads, c.head_dim, c.state_size), (conv_dim, c.conv_kernel)
+
+
+MAMBA2 = Architecture(
+    name="mamba2",
+    per_element_decay=False,
+    num_state_layers=lambda c: c.num_hidden_layers,
+    state_shapes=_mamba2_state_shapes,
+    decay_shapes=lambda c: ((c.num_heads,), (c.num_heads,)),
+    A_log_of=_mixer_A_log,
+    cache_module="cache",
+    cache_class_name="ComposableMambaCache",
+)
+
+
+# ---------------------------------------------------------------------------------------------- SeRpEnt-Mamba
+def _branches(c) -> int:
+    return len(c.branch_compressions)
+
+
+def _branch_channels(c) -> int:  # i_b
+    return c.intermediate_size // _branches(c)
+
+
+def _serpent_A_log(backbone, v):
+    layer = backbone.layers[v // len(backbone.layers[0].mixer.branches)]
+    branches = layer.mixer.branches
+    return getattr(getattr(branches[v % len(branches)], "ssm", None), "A_log", None)
+
+
+def _check_resampling_values(state, v, refuse) -> None:
+    """clock >= 0; every window time in [0, clock]; the valid mask right aligned (missing neighbours, at the
+    start of a sequence, first: the model packs the real inputs to the right, oldest first) with non-decreasing
+    times over the valid entries; window inputs and last output finite."""
+    clock, times, valid = state.clocks[v], state.window_times[v], state.window_valid[v]
+    if (clock < 0).any():
+        refuse(f"layer {v} resampling clock is negative ({clock.min().item()})")
+    if (times < 0).any() or (times > clock[:, None]).any():
+        refuse(f"layer {v} resampling window times must lie in [0, clock] (a neighbour cannot come after the clock)")
+    if valid.shape[1] > 1:
+        if (valid[:, :-1] & ~valid[:, 1:]).any():
+            refuse(f"layer {v} resampling window valid mask is not right aligned (a missing neighbour after a real one)")
+        if ((times[:, 1:] < times[:, :-1]) & valid[:, :-1]).any():
+            refuse(f"layer {v} resampling window times decrease over the real neighbours")
+    for label, tensor in (("window inputs", state.window_inputs[v]), ("last output", state.last_outputs[v])):
+        if not torch.isfinite(tensor).all():
+            refuse(f"layer {v} resampling {label} contain NaN or inf")
+
+
+SERPENT_MAMBA = Architecture(
+    name="serpent_mamba",
+    per_element_decay=True,  # every (layer, branch) is a Mamba-1 SSM
+    num_state_layers=lambda c: c.num_hidden_layers * _branches(c),
+    state_shapes=lambda c: ((_branch_channels(c), c.state_size), (_branch_channels(c), c.conv_kernel)),
+    decay_shapes=lambda c: ((_branch_channels(c),), (_branch_channels(c), c.state_size)),
+    A_log_of=_serpent_A_log,
+    cache_module="serpent_cache",
+    cache_class_name="ComposableSeRpEntCache",
+    extras=(
+        ExtraTensor("clocks", "resample.clock", "resampling clock", lambda c: (), lambda d: torch.int64),
+        ExtraTensor("window_inputs", "resample.inputs", "resampling window inputs",
+                    lambda c: (c.resample_window, c.hidden_size), lambda d: torch.promote_types(d, torch.float32)),
+        ExtraTensor("window_times", "resample.times", "resampling window times",
+                    lambda c: (c.resample_window,), lambda d: torch.int64),
+        ExtraTensor("window_valid", "resample.valid", "resampling window valid mask",
+                    lambda c: (c.resample_window,), lambda d: torch.bool),
+        ExtraTensor("last_outputs", "resample.last_output", "resampling last output",
+                    lambda c: (c.hidden_size // _branches(c),), lambda d: d),
+    ),
+    check_extra_values=_check_resampling_values,
+)
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, SERPENT_MAMBA)}
+
+
+def architecture(name: str) -> Architecture:
+    """The description of architecture ``name`` (``"mamba"``, ``"mamba2"``, ``"serpent_mamba"``)."""
+    try:
+        return ARCHITECTURES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown architecture {name!r}; hf_statecompose knows {', '.join(map(repr, ARCHITECTURES))}"
+        ) from None
+
+
+def architecture_of_config(config) -> Architecture:
+    return architecture(getattr(config, "model_type", None))

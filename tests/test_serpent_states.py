@@ -1,0 +1,441 @@
+"""SeRpEnt-Mamba states: encode, compose and generate like Mamba (issue 12).
+
+One state + query is exactly context + query (forward, greedy generate, beams, return sequences, padded
+batches) for every model-free method; more states compose their branch SSMs as Mamba-1 states (checked
+against the plain reference per virtual layer) and take the resampling state of the last one; state files
+carry the resampling state and refuse crafted ones; states and enabled models survive copies."""
+import copy
+import io
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+
+import hf_statecompose as hsc
+from hf_statecompose import ComposableMambaCache, ComposableSeRpEntCache, StateComposer
+from hf_statecompose.composition.composer import MODEL_FREE_METHODS
+from hf_statecompose.ops.compose.reference import compose_ssm_ref
+from hf_statecompose.state import serialization
+from hf_statecompose.state.architectures import SERPENT_MAMBA
+from hf_statecompose.state.serpent_cache import CLOCK_BITS
+from hf_statecompose.state.validation import check_state
+
+from helpers import tiny_model
+
+VOCAB = 61
+NEW = 8
+EXTRAS = tuple(extra.attribute for extra in SERPENT_MAMBA.extras)
+
+
+def tiny(seed: int = 0, **overrides) -> hsc.SeRpEntMambaForCausalLM:
+    """A tiny random SeRpEnt LM (3 branches κ = 1, 0.5, 0.1), enabled. An untied N(0, 1) head spreads the
+    logits, so that greedy decoding does not repeat one token (tied, it echoes) and ties are far."""
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, state_size=4, resample_window=3,
+                  num_gaussians=4, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    model = hsc.SeRpEntMambaForCausalLM(hsc.SeRpEntMambaConfig(**kwargs)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 1.0)
+    return hsc.enable(model)
+
+
+def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def assert_states_equal(actual, expected, rtol=1e-5, atol=1e-6):
+    """Every tensor of two SeRpEnt states: SSM, conv, ΣΔ, A close; the integer extras (clock, times,
+    valid) exact; the float extras close."""
+    assert type(actual) is type(expected) and actual.num_layers == expected.num_layers
+    for v in range(expected.num_layers):
+        for name in ("ssm_states", "conv_states", "delta_sums", "A"):
+            torch.testing.assert_close(getattr(actual, name)[v], getattr(expected, name)[v], rtol=rtol, atol=atol)
+        for name in ("clocks", "window_times", "window_valid"):
+            assert torch.equal(getattr(actual, name)[v], getattr(expected, name)[v]), (name, v)
+        for name in ("window_inputs", "last_outputs"):
+            torch.testing.assert_close(getattr(actual, name)[v], getattr(expected, name)[v], rtol=rtol, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def context():
+    return ids_of(13, seed=11)
+
+
+@pytest.fixture(scope="module")
+def state(model, context):
+    with torch.no_grad():
+        return ComposableMambaCache.encode(model, context)
+
+
+@pytest.fixture(scope="module")
+def states(model):
+    with torch.no_grad():
+        return [ComposableMambaCache.encode(model, ids_of(n, seed=20 + n)) for n in (9, 14, 6)]
+
+
+# ------------------------------------------------------------------------------------------ enable / encode
+def test_enable_and_encode_accept_a_serpent_model(model, state, context):
+    assert hsc.is_enabled(model) and isinstance(model, hsc.SeRpEntMambaForCausalLM)
+    assert type(model.backbone.layers[0].mixer).__name__ == "SeRpEntMixer"  # no mixer swap
+    assert hsc.get_backend(model) == "auto"
+    assert hsc.enable(model) is model  # idempotent
+    assert isinstance(state, ComposableSeRpEntCache) and state.architecture == "serpent_mamba"
+    assert state.num_layers == 2 * 3 and state.fingerprint == hsc.model_fingerprint(model)
+    assert state.num_tokens.tolist() == [13] and torch.equal(state.token_ids, context)
+    assert type(ComposableMambaCache.empty_for(model)) is ComposableSeRpEntCache
+    assert hsc.encode is not None and type(hsc.encode(model, context)) is ComposableSeRpEntCache
+    check_state(state, model)
+    with torch.no_grad():  # a left-padded batch of contexts: counts, ids, each row as encoded alone
+        ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids_of(5, seed=3)], 1)
+        ids = torch.cat([ids, ids_of(9, seed=4)])
+        mask = (torch.arange(9) >= torch.tensor([[4], [0]])).long()
+        batch = ComposableMambaCache.encode(model, ids, attention_mask=mask)
+        alone = ComposableMambaCache.encode(model, ids[:1, 4:])
+    assert batch.num_tokens.tolist() == [5, 9] and batch.token_ids[0, :4].tolist() == [-1] * 4
+    assert_states_equal(batch.select(0), alone)
+
+
+def test_backend_and_disable(model):
+    other = copy.deepcopy(model)
+    hsc.set_backend(other, "torch")
+    assert hsc.get_backend(other) == "torch"
+    assert all(block.mixer._hsc_backend == "torch" for block in other.backbone.layers)
+    hsc.disable(other)
+    assert not hsc.is_enabled(other) and type(other) is hsc.SeRpEntMambaForCausalLM
+    with pytest.raises(ValueError, match=r"past_states needs hf_statecompose\.enable"):
+        other(ids_of(2), past_states=[object()])
+    hsc.enable(other)
+    assert hsc.is_enabled(other)
+
+
+# ------------------------------------------------------------------------------------------ n = 1: exact
+@pytest.mark.parametrize("query_length", [1, 2, 7])
+@torch.no_grad()
+def test_one_state_reproduces_context_plus_query(model, state, context, query_length):
+    query = ids_of(query_length, seed=30 + query_length)
+    whole = torch.cat([context, query], 1)
+    full = model(whole).logits[:, -query_length:]
+    expected = model.generate(whole, max_new_tokens=NEW, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True)
+    for method in MODEL_FREE_METHODS:
+        kwargs = dict(composition=StateComposer(method, weights=[1.0]) if method == "weighted" else method)
+        assert rel(model(query, past_states=[state], **kwargs).logits, full) < 1e-5, method
+        out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences[:, context.shape[1]:]), method
+        assert rel(out.scores[0], expected.scores[0]) < 1e-5, method
+    assert len(set(expected.sequences[0, -NEW:].tolist())) > 1  # a real test: not one token repeated
+
+
+@torch.no_grad()
+def test_left_padded_contexts_and_queries(model):
+    """Left-padded contexts (encode) and queries (forward, generate): every row its exact result."""
+    contexts = [ids_of(n, seed=40 + n)[0] for n in (5, 11, 8)]
+    queries = [ids_of(n, seed=50 + n)[0] for n in (3, 1, 6)]
+
+    def pad(rows):
+        width = max(map(len, rows))
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
+        return ids, mask
+
+    (c_ids, c_mask), (q_ids, q_mask) = pad(contexts), pad(queries)
+    states = ComposableMambaCache.encode(model, c_ids, attention_mask=c_mask)
+    logits = model(q_ids, attention_mask=q_mask, past_states=[states], composition="caso").logits
+    out = model.generate(q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False,
+                         pad_token_id=0)
+    for r, (c, q) in enumerate(zip(contexts, queries)):
+        whole = torch.cat([c, q])[None]
+        assert rel(logits[r, -len(q):], model(whole).logits[0, -len(q):]) < 1e-5
+        expected = model.generate(whole, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(out[r, q_ids.shape[1]:], expected[0, whole.shape[1]:])
+
+
+@torch.no_grad()
+def test_continuing_a_state_equals_encoding_the_concatenation(model):
+    """encode(c1) then forward(c2, cache_params=state) is encode(c1 + c2) in every tensor: SSM, conv, ΣΔ
+    (accumulated over both forwards), the resampling clock, window, times, valid mask and last output."""
+    c1, c2 = ids_of(7, batch=2, seed=60), ids_of(10, batch=2, seed=61)
+    continued = ComposableMambaCache.encode(model, c1).clone()
+    model(c2, cache_params=continued, use_cache=True)
+    whole = ComposableMambaCache.encode(model, torch.cat([c1, c2], 1))
+    assert_states_equal(continued, whole)
+    assert continued.num_tokens.tolist() == [17, 17] and continued.token_ids is None
+
+
+@torch.no_grad()
+def test_beams_and_return_sequences_with_past_states(model, state, context):
+    query = ids_of(4, seed=70)
+    whole = torch.cat([context, query], 1)
+    kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False)
+    out = model.generate(query, past_states=[state], **kwargs)
+    assert out.shape[0] == 2 and torch.equal(out, model.generate(whole, **kwargs)[:, context.shape[1]:])
+    torch.manual_seed(5)
+    expected = model.generate(whole, max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
+    torch.manual_seed(5)
+    out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
+    assert torch.equal(out, expected[:, context.shape[1]:])
+
+
+@torch.no_grad()
+def test_generate_does_not_mutate_the_states(model, state):
+    before = copy.deepcopy(state)
+    model.generate(ids_of(3), past_states=[state], max_new_tokens=4, do_sample=False)
+    model.generate(ids_of(3), past_states=[state, state], max_new_tokens=4, num_beams=2, do_sample=False)
+    assert_states_equal(state, before, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ n > 1
+@torch.no_grad()
+def test_every_method_generates_from_several_states(model, states):
+    query = ids_of(5, seed=80)
+    for method in (*MODEL_FREE_METHODS, "concat", "piconcat_r"):
+        composition = StateComposer(method, weights=[0.2, 0.5, 0.3]) if method == "weighted" else method
+        logits = model(query, past_states=states, composition=composition).logits
+        assert torch.isfinite(logits).all(), method
+        out = model.generate(query, past_states=states, composition=composition, max_new_tokens=4, do_sample=False)
+        assert out.shape == (1, 9) and torch.equal(out[:, :5], query), method
+    # one list of states per query row
+    rows = model.generate(ids_of(3, batch=2, seed=81), past_states=[states[:2], states[1:]], composition="caso",
+                          max_new_tokens=3, do_sample=False)
+    assert rows.shape == (2, 6)
+
+
+@pytest.mark.parametrize("method", MODEL_FREE_METHODS)
+@torch.no_grad()
+def test_branch_states_compose_as_mamba1_and_extras_are_the_last_states(states, method):
+    """Per virtual layer v: the composed SSM state is the plain reference's composition of the stacked
+    Mamba-1 states with each branch's decay; ΣΔ the total (mean / weighted mean for soup / weighted); the
+    resampling state is the last state's, exactly."""
+    weights = [0.2, 0.5, 0.3] if method == "weighted" else None
+    composed = StateComposer(method, weights=weights).compose(states)
+    assert type(composed) is ComposableSeRpEntCache and composed.num_tokens.tolist() == [9 + 14 + 6]
+    w = None if weights is None else torch.tensor(weights, dtype=torch.float64)
+    for v in range(composed.num_layers):
+        deltas = torch.stack([s.delta_sums[v] for s in states])
+        expected = compose_ssm_ref([s.ssm_states[v].double() for s in states], deltas.double(), states[0].A[v].double(),
+                                   method, weights=w)
+        torch.testing.assert_close(composed.ssm_states[v].double(), expected, rtol=1e-5, atol=1e-6)
+        if method == "soup":
+            total = deltas.mean(0)
+        elif method == "weighted":
+            total = (w.float()[:, None, None] * deltas).sum(0)
+        else:
+            total = deltas.sum(0)
+        torch.testing.assert_close(composed.delta_sums[v], total)
+        assert torch.equal(composed.A[v], states[0].A[v])
+        for name in EXTRAS:
+            assert torch.equal(getattr(composed, name)[v], getattr(states[-1], name)[v]), name
+            assert getattr(composed, name)[v] is not getattr(states[-1], name)[v]  # a copy, not shared
+    # the branches really resample: the κ = 0.1 branch made fewer grid points than the 9 tokens of states[0]
+    assert int(states[0].clocks[2] >> CLOCK_BITS) < 9 == int(states[0].clocks[0] >> CLOCK_BITS)
+
+
+@torch.no_grad()
+def test_nested_compositions_agree_where_the_maths_says(states):
+    a, b, c = states
+    d = ComposableMambaCache.stack([a])  # a copy of a
+    caso = StateComposer("caso")
+    nested = caso.compose([caso.compose([a, b]), caso.compose([c, d])])
+    assert_states_equal(nested, caso.compose([a, b, c, d]))
+    p, q = 0.3, 0.6
+    inner = StateComposer("weighted", weights=[p, 1 - p]).compose([a, b])
+    nested = StateComposer("weighted", weights=[q, 1 - q]).compose([inner, c])
+    assert_states_equal(nested, StateComposer("weighted", weights=[q * p, q * (1 - p), 1 - q]).compose([a, b, c]))
+    soup = StateComposer("soup")
+    assert_states_equal(soup.compose([soup.compose([a, b]), soup.compose([c, a])]), soup.compose([a, b, c, a]))
+
+
+@torch.no_grad()
+def test_concat_baselines_re_encode(model, states):
+    tokens = torch.cat([s.token_ids for s in states], 1)
+    concat = StateComposer("concat").compose(states, model=model)
+    assert_states_equal(concat, ComposableMambaCache.encode(model, tokens))
+    piconcat = StateComposer("piconcat_r").compose(states, model=model)
+    assert type(piconcat) is ComposableSeRpEntCache and piconcat.num_tokens.tolist() == [29]
+    assert_states_equal(piconcat.select(0), piconcat)  # (a complete state)
+    for name in EXTRAS:  # the resampling state of the list-order concatenation
+        for v in range(concat.num_layers):
+            torch.testing.assert_close(getattr(piconcat, name)[v], getattr(concat, name)[v], rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_composed_rows_stack_with_their_extras(model, states):
+    from hf_statecompose.generation import compose_for_batch
+
+    composed = compose_for_batch(model, [states[:2], states[1:]], "picaso_r", 2)
+    assert type(composed) is ComposableSeRpEntCache and composed.batch_size == 2
+    for name in EXTRAS:
+        assert torch.equal(getattr(composed, name)[3][1], getattr(states[2], name)[3][0])
+        assert torch.equal(getattr(composed, name)[3][0], getattr(states[1], name)[3][0])
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@torch.no_grad()
+def test_states_of_another_architecture_or_model_are_refused(model, state):
+    mamba = tiny_model("mamba")
+    mamba_state = ComposableMambaCache.encode(mamba, ids_of(6))
+    query = ids_of(3)
+    with pytest.raises(ValueError, match="'mamba' model.*this model is 'serpent_mamba'.*re-encode"):
+        model.generate(query, past_states=[mamba_state], max_new_tokens=2)
+    with pytest.raises(ValueError, match="'serpent_mamba' model.*this model is 'mamba'.*re-encode"):
+        mamba.generate(query, past_states=[state], max_new_tokens=2)
+    with pytest.raises(ValueError, match="different model"):
+        StateComposer("soup").compose([state, mamba_state])
+    other = tiny(seed=1)
+    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
+        other(query, past_states=[state])
+    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
+        StateComposer("concat").compose([state], model=other)
+    with pytest.raises(ValueError, match="layers"):
+        tiny(num_hidden_layers=3)(query, past_states=[state])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.window_inputs.__setitem__(1, s.window_inputs[1].index_fill(1, torch.tensor([0]), float("nan"))),
+     "layer 1 resampling window inputs contain NaN"),
+    (lambda s: s.last_outputs.__setitem__(0, s.last_outputs[0] * float("inf")), "layer 0 resampling last output"),
+    (lambda s: s.clocks.__setitem__(2, s.clocks[2].int()), "layer 2 resampling clock is torch.int32"),
+    (lambda s: s.window_valid.__setitem__(0, None), "layer 0 resampling window valid mask is missing"),
+    (lambda s: s.window_times.__setitem__(3, s.window_times[3][:, :1]), "layer 3 resampling window times has shape"),
+    (lambda s: s.clocks.__setitem__(4, -s.clocks[4] - 1), "clock is negative"),
+])
+@torch.no_grad()
+def test_bad_in_memory_states_are_refused(model, state, edit, message):
+    bad = state.clone()
+    edit(bad)
+    with pytest.raises(ValueError, match=message):
+        model(ids_of(2), past_states=[bad])
+    with pytest.raises(ValueError, match=message):
+        check_state(bad)
+
+
+# ------------------------------------------------------------------------------------------ files
+@pytest.fixture
+def saved(state, tmp_path):
+    path = tmp_path / "serpent.safetensors"
+    state.save(path)
+    return path
+
+
+def _craft(saved, edit):
+    tensors = load_file(saved)
+    with safe_open(saved, framework="pt") as handle:
+        meta = json.loads(handle.metadata()["hf_statecompose"])
+    edit(tensors, meta)
+    meta = dict(meta, tensor_digest=serialization._digest(tensors))
+    path = saved.parent / "crafted.safetensors"
+    path.write_bytes(save(tensors, metadata={"hf_statecompose": json.dumps(meta)}))
+    return path
+
+
+def _set(name, fn):
+    def edit(tensors, meta):
+        tensors[name] = fn(tensors[name])
+    return edit
+
+
+def _unsort_valid(t):
+    t = t.clone()
+    t[:, 0], t[:, -1] = True, False
+    return t
+
+
+CRAFTED = [
+    ("missing extra", lambda t, m: t.pop("resample.clock.3"), r"missing tensors \['resample.clock.3'\]"),
+    ("extra layer", lambda t, m: t.update({"resample.clock.6": t["resample.clock.0"].clone()}), r"unexpected tensors \['resample.clock.6'\]"),
+    ("inputs shape", _set("resample.inputs.1", lambda t: t[:, :, :-1].contiguous()), "layer 1 resampling window inputs has shape"),
+    ("clock int32", _set("resample.clock.0", lambda t: t.int()), "layer 0 resampling clock is torch.int32"),
+    ("valid uint8", _set("resample.valid.2", lambda t: t.to(torch.uint8)), "layer 2 resampling window valid mask is torch.uint8"),
+    ("last output fp64", _set("resample.last_output.5", lambda t: t.double()), "last output is torch.float64"),
+    ("negative clock", _set("resample.clock.4", lambda t: -t - 1), "layer 4 resampling clock is negative"),
+    ("times after clock", _set("resample.times.1", lambda t: t + (1 << 40)), r"lie in \[0, clock\]"),
+    ("valid not aligned", _set("resample.valid.0", _unsort_valid), "not right aligned"),
+    ("nan inputs", _set("resample.inputs.5", lambda t: t.index_fill(1, torch.tensor([2]), float("nan"))), "window inputs contain NaN"),
+    ("layers vs branches", lambda t, m: m.update(num_layers=2), "config has 6 layers, the metadata says 2"),
+    ("architecture mamba", lambda t, m: m.update(architecture="mamba"), "metadata says 'mamba'"),
+]
+
+
+@pytest.mark.parametrize("edit, message", [c[1:] for c in CRAFTED], ids=[c[0] for c in CRAFTED])
+def test_crafted_files_are_refused(model, saved, edit, message):
+    path = _craft(saved, edit)
+    for kwargs in ({}, {"model": model}):
+        with pytest.raises(ValueError, match=message):
+            ComposableMambaCache.load(path, **kwargs)
+
+
+@torch.no_grad()
+def test_file_round_trip_is_exact_and_generates_the_same(model, state, saved):
+    names = set(load_file(saved))
+    assert {"resample.clock.5", "resample.inputs.5", "resample.times.5", "resample.valid.5", "resample.last_output.5"} <= names
+    query = ids_of(4, seed=90)
+    expected = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False)
+    for loaded in (ComposableMambaCache.load(saved, model=model), ComposableSeRpEntCache.load(saved)):
+        assert type(loaded) is ComposableSeRpEntCache and loaded.config.branch_compressions == (1.0, 0.5, 0.1)
+        assert_states_equal(loaded, state, rtol=0, atol=0)
+        assert torch.equal(loaded.token_ids, state.token_ids) and loaded.fingerprint == state.fingerprint
+        assert torch.equal(model.generate(query, past_states=[loaded], max_new_tokens=NEW, do_sample=False), expected)
+
+
+@torch.no_grad()
+def test_files_of_another_architecture_or_model_are_refused(model, saved, tmp_path):
+    mamba = tiny_model("mamba")
+    mamba_path = tmp_path / "mamba.safetensors"
+    ComposableMambaCache.encode(mamba, ids_of(5)).save(mamba_path)
+    with pytest.raises(ValueError, match="'mamba' model, this model is 'serpent_mamba'.*re-encode"):
+        ComposableMambaCache.load(mamba_path, model=model)
+    with pytest.raises(ValueError, match="'serpent_mamba' model, this model is 'mamba'.*re-encode"):
+        ComposableMambaCache.load(saved, model=mamba)
+    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
+        ComposableMambaCache.load(saved, model=tiny(seed=2))
+
+
+# ------------------------------------------------------------------------------------------ copies
+@torch.no_grad()
+def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
+    query = ids_of(3, seed=91)
+    expected = model(query, past_states=[state]).logits
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(state), pickle.loads(pickle.dumps(state)), torch.load(buffer, weights_only=False),
+                   state.clone(), state.to("cpu", torch.float32)):
+        assert type(copied) is ComposableSeRpEntCache
+        assert_states_equal(copied, state, rtol=0, atol=0)
+        assert torch.equal(model(query, past_states=[copied]).logits, expected)
+
+
+@torch.no_grad()
+def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states):
+    query = ids_of(3, seed=92)
+    expected = model.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        assert hsc.is_enabled(copied) and isinstance(copied, hsc.SeRpEntMambaForCausalLM)
+        assert hsc.get_backend(copied) == hsc.get_backend(model)
+        assert torch.equal(copied.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
+    duplicate = copy.deepcopy(model)  # the copy runs its own weights
+    with torch.no_grad():
+        duplicate.backbone.layers[0].mixer.branches[1].resample_proj.weight.mul_(1.5)
+    with pytest.raises(ValueError, match="re-encode"):  # the states are the original's
+        duplicate(query, past_states=states)
+    mine = ComposableMambaCache.encode(duplicate, ids_of(13, seed=11))
+    assert not torch.equal(duplicate(query, past_states=[mine]).logits, model(query, past_states=[states[0]]).logits)
