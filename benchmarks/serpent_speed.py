@@ -131,7 +131,7 @@ def main(argv=None):
 
     rows = []
     print(f"\nSeRpEnt {params['serpent']:,} vs Mamba-1 {params['mamba']:,} parameters; batch {args.batch}, float32, "
-          f"{args.threads} threads, {args.rounds} interleaved rounds")
+          f"{args.threads} thread(s), {args.rounds} interleaved rounds")
     print(f"{'L':>6} {'model':>18} {'forward tok/s':>14} {'decode ms':>10} {'SeRpEnt fwd ×':>14} {'SeRpEnt decode ×':>17}")
     for length in args.lengths:
         for name in models:

@@ -1,7 +1,8 @@
 """SeRpEnt vs Mamba-1 in miniature: the SeRpEnt paper's Table 2 (language modelling) and Table 1's ListOps
 row, on a 2-core CPU, at matched parameter count.
 
-    python recipes/serpent.py --task all                 # both tasks, both models, seeds of the config
+    python recipes/serpent.py --task all                 # both tasks, both models, seeds of the config (~30 min)
+    python recipes/serpent.py --task lm & python recipes/serpent.py --task listops   # side by side (~15 min)
     python recipes/serpent.py --task lm --seeds 0        # one task, one seed
     python recipes/serpent.py --task all --smoke --out /tmp/serpent-smoke   # a few steps (the tests run this)
 
@@ -379,11 +380,12 @@ architectures, not for use.
 `python recipes/serpent.py --task {task}` (config `recipes/configs/serpent.json`): {result['steps']} steps of
 {s['batch_size']} sequences, AdamW lr {s['lr']}, weight decay {s['weight_decay']}, betas {tuple(s['betas'])}, {s['warmup_steps']} warm-up
 steps then cosine to {s['final_lr_fraction']} × lr, gradient clipping {s['max_grad_norm']}; seed {result['seed']};
-{result['train_seconds'] / 60:.1f} min on {result['device']} with {result['threads']} threads (commit {result['git_commit']}).
+{result['train_seconds'] / 60:.1f} min on {result['device']} with {result['threads']} thread{'s' if result['threads'] > 1 else ''} (commit {result['git_commit']},
+SeRpEnt source sha256 {result.get('serpent_source_sha256', '?')}).
 Model config: `{json.dumps(s['models'][arch]['config'])}`.
 
 ## Measured by that run (held-out data; every run of the comparison)
-{summary_table(task_runs)}
+{summary_table(task_runs).replace('### ' + task + chr(10) + chr(10), '')}
 {licence_text}
 """
 
@@ -408,6 +410,8 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/serpent; --smoke: /tmp/hsc-serpent-smoke)")
     parser.add_argument("--checkpoints", default=None, help="checkpoint folder (default checkpoints/serpent; --smoke: <out>/checkpoints)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: rebuild summary.md and the seed-0 checkpoints' model cards from the JSON results in --out")
     args = parser.parse_args(argv)
 
     experiments = load_experiments(Path(args.config), args.smoke)
@@ -427,6 +431,9 @@ def main(argv=None):
     checkpoints = Path(args.checkpoints or (out / "checkpoints" if args.smoke else ROOT / "checkpoints" / "serpent"))
     commit, source_digest = git_commit(), serpent_source_digest()
     tasks = TASKS if args.task == "all" else (args.task,)
+    if args.report_only:
+        rewrite_reports(out, checkpoints, tasks, args.smoke)
+        return
     for task_name in tasks:
         settings = experiments[task_name]
         seeds = args.seeds if args.seeds is not None else settings["seeds"]
@@ -454,11 +461,28 @@ def main(argv=None):
             save_checkpoint(model, task, folder)
             write_card(result, task_runs, folder)
             print(f"[{task_name}] saved {folder}", flush=True)
-    # the summary covers every run in the results folder (a --task lm run keeps the listops rows)
-    results = [json.loads(p.read_text()) for p in sorted(out.glob("*-seed*.json"))]
-    table = summary_table([r for r in results if r.get("smoke") == args.smoke])
+    write_summary(out, args.smoke)
+
+
+def write_summary(out: Path, smoke: bool) -> list[dict]:
+    """``summary.md`` of every run in the results folder (a ``--task lm`` run keeps the listops rows)."""
+    results = [r for r in (json.loads(p.read_text()) for p in sorted(out.glob("*-seed*.json"))) if r.get("smoke") == smoke]
+    table = summary_table(results)
     (out / "summary.md").write_text(table)
     print("\n" + table)
+    return results
+
+
+def rewrite_reports(out: Path, checkpoints: Path, tasks, smoke: bool) -> None:
+    results = write_summary(out, smoke)
+    for task_name in tasks:
+        task_runs = [r for r in results if r["task"] == task_name]
+        first_seed = min((r["seed"] for r in task_runs), default=None)
+        for result in task_runs:
+            folder = checkpoints / f"{task_name}-{result['model']}"
+            if result["seed"] == first_seed and folder.is_dir():
+                write_card(result, task_runs, folder)
+                print(f"[{task_name}] card rewritten: {folder / 'README.md'}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,13 @@ def test_recipe_smoke_trains_both_models_on_both_tasks_and_saves_loadable_checkp
     ids = AutoTokenizer.from_pretrained(folder, local_files_only=True)("The river", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids).logits).all()
-    assert (folder / "README.md").is_file() and (tmp_path / "checkpoints" / "listops-mamba" / "tokenizer.json").is_file()
+    assert (tmp_path / "checkpoints" / "listops-mamba" / "tokenizer.json").is_file()
+    card = folder / "README.md"
+    assert "| SeRpEnt | " in card.read_text() and "Mamba-1" in card.read_text()
+    card.unlink()
+    (tmp_path / "summary.md").unlink()
+    run("recipes/serpent.py", "--smoke", "--report-only", "--out", str(tmp_path))  # rebuilds both from the JSON results
+    assert card.is_file() and (tmp_path / "summary.md").read_text().count("###") == 2
 
 
 def test_speed_benchmark_smoke_writes_ratios(tmp_path):
