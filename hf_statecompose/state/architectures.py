@@ -45,7 +45,7 @@ class Architecture:
     cache_class_name: str
     extras: tuple[ExtraTensor, ...] = field(default=())
     # value checks of the extras of one state layer, after their dtypes and shapes were checked:
-    # (state, layer, refuse(problem)) -> None; refuse raises
+    # ({attribute: tensor of that layer}, layer, refuse(problem)) -> None; refuse raises
     check_extra_values: Callable | None = None
 
     def cache_class(self) -> type:
@@ -102,11 +102,11 @@ def _serpent_A_log(backbone, v):
     return getattr(getattr(branches[v % len(branches)], "ssm", None), "A_log", None)
 
 
-def _check_resampling_values(state, v, refuse) -> None:
+def _check_resampling_values(extras: dict, v: int, refuse) -> None:
     """clock >= 0; every window time in [0, clock]; the valid mask right aligned (missing neighbours, at the
     start of a sequence, first: the model packs the real inputs to the right, oldest first) with non-decreasing
     times over the valid entries; window inputs and last output finite."""
-    clock, times, valid = state.clocks[v], state.window_times[v], state.window_valid[v]
+    clock, times, valid = extras["clocks"], extras["window_times"], extras["window_valid"]
     if (clock < 0).any():
         refuse(f"layer {v} resampling clock is negative ({clock.min().item()})")
     if (times < 0).any() or (times > clock[:, None]).any():
@@ -116,7 +116,7 @@ def _check_resampling_values(state, v, refuse) -> None:
             refuse(f"layer {v} resampling window valid mask is not right aligned (a missing neighbour after a real one)")
         if ((times[:, 1:] < times[:, :-1]) & valid[:, :-1]).any():
             refuse(f"layer {v} resampling window times decrease over the real neighbours")
-    for label, tensor in (("window inputs", state.window_inputs[v]), ("last output", state.last_outputs[v])):
+    for label, tensor in (("window inputs", extras["window_inputs"]), ("last output", extras["last_outputs"])):
         if not torch.isfinite(tensor).all():
             refuse(f"layer {v} resampling {label} contain NaN or inf")
 
@@ -145,6 +145,29 @@ SERPENT_MAMBA = Architecture(
 )
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, SERPENT_MAMBA)}
+
+
+def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, model_dtype: torch.dtype, batch: int,
+                        device, refuse) -> None:
+    """The extra tensors of state layer ``v`` (``{attribute: tensor}``) as ``layout`` describes them: present,
+    dtypes (from ``model_dtype``), shapes (``[batch, *row_shape(config)]``), device and values.
+    ``refuse(problem)`` raises. Shared by the state validation and the store's entry checks."""
+    for extra in layout.extras:
+        tensor = extras.get(extra.attribute)
+        if not isinstance(tensor, torch.Tensor):
+            refuse(f"layer {v} {extra.label} is missing ({type(tensor).__name__}): the state carries no "
+                   f"{layout.name} resampling state")
+        dtype, shape = extra.dtype(model_dtype), (batch, *extra.row_shape(config))
+        if tensor.dtype != dtype:
+            refuse(f"layer {v} {extra.label} is {tensor.dtype}, expected {dtype}")
+        if tuple(tensor.shape) != shape:
+            refuse(f"layer {v} {extra.label} has shape {tuple(tensor.shape)}, expected {shape} "
+                   f"(batch {batch}, the rest from the {layout.name} config)")
+        if device is not None and tensor.device != device:
+            refuse(f"layer {v} {extra.label} is on {tensor.device}, the states on {device}")
+    if layout.check_extra_values is not None:
+        with torch.no_grad():
+            layout.check_extra_values(extras, v, refuse)
 
 
 def architecture(name: str) -> Architecture:

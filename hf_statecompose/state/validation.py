@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from .architectures import ARCHITECTURES, architecture, architecture_of_config
+from .architectures import ARCHITECTURES, architecture, architecture_of_config, check_extra_tensors
 
 
 def _describe(cache) -> str:
@@ -212,23 +212,12 @@ def check_extras(state, where: str = "state", *, batch: int | None = None, devic
     device = state.device if device is None else device
     refuse = functools.partial(_refuse, where)
     for v in range(state.num_layers):
+        extras = {}
         for extra in layout.extras:
             tensors = getattr(state, extra.attribute, None)
-            tensor = tensors[v] if isinstance(tensors, list) and len(tensors) == state.num_layers else None
-            if not isinstance(tensor, torch.Tensor):
-                refuse(f"layer {v} {extra.label} is missing ({type(tensor).__name__}): the state carries no "
-                       f"{state.architecture} resampling state")
-            dtype, shape = extra.dtype(state.model_dtype), (batch, *extra.row_shape(state.config))
-            if tensor.dtype != dtype:
-                refuse(f"layer {v} {extra.label} is {tensor.dtype}, expected {dtype}")
-            if tuple(tensor.shape) != shape:
-                refuse(f"layer {v} {extra.label} has shape {tuple(tensor.shape)}, expected {shape} "
-                       f"(batch {batch}, the rest from the {state.architecture} config)")
-            if tensor.device != device:
-                refuse(f"layer {v} {extra.label} is on {tensor.device}, the states on {device}")
-        if layout.check_extra_values is not None:
-            with torch.no_grad():
-                layout.check_extra_values(state, v, refuse)
+            extras[extra.attribute] = tensors[v] if isinstance(tensors, list) and len(tensors) == state.num_layers else None
+        check_extra_tensors(layout, extras, v, config=state.config, model_dtype=state.model_dtype, batch=batch,
+                            device=device, refuse=refuse)
 
 
 def _check_token_counts(state, batch: int, device, where: str) -> None:

@@ -62,10 +62,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..state.architectures import architecture, check_extra_tensors
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, model_fingerprint
 from ..state.files import atomic_write, fsync_dir
-from ..state.validation import check_finite, expected_state_shapes
+from ..state.validation import check_finite, expected_num_layers, expected_state_shapes
 
 FORMAT_VERSION = 2
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -197,6 +198,10 @@ def _remove(path: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------------ checksums
+def _refuse_entry(where: str, problem: str):
+    raise ValueError(f"{where}: {problem}; delete and re-add it")
+
+
 def _checksum(tensors: dict) -> str:
     """SHA-256 (first 128 bits) over names, dtypes, shapes and raw bytes, hashed in place (no copy).
     SHA-256 rather than blake2b: CPUs with SHA extensions (x86 since about 2017-2019, ARMv8) hash it
@@ -345,6 +350,8 @@ class StateStore:
         # what every state read from this store carries, taken once: ComposableMambaCache.empty_for
         # re-checks the model's fingerprint (a pass over all weights), far too slow per entry read
         template = ComposableMambaCache.empty_for(model)
+        self._state_class = type(template)  # ComposableSeRpEntCache for a SeRpEnt model
+        self._layout = architecture(template.architecture)  # what else its states carry (SeRpEnt: resampling)
         self._state_template = {"architecture": template.architecture, "fingerprint": template.fingerprint,
                                 "model_dtype": template.model_dtype, "model_info": dict(template.model_info)}
         self._manifests: dict[str, dict] = {}  # shard id -> manifest (manifests never change: cached by id)
@@ -610,6 +617,9 @@ class StateStore:
             out[f"ssm.{layer}"] = state.ssm_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
             out[f"conv.{layer}"] = state.conv_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
             out[f"delta_sum.{layer}"] = state.delta_sums[layer][row : row + 1].detach().to("cpu", torch.float32).contiguous()
+            for extra in self._layout.extras:  # in their own dtypes (int64 clocks, bool masks): never rounded
+                tensor = getattr(state, extra.attribute)[layer][row : row + 1].detach().to("cpu")
+                out[f"{extra.file_key}.{layer}"] = tensor.new_empty(tensor.shape).copy_(tensor)  # standard strides
         out["token_ids"] = torch.tensor([tokens], dtype=torch.long)
         return out
 
@@ -701,7 +711,7 @@ class StateStore:
     def _shard_A(self, handle, sid: str, checksum: str) -> list[torch.Tensor]:
         # A is the model's (the same in every shard): keep one verified copy per checksum, read no more
         if checksum not in self._A:
-            num_layers = self.model.config.num_hidden_layers
+            num_layers = expected_num_layers(self.model.config)
             A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(num_layers)]
             if _checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != checksum:
                 raise ValueError(f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file)")
@@ -711,11 +721,12 @@ class StateStore:
         return self._A[checksum]
 
     def _read_entry_tensors(self, handle, sid: str, entry_id: str, num_layers: int) -> dict[str, torch.Tensor]:
-        names = [f"{kind}.{layer}" for layer in range(num_layers) for kind in ("ssm", "conv", "delta_sum")] + ["token_ids"]
+        kinds = ("ssm", "conv", "delta_sum") + tuple(extra.file_key for extra in self._layout.extras)
+        names = [f"{kind}.{layer}" for layer in range(num_layers) for kind in kinds] + ["token_ids"]
         return {name: self._tensor(handle, sid, f"{entry_id}.{name}") for name in names}
 
     def _state(self, tensors: dict, record: dict, A, device) -> ComposableMambaCache:
-        state = ComposableMambaCache(self.model.config, **{**self._state_template, "model_info": dict(self._state_template["model_info"])})
+        state = self._state_class(self.model.config, **{**self._state_template, "model_info": dict(self._state_template["model_info"])})
         model_dtype = state.model_dtype
         for layer in range(len(A)):
             state.set_layer(
@@ -725,6 +736,8 @@ class StateStore:
                 delta_sum=tensors[f"delta_sum.{layer}"].to(device),
                 A=A[layer].to(device),
             )
+            for extra in self._layout.extras:
+                getattr(state, extra.attribute)[layer] = tensors[f"{extra.file_key}.{layer}"].to(device)
         state.num_tokens = torch.tensor([record["num_tokens"]], device=device)
         state.token_ids = tensors["token_ids"].to(device)
         return state
@@ -744,6 +757,11 @@ class StateStore:
                     raise ValueError(f"{where}: layer {layer} {name} holds NaN/inf; delete and re-add it")
             if (tensors[f"delta_sum.{layer}"] < 0).any():
                 raise ValueError(f"{where}: layer {layer} ΣΔ is negative (impossible for a real encoding); delete and re-add it")
+            if self._layout.extras:
+                extras = {extra.attribute: tensors[f"{extra.file_key}.{layer}"] for extra in self._layout.extras}
+                check_extra_tensors(self._layout, extras, layer, config=self.model.config,
+                                    model_dtype=self._state_template["model_dtype"], batch=1, device=None,
+                                    refuse=lambda problem: _refuse_entry(where, problem))
         tokens = tensors["token_ids"]
         if tokens.dtype != torch.long or tuple(tokens.shape) != (1, record["num_tokens"]):
             raise ValueError(f"{where}: token_ids {tokens.dtype} {tuple(tokens.shape)} do not match its {record['num_tokens']} tokens")
@@ -863,15 +881,14 @@ class StateStore:
         handle, _ = self._open_shard(sid)
         with handle:
             # this file's own A bytes, verified (not a cached copy from another shard)
-            A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(self.model.config.num_hidden_layers)]
+            A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(expected_num_layers(self.model.config))]
             if _checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != manifest["shared_checksum"]:
                 raise ValueError(f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file); compaction stopped")
             tensors: dict[str, torch.Tensor] = {"embeddings": embeddings}
             tensors.update({f"A.{layer}": a for layer, a in enumerate(A)})
             num_layers = len(A)
-            names = [f"{kind}.{layer}" for layer in range(num_layers) for kind in ("ssm", "conv", "delta_sum")] + ["token_ids"]
             for record in keep:
-                entry = {name: self._tensor(handle, sid, f"{record['id']}.{name}") for name in names}
+                entry = self._read_entry_tensors(handle, sid, record["id"], num_layers)
                 self._verify_entry(sid, record, entry, num_layers)
                 tensors.update({f"{record['id']}.{name}": t for name, t in entry.items()})
         payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
