@@ -430,7 +430,7 @@ def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
 
 
 @torch.no_grad()
-def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states):
+def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states, monkeypatch):
     query = ids_of(3, seed=92)
     expected = model.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False)
     buffer = io.BytesIO()
@@ -440,6 +440,14 @@ def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states):
         assert hsc.is_enabled(copied) and isinstance(copied, hsc.SeRpEntMambaForCausalLM)
         assert hsc.get_backend(copied) == hsc.get_backend(model)
         assert torch.equal(copied.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
+    # in a fresh process the enabled class does not exist yet: unpickling makes it from the stock class
+    from hf_statecompose.generation import integration
+
+    data = pickle.dumps(model)
+    monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
+    loaded = pickle.loads(data)
+    assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
+    assert torch.equal(loaded.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
     duplicate = copy.deepcopy(model)  # the copy runs its own weights
     with torch.no_grad():
         duplicate.backbone.layers[0].mixer.branches[1].resample_proj.weight.mul_(1.5)
