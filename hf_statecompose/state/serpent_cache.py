@@ -34,9 +34,9 @@ differences to the window's times), so the last state's window keeps its exact d
 approximate is the phase (after a real concatenation it depends on the earlier contexts' total time) and
 that the window and last ȳ saw only the last context (at layers > 0 the inputs of a concatenation also
 depend on the earlier contexts). On the trained miniature LM (``benchmarks/serpent_composition.py``) this
-choice makes 80-90% of CASO's small gap to ``concat`` (KL 0.0004 nats); the branch SSM composition the rest. ``concat`` re-encodes the tokens and is
-exact; ``piconcat_r`` takes the resampling state of its list-order concatenation (the rotation that ends
-with the last state, i.e. what ``concat`` gives).
+choice makes 80-90% of CASO's small gap to ``concat`` (KL 0.0004 nats); the branch SSM composition the
+rest. ``concat`` re-encodes the tokens and is exact; ``piconcat_r`` takes the resampling state of its
+list-order concatenation (the rotation that ends with the last state, i.e. what ``concat`` gives).
 """
 from __future__ import annotations
 
