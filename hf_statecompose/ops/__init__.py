@@ -1,7 +1,9 @@
-"""Ops, one folder each (``selective_scan``, ``ssd``, ``conv``, ``compose``): a plain reference, a
-vectorised torch path and a Triton kernel with the same signature, side by side; ``backends`` picks one."""
+"""Ops, one folder each (``selective_scan``, ``ssd``, ``conv``, ``compose``, ``linear_recurrence``): a plain
+reference, a vectorised torch path and a Triton kernel with the same signature, side by side; ``backends``
+picks one."""
 from .compose import compose_ssm_ref, compose_ssm_torch
 from .conv import causal_conv1d, causal_conv1d_ref
+from .linear_recurrence import linear_recurrence, linear_recurrence_reference
 from .selective_scan import selective_scan, selective_scan_ref
 from .ssd import discretize_dt, ssd_scan, ssd_scan_ref
 
@@ -11,6 +13,8 @@ __all__ = [
     "compose_ssm_ref",
     "compose_ssm_torch",
     "discretize_dt",
+    "linear_recurrence",
+    "linear_recurrence_reference",
     "selective_scan",
     "selective_scan_ref",
     "ssd_scan",

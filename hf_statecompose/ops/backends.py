@@ -26,6 +26,7 @@ from .compose import native as _compose_native
 from .compose.vectorized import compose_ssm_torch
 from .conv import native as _conv_native
 from .conv.vectorized import causal_conv1d as _conv_eager
+from .linear_recurrence import linear_recurrence  # noqa: F401  (dispatches itself: backend="auto" | ... )
 from .selective_scan import compiled
 from .selective_scan import native as _scan_native
 from .selective_scan.vectorized import selective_scan as _selective_scan_eager
@@ -40,6 +41,7 @@ _TRITON_MODULES = {  # op -> (module beside this file, function); imported only 
     "ssd_scan": ("ssd.triton_kernel", "ssd_scan_triton"),
     "causal_conv1d": ("conv.triton_kernel", "causal_conv1d_triton"),
     "compose_ssm": ("compose.triton_kernel", "compose_ssm_triton"),
+    "linear_recurrence": ("linear_recurrence.triton_kernel", "linear_recurrence_triton"),
 }
 _logged: set = set()
 
