@@ -1,0 +1,209 @@
+"""hsc.CoffeeMixer: the parallel (Newton + implicit backward) path against the sequential loop."""
+import copy
+import logging
+
+import pytest
+import torch
+
+import hf_statecompose as hsc
+from hf_statecompose.models.coffee import mixer as coffee_mixer
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def _trained(mixer, steps=5):
+    """A few Adam steps on a toy target (running mean of the input), so the weights leave their init."""
+    g = torch.Generator().manual_seed(1)
+    opt = torch.optim.Adam(mixer.parameters(), lr=0.1)
+    for _ in range(steps):
+        u = torch.randn(4, 32, mixer.hidden_size, generator=g, dtype=mixer.C.dtype)
+        target = u.cumsum(1) / torch.arange(1, 33, dtype=u.dtype)[:, None]
+        loss = (mixer(u, method="sequential") - target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    mixer.zero_grad()
+    return mixer
+
+
+def _run(mixer, u, x0, method):
+    mixer.zero_grad()
+    u, x0 = u.clone().requires_grad_(), x0.clone().requires_grad_()
+    y, final = mixer(u, x0, return_final_state=True, method=method)
+    weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)
+    ((y * weights).sum() + final.pow(2).sum()).backward()
+    grads = {"u": u.grad, "initial_state": x0.grad}
+    grads.update({name: p.grad.clone() for name, p in mixer.named_parameters()})
+    mixer.zero_grad()
+    return y.detach(), final.detach(), grads
+
+
+def _close(actual, expected, rel, what):
+    scale = expected.abs().max().clamp_min(torch.finfo(expected.dtype).tiny)
+    err = (actual - expected).abs().max() / scale
+    assert err <= rel, f"{what}: relative error {err:.3g} > {rel:g}"
+
+
+def test_parameter_count_and_export():
+    assert hsc.CoffeeMixer is coffee_mixer.CoffeeMixer
+    mixer = hsc.CoffeeMixer(16, 8)
+    assert sum(p.numel() for p in mixer.parameters()) == 384
+    assert {name for name, _ in mixer.named_parameters()} == {"A", "C", "w_D"}
+    assert sum(p.numel() for p in hsc.CoffeeMixer(16, 8, output_filter=True).parameters()) == 512
+
+
+def test_stable_parametrisation():
+    mixer = hsc.CoffeeMixer(4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        mixer.A.copy_(torch.linspace(-40, 40, 12).view(4, 3))
+    lam = mixer.eigenvalues
+    # (-2, 0) in exact arithmetic; rounding may reach the ends, which still keep |1 + λΔ| <= 1
+    assert ((lam >= -2) & (lam <= 0)).all()
+    gate = torch.linspace(0, 1, 101, dtype=torch.float64)
+    assert ((1 + lam[..., None] * gate).abs() <= 1).all()
+    moderate = lam[1:3]  # |μ| <= 18: strictly inside, every gate strictly contracting
+    assert ((moderate > -2) & (moderate < 0)).all()
+    assert ((1 + moderate[..., None] * gate[1:-1]).abs() < 1).all()
+    # the state stays within |x(-1)| + Σ|u| whatever the weights
+    with torch.no_grad():
+        mixer.w_D.mul_(50)
+    u = 10 * torch.randn(2, 200, 4, dtype=torch.float64)
+    _, final = mixer(u, return_final_state=True, method="sequential")
+    assert (final.abs() <= u.abs().sum(1)[..., None] * (1 + 1e-12)).all()
+
+
+def _errors(result, truth):
+    """Normwise relative errors (max |difference| / max |truth|) of output, final state and every gradient."""
+    pairs = {"output": (result[0], truth[0]), "final state": (result[1], truth[1])}
+    pairs.update({f"grad {name}": (result[2][name], truth[2][name]) for name in truth[2]})
+    return {what: ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+            for what, (a, b) in pairs.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("L", [1, 7, 255, 4096])
+@pytest.mark.parametrize("trained", [False, True])
+def test_parallel_matches_sequential(dtype, L, trained):
+    """fp64: parallel == sequential within 1e-10. fp32: both are compared with the fp64 loop (the truth); the
+    parallel path is within 1e-5 of it, or, where the fp32 loop itself is not (rounding amplified through
+    4096 steps: up to ~2e-5 for grad u, measured), within twice the fp32 loop's own error."""
+    torch.manual_seed(L)
+    hidden, batch = (16, 2) if L < 4096 else (4, 1)
+    mixer = hsc.CoffeeMixer(hidden, 8, dtype=dtype)
+    if trained:
+        _trained(mixer)
+    u = torch.randn(batch, L, hidden, dtype=dtype)
+    x0 = torch.randn(batch, hidden, 8, dtype=dtype)
+    parallel = _run(mixer, u, x0, "parallel")
+    info = mixer.last_solve
+    assert info.method == "parallel" and 0 <= info.iterations <= L and info.residual <= info.tolerance
+    sequential = _run(mixer, u, x0, "sequential")
+    assert set(parallel[2]) == set(sequential[2]) == {"u", "initial_state", "A", "C", "w_D"}
+    if dtype == torch.float64:
+        for what, err in _errors(parallel, sequential).items():
+            assert err <= 1e-10, f"{what}: relative error {err:.3g} > 1e-10"
+        return
+    mixer64 = copy.deepcopy(mixer).double()
+    truth = _run(mixer64, u.double(), x0.double(), "sequential")
+    loop_errors = _errors(sequential, truth)
+    for what, err in _errors(parallel, truth).items():
+        bound = max(1e-5, 2 * loop_errors[what])
+        assert err <= bound, f"{what}: relative error {err:.3g} > {bound:.3g} (fp32 loop: {loop_errors[what]:.3g})"
+
+
+def test_output_filter_parallel_matches_sequential():
+    torch.manual_seed(0)
+    mixer = hsc.CoffeeMixer(6, 4, output_filter=True, dtype=torch.float64)
+    u, x0 = torch.randn(2, 33, 6, dtype=torch.float64), torch.randn(2, 6, 4, dtype=torch.float64)
+    y_p, final_p, grads_p = _run(mixer, u, x0, "parallel")
+    y_s, final_s, grads_s = _run(mixer, u, x0, "sequential")
+    _close(y_p, y_s, 1e-10, "output")
+    _close(final_p, final_s, 1e-10, "final state")
+    assert "w_gamma" in grads_s
+    for name in grads_s:
+        _close(grads_p[name], grads_s[name], 1e-10, f"grad {name}")
+
+
+def test_default_initial_state_is_zero_and_auto_is_parallel():
+    torch.manual_seed(0)
+    mixer = hsc.CoffeeMixer(3, 2)
+    u = torch.randn(2, 9, 3)
+    y = mixer(u)
+    assert mixer.last_solve.method == "parallel" and mixer.last_iterations <= 9
+    torch.testing.assert_close(y, mixer(u, torch.zeros(2, 3, 2), method="sequential"))
+
+
+def test_gradcheck_parallel():
+    torch.manual_seed(0)
+    mixer = hsc.CoffeeMixer(3, 2, output_filter=True, dtype=torch.float64)
+    with torch.no_grad():
+        mixer.A.normal_()  # away from the init, so λ matters
+    u = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
+    x0 = torch.randn(2, 3, 2, dtype=torch.float64, requires_grad=True)
+    lam = mixer.eigenvalues.detach().requires_grad_()
+    w = mixer.w_D.detach().clone().requires_grad_()
+
+    def states(u, x0, lam, w):
+        return coffee_mixer._CoffeeTrajectory.apply(u, x0, lam, w, mixer)
+
+    assert torch.autograd.gradcheck(states, (u, x0, lam, w))
+
+    def outputs(u, x0, A, C, w_D, w_gamma):
+        return torch.func.functional_call(mixer, {"A": A, "C": C, "w_D": w_D, "w_gamma": w_gamma},
+                                          (u, x0), {"method": "parallel"})
+
+    params = [p.detach().clone().requires_grad_() for p in (mixer.A, mixer.C, mixer.w_D, mixer.w_gamma)]
+    assert torch.autograd.gradcheck(outputs, (u, x0, *params))
+
+
+def test_divergence_falls_back_to_sequential_and_warns_once(monkeypatch, caplog):
+    torch.manual_seed(0)
+    mixer = hsc.CoffeeMixer(4, 3)
+    u, x0 = torch.randn(2, 20, 4), torch.randn(2, 4, 3)
+    expected, expected_final, grads_s = _run(mixer, u, x0, "sequential")
+
+    def broken(a, b, initial_state=None):
+        return torch.full_like(b, float("nan"))
+
+    monkeypatch.setattr(coffee_mixer, "_solve_linear_recurrence", broken)
+    with caplog.at_level(logging.WARNING, logger=coffee_mixer.__name__):
+        y, final = mixer(u, x0, return_final_state=True, method="parallel")
+        assert mixer.last_solve.method == "sequential (fallback)"
+        mixer(u, x0, method="parallel")
+    warnings = [r for r in caplog.records if "did not converge" in r.getMessage()]
+    assert len(warnings) == 1
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    torch.testing.assert_close(final, expected_final, rtol=0, atol=0)
+
+
+def test_growth_falls_back(monkeypatch, caplog):
+    torch.manual_seed(0)
+    mixer = hsc.CoffeeMixer(4, 3)
+    u = torch.randn(1, 10, 4)
+
+    def huge(a, b, initial_state=None):
+        return torch.full_like(b, 1e12)
+
+    monkeypatch.setattr(coffee_mixer, "_solve_linear_recurrence", huge)
+    with caplog.at_level(logging.WARNING, logger=coffee_mixer.__name__):
+        y = mixer(u, method="parallel")
+    assert mixer.last_solve.method == "sequential (fallback)"
+    assert any("did not converge" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(y, mixer(u, method="sequential"), rtol=0, atol=0)
+
+
+def test_bad_input_says_what():
+    mixer = hsc.CoffeeMixer(4, 3)
+    with pytest.raises(ValueError, match="hidden_size=4"):
+        mixer(torch.randn(1, 5, 3))
+    with pytest.raises(ValueError, match="initial_state"):
+        mixer(torch.randn(1, 5, 4), torch.zeros(1, 4, 2))
+    with pytest.raises(ValueError, match="method"):
+        mixer(torch.randn(1, 5, 4), method="scan")
+
+
+def test_deepcopy_keeps_behaviour():
+    torch.manual_seed(0)
+    mixer = hsc.CoffeeMixer(4, 3)
+    u = torch.randn(1, 12, 4)
+    torch.testing.assert_close(copy.deepcopy(mixer)(u), mixer(u))
