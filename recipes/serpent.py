@@ -294,7 +294,23 @@ def save_checkpoint(model, task, out: Path) -> None:
     if is_stock_mamba(model):
         hsc.disable(model)  # the stock class and mixers: the checkpoint loads with transformers alone
     model.save_pretrained(out)
+    _drop_code_copies(out)
     task.save_extras(out)
+
+
+def _drop_code_copies(out: Path) -> None:
+    """These checkpoints ship inside this repository, next to the package: they load through the classes
+    ``import hf_statecompose`` registers, so the copies of the modeling / config files that
+    ``save_pretrained`` writes for ``trust_remote_code`` (and the ``auto_map`` naming them) would only be
+    stale duplicates of the package's code. A checkpoint meant for the Hub keeps them (plain
+    ``save_pretrained``)."""
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    if config.pop("auto_map", None) is None:
+        return
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in ("modeling_serpent.py", "configuration_serpent.py"):
+        (out / name).unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------- report

@@ -57,7 +57,7 @@ def test_pickle_round_trip_keeps_the_model_enabled(arch):
     model = tiny_model(arch)
     state = ComposableMambaCache.encode(model, random_ids(12))
     query = random_ids(3)
-    loaded = pickle.loads(pickle.dumps(model))
+    loaded = pickle.loads(pickle.dumps(model))  # bytes made by this test (models must survive pickle)
     assert hsc.is_enabled(loaded) and isinstance(loaded, _stock_class(arch))
     assert type(loaded.backbone.layers[1].mixer) is type(model.backbone.layers[1].mixer)
     assert hsc.get_backend(loaded) == hsc.get_backend(model)
@@ -76,7 +76,7 @@ def test_unpickling_where_the_enabled_classes_were_never_made(arch, monkeypatch)
     data = pickle.dumps(model)
     monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
     monkeypatch.setattr(mixers, "_COMPOSABLE_MIXER_CLASSES", {})
-    loaded = pickle.loads(data)
+    loaded = pickle.loads(data)  # bytes made by this test (models must survive pickle)
     assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
     stock_mixer = type(model.backbone.layers[0].mixer)._hsc_stock_class
     assert type(loaded.backbone.layers[0].mixer) is mixers._COMPOSABLE_MIXER_CLASSES[stock_mixer]  # made on load

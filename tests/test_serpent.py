@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_statecompose as hsc
@@ -317,6 +318,7 @@ def test_model_survives_deepcopy_pickle_and_torch_save(model):
         buffer = io.BytesIO()
         torch.save(model, buffer)
         buffer.seek(0)
+        # the standard asks models to survive pickle / torch.save: these bytes are made here, never a user's file
         for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
             assert torch.equal(clone(ids).logits, expected)
 
@@ -391,14 +393,15 @@ def test_save_pretrained_and_trust_remote_code_in_a_fresh_process(tmp_path, mode
     ids = ids_of(2, 11)
     with torch.no_grad():
         expected = model(ids).logits
-    torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
+    save_file({"ids": ids, "logits": expected}, tmp_path / "expected.safetensors")
     code = f"""
         import sys, torch
+        from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
         assert "hf_statecompose" not in sys.modules
         model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        data = torch.load({str(tmp_path / 'expected.pt')!r})
+        data = load_file({str(tmp_path / 'expected.safetensors')!r})
         with torch.no_grad():
             assert torch.equal(model(data["ids"]).logits, data["logits"])
             out = model.generate(data["ids"], max_new_tokens=3, do_sample=False, pad_token_id=0)
