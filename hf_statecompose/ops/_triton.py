@@ -1,6 +1,7 @@
 """Shared helpers of the Triton kernels (``<op>/triton_kernel.py``); imports no Triton itself."""
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -23,3 +24,17 @@ def check_runnable(*tensors: torch.Tensor | None) -> None:
             )
         if t.device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"the Triton kernels run on CUDA (or the CPU interpreter), got a tensor on {t.device}")
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """None when the Triton kernels can run on ``device``, else why not (the one rule every op's
+    dispatch uses: ``backends.py`` and the op folders that dispatch themselves)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return "triton is not installed (pip install triton; it ships with CUDA builds of torch)"
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return None
+    if device.type == "cpu":
+        return "the Triton kernels need CUDA tensors (TRITON_INTERPRET=1 runs them on CPU, for tests only)"
+    return f"the Triton kernels do not run on {device.type} tensors"

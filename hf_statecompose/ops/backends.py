@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from ._triton import interpreting
+from ._triton import triton_unavailable_reason
 from .compose import native as _compose_native
 from .compose.vectorized import compose_ssm_torch
 from .conv import native as _conv_native
@@ -50,19 +50,6 @@ def check_backend_name(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     return backend
-
-
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """None when the Triton kernels can run on ``device``, else why not."""
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        return "triton is not installed (pip install triton; it ships with CUDA builds of torch)"
-    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
-        return None
-    if device.type == "cpu":
-        return "the Triton kernels need CUDA tensors (TRITON_INTERPRET=1 runs them on CPU, for tests only)"
-    return f"the Triton kernels do not run on {device.type} tensors"
 
 
 def resolve(backend: str, device: torch.device, op: str) -> str:

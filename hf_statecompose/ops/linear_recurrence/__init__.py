@@ -4,12 +4,11 @@ The inner solve of the parallel (DEER / Newton) forward of the COFFEE mixer, and
 """
 from __future__ import annotations
 
-import importlib
 import logging
 
 import torch
 
-from .._triton import interpreting
+from .._triton import triton_unavailable_reason as _triton_unavailable_reason
 from .reference import linear_recurrence_reference
 from .vectorized import linear_recurrence_torch
 
@@ -18,19 +17,6 @@ __all__ = ["BACKENDS", "linear_recurrence", "linear_recurrence_reference", "line
 BACKENDS = ("auto", "torch", "triton", "reference")
 logger = logging.getLogger("hf_statecompose")
 _logged: set = set()
-
-
-def _triton_unavailable_reason(device: torch.device) -> str | None:
-    # the same rule as ops/backends.py (this folder may not import it: the ops folders are independent)
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        return "triton is not installed (pip install triton; it ships with CUDA builds of torch)"
-    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
-        return None
-    if device.type == "cpu":
-        return "the Triton kernels need CUDA tensors (TRITON_INTERPRET=1 runs them on CPU, for tests only)"
-    return f"the Triton kernels do not run on {device.type} tensors"
 
 
 def _resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
