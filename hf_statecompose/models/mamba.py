@@ -37,6 +37,18 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     if mask is not None:
         x = x * mask[:, None, :].to(x.dtype)
 
+    y, ssm_state, delta_sum, A = selective_ssm(
+        mixer, x, gate, layer.recurrent_states[0] if has_state else None, mask, backend
+    )
+    cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)
+    return mixer.out_proj(y.transpose(1, 2).to(dtype))
+
+
+def selective_ssm(mixer, x: torch.Tensor, gate: torch.Tensor, initial_state, mask, backend: str):
+    """The mixer's selective SSM on its conv output ``x`` ``[B, D, T]`` (gate ``[B, D, T]``): x_proj to
+    (Δ, B, C), Δ exactly as the mixer computes it (``softplus(dt_proj(x) + bias)``, the bias added in the
+    scan), then the scan from ``initial_state``. Returns ``(y [B, D, T], SSM state, ΣΔ, A)``; shared by the
+    Mamba-1 path above and SeRpEnt's branch SSMs."""
     ssm_parameters = mixer.x_proj(x.transpose(1, 2))  # [B, T, R + 2N]
     time_step, B, C = torch.split(
         ssm_parameters, [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
@@ -54,9 +66,8 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
         z=gate,
         delta_bias=mixer.dt_proj.bias.float() if mixer.dt_proj.bias is not None else None,
         delta_softplus=True,
-        initial_state=layer.recurrent_states[0] if has_state else None,
+        initial_state=initial_state,
         mask=mask,
         backend=backend,
     )
-    cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)
-    return mixer.out_proj(y.transpose(1, 2).to(dtype))
+    return y, ssm_state, delta_sum, A

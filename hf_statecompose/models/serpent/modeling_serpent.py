@@ -69,13 +69,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from hf_statecompose.models.mamba import selective_ssm
 from hf_statecompose.ops import backends
 from hf_statecompose.state.serpent_cache import CLOCK_BITS, CLOCK_ONE, ComposableSeRpEntCache
 
@@ -149,26 +149,7 @@ def branch_ssm_forward(mixer, hidden_states: torch.Tensor, cache, count: torch.T
     new_window = inputs.gather(2, ends.expand(-1, inputs.shape[1], -1))
     x = x * mask[:, None, :].to(x.dtype)
 
-    ssm_parameters = mixer.x_proj(x.transpose(1, 2))  # [B, T, R + 2N]
-    time_step, B, C = torch.split(
-        ssm_parameters, [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
-    )
-    dt = F.linear(time_step, mixer.dt_proj.weight).transpose(1, 2)  # [B, D, T]; the bias is added in the scan
-    A = -torch.exp(mixer.A_log.float())  # [D, N]
-    y, ssm_state, delta_sum = backends.selective_scan(
-        x,
-        dt,
-        A,
-        B.transpose(1, 2),
-        C.transpose(1, 2),
-        D=mixer.D.float(),
-        z=gate,
-        delta_bias=mixer.dt_proj.bias.float() if mixer.dt_proj.bias is not None else None,
-        delta_softplus=True,
-        initial_state=layer.recurrent_states[0],
-        mask=mask,
-        backend=backend,
-    )
+    y, ssm_state, delta_sum, A = selective_ssm(mixer, x, gate, layer.recurrent_states[0], mask, backend)
     cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=new_window, delta_sum=delta_sum, A=A)
     return mixer.out_proj(y.transpose(1, 2).to(dtype))
 
