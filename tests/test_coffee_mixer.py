@@ -57,13 +57,13 @@ def test_stable_parametrisation():
     with torch.no_grad():
         mixer.A.copy_(torch.linspace(-40, 40, 12).view(4, 3))
     lam = mixer.eigenvalues
-    # (-2, 0) in exact arithmetic; rounding may reach the ends, which still keep |1 + λΔ| <= 1
-    assert ((lam >= -2) & (lam <= 0)).all()
+    # (-1, 0) in exact arithmetic; rounding may reach the ends, which still keep 0 <= 1 + λΔ <= 1
+    assert ((lam >= -1) & (lam <= 0)).all()
     gate = torch.linspace(0, 1, 101, dtype=torch.float64)
-    assert ((1 + lam[..., None] * gate).abs() <= 1).all()
-    moderate = lam[1:3]  # |μ| <= 18: strictly inside, every gate strictly contracting
-    assert ((moderate > -2) & (moderate < 0)).all()
-    assert ((1 + moderate[..., None] * gate[1:-1]).abs() < 1).all()
+    assert ((1 + lam[..., None] * gate >= 0) & (1 + lam[..., None] * gate <= 1)).all()
+    moderate = lam[1:3]  # |μ| <= 18: strictly inside, every gate strictly contracting, never sign-flipping
+    assert ((moderate > -1) & (moderate < 0)).all()
+    assert ((1 + moderate[..., None] * gate[1:-1] > 0) & (1 + moderate[..., None] * gate[1:-1] < 1)).all()
     # the state stays within |x(-1)| + Σ|u| whatever the weights
     with torch.no_grad():
         mixer.w_D.mul_(50)
@@ -144,7 +144,7 @@ def test_gradcheck_parallel():
     w = mixer.w_D.detach().clone().requires_grad_()
 
     def states(u, x0, lam, w):
-        return coffee_mixer._CoffeeTrajectory.apply(u, x0, lam, w, mixer)
+        return coffee_mixer._CoffeeTrajectory.apply(u, x0, lam, w, mixer, None)
 
     assert torch.autograd.gradcheck(states, (u, x0, lam, w))
 
@@ -207,3 +207,47 @@ def test_deepcopy_keeps_behaviour():
     mixer = hsc.CoffeeMixer(4, 3)
     u = torch.randn(1, 12, 4)
     torch.testing.assert_close(copy.deepcopy(mixer)(u), mixer(u))
+
+
+@pytest.mark.parametrize("gate", ["state", "input"])
+def test_gates_and_mask_parallel_matches_sequential(gate):
+    """The ablation gates (Table 6) and left padding: parallel == sequential (fp64, every gradient); a masked
+    step leaves the state exactly as it was; the log-decay is Σ log(1 + λΔ) over the real steps only."""
+    torch.manual_seed(1)
+    mixer = hsc.CoffeeMixer(5, 3, gate=gate, dtype=torch.float64)
+    _trained(mixer)
+    u = torch.randn(3, 40, 5, dtype=torch.float64)
+    x0 = torch.randn(3, 5, 3, dtype=torch.float64)
+    mask = torch.ones(3, 40)
+    mask[0, :7] = 0
+    mask[2, :39] = 0
+    results = {}
+    for method in ("parallel", "sequential"):
+        leaves = [u.clone().requires_grad_(), x0.clone().requires_grad_()]
+        y, final, log_decay = mixer(leaves[0], leaves[1], method=method, mask=mask, return_log_decay=True)
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, 40, dtype=torch.float64)[:, None]).square().sum()
+                                    + final.sum() + log_decay.sum(), leaves + list(mixer.parameters()))
+        results[method] = (y, final, log_decay, grads)
+    for a, b in zip(results["parallel"][:3], results["sequential"][:3]):
+        _close(a, b, 1e-10, "value")
+    for a, b in zip(results["parallel"][3], results["sequential"][3]):
+        _close(a, b, 1e-10, "grad")
+    # row 0: 7 padding steps then 33 real ones == the 33 real ones alone
+    y0, f0, d0 = mixer(u[:1, 7:], x0[:1], method="sequential", return_log_decay=True)
+    _close(results["sequential"][1][:1], f0, 1e-12, "masked final state")
+    _close(results["sequential"][2][:1], d0, 1e-12, "masked log decay")
+    assert (d0 < 0).all()
+
+
+def test_linear_feedback_gate_and_bad_arguments():
+    mixer = hsc.CoffeeMixer(2, 2, gate="linear_state", dtype=torch.float64)
+    with torch.no_grad():
+        mixer.w_D.fill_(0.1)
+    u = 0.1 * torch.randn(1, 9, 2, dtype=torch.float64)
+    _close(mixer(u, method="parallel"), mixer(u, method="sequential"), 1e-10, "linear feedback")
+    with pytest.raises(ValueError, match="log-decay"):
+        mixer(u, return_log_decay=True)
+    with pytest.raises(ValueError, match="gate must be one of"):
+        hsc.CoffeeMixer(2, 2, gate="softplus")
+    with pytest.raises(ValueError, match="mask must be"):
+        hsc.CoffeeMixer(2, 2)(torch.zeros(1, 3, 2), mask=torch.ones(1, 4))

@@ -36,6 +36,7 @@ from ...ops.linear_recurrence import linear_recurrence
 logger = logging.getLogger(__name__)
 
 METHODS = ("auto", "parallel", "sequential")
+GATES = ("state", "input", "linear_state")
 
 # The stopping tolerance, in units of the dtype's machine epsilon times the trajectory's scale (see
 # `_newton_trajectory`).
@@ -64,28 +65,50 @@ class CoffeeSolveInfo:
     tolerance: float | None = None
 
 
-def _step_terms(prev, u, lam, w):
-    """Δ, f(prev) and the diagonal Jacobian ∂f/∂prev, elementwise ([..., D, n]; u broadcast over n)."""
-    gate = torch.sigmoid(w * prev)
+def _gate_and_slope(prev, u, w, gate_kind, mask=None):
+    """(Δ, ∂Δ/∂x, ∂Δ/∂w, ∂Δ/∂u), elementwise ([..., D, n]); ``mask`` (0 / 1, broadcastable) zeroes the gate
+    of padding steps, which then leave the state exactly as it was."""
+    if mask is not None:
+        gate, dx, dw, du = _gate_and_slope(prev, u, w, gate_kind)
+        return tuple(None if t is None else t * mask for t in (gate, dx, dw, du))
+    if gate_kind == "state":
+        gate = torch.sigmoid(w * prev)
+        slope = gate * (1 - gate)
+        return gate, slope * w, slope * prev, None
+    if gate_kind == "input":
+        gate = torch.sigmoid(w * u)
+        slope = gate * (1 - gate)
+        return gate, None, slope * u, slope * w
+    gate = w * prev  # "linear_state"
+    return gate, w, prev, None
+
+
+def _step_terms(prev, u, lam, w, gate_kind="state", mask=None):
+    """Δ, f(prev), the diagonal Jacobian ∂f/∂prev, and the partials ∂f/∂w, ∂f/∂u, elementwise ([..., D, n];
+    u broadcast over n). f(x) = x + Δ (λ x + u)."""
+    gate, dgate_dx, dgate_dw, dgate_du = _gate_and_slope(prev, u, w, gate_kind, mask)
     drive = lam * prev + u  # λ x + u
     step = prev + gate * drive
-    jacobian = 1 + lam * gate + drive * w * gate * (1 - gate)
-    return gate, step, jacobian
+    jacobian = 1 + lam * gate if dgate_dx is None else 1 + lam * gate + drive * dgate_dx
+    dfdw = drive * dgate_dw
+    dfdu = gate if dgate_du is None else gate + drive * dgate_du
+    return gate, step, jacobian, dfdw, dfdu
 
 
-def coffee_states_sequential(u, x0, lam, w):
+def coffee_states_sequential(u, x0, lam, w, gate_kind="state", mask=None):
     """The plain loop over k (the reference; autograd-differentiable as written).
 
-    u [B, L, D], x0 [B, D, n], lam, w [D, n] -> states x(0..L-1) [B, L, D, n]."""
+    u [B, L, D], x0 [B, D, n], lam, w [D, n], mask None or [B, L, 1, 1] -> states x(0..L-1) [B, L, D, n]."""
     states, x = [], x0
     for k in range(u.shape[1]):
-        gate = torch.sigmoid(w * x)
-        x = x + gate * (lam * x + u[:, k, :, None])
+        u_k = u[:, k, :, None]
+        gate = _gate_and_slope(x, u_k, w, gate_kind, None if mask is None else mask[:, k])[0]
+        x = x + gate * (lam * x + u_k)
         states.append(x)
     return torch.stack(states, dim=1)
 
 
-def _newton_trajectory(u, x0, lam, w):
+def _newton_trajectory(u, x0, lam, w, gate_kind="state", mask=None):
     """Newton / DEER on the whole trajectory; returns (states [B, L, D, n], CoffeeSolveInfo, ok).
 
     Stopping rule: stop once every step equation holds to within ``_TOLERANCE_ULPS`` machine epsilons of the
@@ -104,16 +127,30 @@ def _newton_trajectory(u, x0, lam, w):
     scale_in = max(float(x0.abs().max()) if x0.numel() else 0.0, float(u_abs.max()) if u.numel() else 0.0)
     bound = float(x0.abs().amax(dim=-1).max() + u_abs.sum(dim=1).max()) if u.numel() else 0.0
 
-    # initial guess: the trajectory with the gate frozen at its value from the initial state (linear, one scan)
-    gate0 = torch.sigmoid(w * x0)  # [B, D, n]
-    a0 = (1 + lam * gate0)[:, None].expand(B, L, D, n)
-    x = _solve_linear_recurrence(a0.reshape(B, L, D * n), (gate0[:, None] * u_).reshape(B, L, D * n),
+    # initial guess: the trajectory with the gate frozen at its value from the initial state (linear, one scan;
+    # for the input gate, which does not depend on the state, this is already the solution)
+    if gate_kind == "input":
+        gate0 = torch.sigmoid(w * u_)  # [B, L, D, n]
+    else:
+        gate0 = _gate_and_slope(x0, None, w, gate_kind)[0][:, None].expand(B, L, D, n)
+    if mask is not None:
+        gate0 = gate0 * mask
+    a0 = 1 + lam * gate0
+    x = _solve_linear_recurrence(a0.reshape(B, L, D * n), (gate0 * u_).reshape(B, L, D * n),
                                  x0.reshape(B, D * n)).view(B, L, D, n)
     iterations = 0
+    # the residual in float64 for float32 (and half) inputs: iterative refinement with an extended-precision
+    # residual, so the iterate converges to the trajectory of the exact step equations, rounded once per
+    # element, instead of one whose per-step rounding is amplified through the recurrence like the loop's
+    wide = torch.float64 if u.dtype != torch.float64 else u.dtype
+    u_w, lam_w, w_w, x0_w = u_.to(wide), lam.to(wide), w.to(wide), x0.to(wide)
+    mask_w = None if mask is None else mask.to(wide)
     while True:
-        prev = torch.cat([x0[:, None], x[:, :-1]], dim=1)
-        _, step, jacobian = _step_terms(prev, u_, lam, w)
-        residual = step - x
+        x_w = x.to(wide)
+        prev = torch.cat([x0_w[:, None], x_w[:, :-1]], dim=1)
+        step, jacobian = _step_terms(prev, u_w, lam_w, w_w, gate_kind, mask_w)[1:3]
+        residual = (step - x_w).to(u.dtype)
+        jacobian = jacobian.to(u.dtype)
         res_max = float(residual.abs().max())
         x_max = float(x.abs().max())
         tolerance = _TOLERANCE_ULPS * eps * max(x_max, scale_in, torch.finfo(u.dtype).tiny)
@@ -133,9 +170,11 @@ class _CoffeeTrajectory(torch.autograd.Function):
     the implicit adjoint recurrence. ``ctx`` keeps only the converged trajectory, not the iterations."""
 
     @staticmethod
-    def forward(ctx, u, x0, lam, w, mixer):
+    def forward(ctx, u, x0, lam, w, mixer, mask):
+        gate_kind = mixer.gate
+        ctx.gate_kind, ctx.mask = gate_kind, mask
         with torch.no_grad():
-            states, info, ok = _newton_trajectory(u, x0, lam, w)
+            states, info, ok = _newton_trajectory(u, x0, lam, w, gate_kind, mask)
             if not ok:
                 if not mixer._warned_fallback:
                     logger.warning(
@@ -143,7 +182,7 @@ class _CoffeeTrajectory(torch.autograd.Function):
                         "tolerance %s); using the sequential loop. Pass method='sequential' to skip the attempt.",
                         info.residual, info.iterations, info.tolerance)
                     mixer._warned_fallback = True
-                states = coffee_states_sequential(u, x0, lam, w)
+                states = coffee_states_sequential(u, x0, lam, w, gate_kind, mask)
                 info = CoffeeSolveInfo("sequential (fallback)", info.iterations, info.residual, info.tolerance)
         mixer.last_solve = info
         ctx.save_for_backward(u, x0, lam, w, states)
@@ -155,17 +194,16 @@ class _CoffeeTrajectory(torch.autograd.Function):
         B, L, D, n = states.shape
         u_ = u[..., None]
         prev = torch.cat([x0[:, None], states[:, :-1]], dim=1)
-        gate, _, jacobian = _step_terms(prev, u_, lam, w)
+        gate, _, jacobian, dfdw, dfdu = _step_terms(prev, u_, lam, w, ctx.gate_kind, ctx.mask)
         # adjoint g(k) = G(k) + J(k+1) g(k+1), run forward in time over the flipped sequence
         a_next = torch.cat([jacobian[:, 1:], torch.zeros_like(jacobian[:, :1])], dim=1)
         adjoint = _solve_linear_recurrence(a_next.flip(1).reshape(B, L, D * n),
                                            grad_states.flip(1).reshape(B, L, D * n)).view(B, L, D, n).flip(1)
-        drive = lam * prev + u_
-        grad_u = (adjoint * gate).sum(-1) if ctx.needs_input_grad[0] else None
+        grad_u = (adjoint * dfdu).sum(-1) if ctx.needs_input_grad[0] else None
         grad_x0 = jacobian[:, 0] * adjoint[:, 0] if ctx.needs_input_grad[1] else None
         grad_lam = (adjoint * gate * prev).sum((0, 1)) if ctx.needs_input_grad[2] else None
-        grad_w = (adjoint * drive * gate * (1 - gate) * prev).sum((0, 1)) if ctx.needs_input_grad[3] else None
-        return grad_u, grad_x0, grad_lam, grad_w, None
+        grad_w = (adjoint * dfdw).sum((0, 1)) if ctx.needs_input_grad[3] else None
+        return grad_u, grad_x0, grad_lam, grad_w, None, None
 
 
 class CoffeeMixer(nn.Module):
@@ -184,13 +222,23 @@ class CoffeeMixer(nn.Module):
 
     Stability: the paper enforces stability of I + A_i (§3, eq. (7)); its App. B uses ``λ = -e^μ``, which
     makes the continuous-time modes stable but not the step, since ``1 + λΔ < -1`` once ``λΔ < -2``. The
-    step's multiplier is ``1 + λΔ`` with the gate ``Δ = σ(·) ∈ (0, 1)``, so it lies in ``(-1, 1)`` for every
-    gate value iff ``λ ∈ [-2, 0)``; ``λ = -2 σ(μ) ∈ (-2, 0)`` keeps it there for every μ. Then
-    ``|x(k)| <= |x(k-1)| + |u(k)|`` elementwise: the state cannot blow up whatever the weights.
+    step's multiplier is ``1 + λΔ`` with the gate ``Δ = σ(·) ∈ (0, 1)``. Here ``λ = -σ(μ) ∈ (-1, 0)``, so
+    the multiplier lies in ``(0, 1)`` for every gate value and every μ: the step is a contraction that never
+    flips sign, like the ``e^{λΔ} ∈ (0, 1)`` of S6 that ``1 + λΔ`` linearises (App. C.1), and
+    ``|x(k)| <= |x(k-1)| + |u(k)|`` elementwise: the state cannot blow up whatever the weights. Positive
+    multipliers also give every context a well-defined log-decay ``Σ_k log(1 + λΔ(k))``, what the
+    decay-weighted compositions need (:meth:`forward` with ``return_log_decay``). (``λ ∈ (-2, 0)`` would
+    also be stable, but lets the multiplier go negative, an oscillating mode no exponential produces.)
 
-    Initialisation (App. H.2): A_i = 0 in the paper, here ``μ = -4`` (λ ≈ -0.036: I + A_i diag(Δ) within 4%
+    Initialisation (App. H.2): A_i = 0 in the paper, here ``μ = -4`` (λ ≈ -0.018: I + A_i diag(Δ) within 2%
     of the identity, the exact 0 being out of reach of the open interval, and a gradient dλ/dμ ≈ λ that is
     not vanishing); C_i and w_D^i from N(0, 1); w_γ (not in App. H) also from N(0, 1).
+
+    ``gate`` selects the gate for the ablations of the paper's Table 6 (the model is still eq. (7) otherwise):
+    ``"state"`` (default, eq. (5)) ``Δ_i = σ(w_D^i ⊙ x_i(k-1))``; ``"input"`` (no feedback)
+    ``Δ_i = σ(w_D^i u_i(k))``, the token-based gate of S6 in this parametrisation; ``"linear_state"`` (linear
+    feedback) ``Δ_i = w_D^i ⊙ x_i(k-1)`` without the sigmoid (unbounded: the stability bound above does
+    not hold for it, and the parallel path may fall back to the loop).
 
     ``forward(u, initial_state=None, return_final_state=False, method="auto")``: ``"sequential"`` runs the
     plain loop (autograd through it); ``"parallel"`` (and ``"auto"``) the Newton solve with the implicit
@@ -200,11 +248,15 @@ class CoffeeMixer(nn.Module):
 
     A_INIT = -4.0
 
-    def __init__(self, hidden_size: int, state_size: int, output_filter: bool = False, device=None, dtype=None):
+    def __init__(self, hidden_size: int, state_size: int, output_filter: bool = False, gate: str = "state",
+                 device=None, dtype=None):
         super().__init__()
         if hidden_size < 1 or state_size < 1:
             raise ValueError(f"hidden_size and state_size must be positive, got {hidden_size} and {state_size}")
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         self.hidden_size, self.state_size, self.output_filter = hidden_size, state_size, output_filter
+        self.gate = gate
         factory = {"device": device, "dtype": dtype}
         self.A = nn.Parameter(torch.empty(hidden_size, state_size, **factory))
         self.C = nn.Parameter(torch.empty(hidden_size, state_size, **factory))
@@ -224,8 +276,8 @@ class CoffeeMixer(nn.Module):
 
     @property
     def eigenvalues(self) -> torch.Tensor:
-        """λ = diag(A_i) per feature, [D, n], in (-2, 0)."""
-        return -2 * torch.sigmoid(self.A)
+        """λ = diag(A_i) per feature, [D, n], in (-1, 0)."""
+        return -torch.sigmoid(self.A)
 
     @property
     def last_iterations(self) -> int | None:
@@ -233,11 +285,18 @@ class CoffeeMixer(nn.Module):
         return None if self.last_solve is None else self.last_solve.iterations
 
     def extra_repr(self) -> str:
-        return f"hidden_size={self.hidden_size}, state_size={self.state_size}, output_filter={self.output_filter}"
+        gate = "" if self.gate == "state" else f", gate={self.gate!r}"
+        return f"hidden_size={self.hidden_size}, state_size={self.state_size}, output_filter={self.output_filter}{gate}"
 
     def forward(self, u: torch.Tensor, initial_state: torch.Tensor | None = None, return_final_state: bool = False,
-                method: str = "auto"):
-        """u [B, L, D] -> y [B, L, D] (and the final state [B, D, n] if ``return_final_state``)."""
+                method: str = "auto", mask: torch.Tensor | None = None, return_log_decay: bool = False):
+        """u [B, L, D] -> y [B, L, D] (and the final state [B, D, n] if ``return_final_state``).
+
+        ``mask`` ([B, L], 1 for real steps, 0 for padding; optional): a padding step has gate 0, so it leaves
+        the state exactly as it was and contributes nothing (left-padded batches). ``return_log_decay``:
+        return ``(y, final_state, log_decay)`` with ``log_decay = Σ_k log(1 + λ Δ(k))`` [B, D, n] (≤ 0), the
+        log of the product of the step multipliers over the sequence (gates ``"state"`` and ``"input"``).
+        """
         D, n = self.hidden_size, self.state_size
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -250,17 +309,27 @@ class CoffeeMixer(nn.Module):
         elif initial_state.shape != (u.shape[0], D, n):
             raise ValueError(f"initial_state must be [batch={u.shape[0]}, hidden_size={D}, state_size={n}], "
                              f"got {tuple(initial_state.shape)}")
+        if mask is not None:
+            if tuple(mask.shape) != tuple(u.shape[:2]):
+                raise ValueError(f"mask must be [batch, length] = {tuple(u.shape[:2])}, got {tuple(mask.shape)}")
+            mask = mask.to(u.dtype)[:, :, None, None]
+        if return_log_decay and self.gate == "linear_state":
+            raise ValueError("gate='linear_state' has no log-decay: its step multiplier 1 + λΔ can be negative")
         lam, w = self.eigenvalues.to(u.dtype), self.w_D.to(u.dtype)
         initial_state = initial_state.to(u.dtype)
         if method == "sequential":
-            states = coffee_states_sequential(u, initial_state, lam, w)
+            states = coffee_states_sequential(u, initial_state, lam, w, self.gate, mask)
             self.last_solve = CoffeeSolveInfo("sequential")
         else:
-            states = _CoffeeTrajectory.apply(u, initial_state, lam, w, self)  # [B, L, D, n]
+            states = _CoffeeTrajectory.apply(u, initial_state, lam, w, self, mask)  # [B, L, D, n]
         C = self.C.to(u.dtype)
         if self.w_gamma is not None:
             gamma = torch.sigmoid((states * self.w_gamma.to(u.dtype)).sum(-1, keepdim=True))
             y = (states * C * gamma).sum(-1)
         else:
             y = (states * C).sum(-1)
+        if return_log_decay:
+            prev = torch.cat([initial_state[:, None], states[:, :-1]], dim=1)
+            gate = _gate_and_slope(prev, u[..., None], w, self.gate, mask)[0]
+            return y, states[:, -1], torch.log1p(lam * gate).sum(1)
         return (y, states[:, -1]) if return_final_state else y
