@@ -8,7 +8,8 @@ run when (and if) the module it needs is imported by anyone:
 * transformers' stock Mamba / Mamba-2 ``forward`` and ``generate`` refuse ``past_states=`` with a
   ``ValueError`` naming :func:`enable` (a model that was never enabled would silently ignore them);
 * transformers' ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM`` learn the SeRpEnt-Mamba model
-  (``model_type = "serpent_mamba"``) when transformers imports them.
+  (``model_type = "serpent_mamba"``) and the COFFEE models (``model_type = "coffee"``, also with
+  ``AutoModelForImageClassification``) when transformers imports them.
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ _EXPORTS = {
     "SeRpEntMambaModel": "models",
     "SeRpEntMambaForCausalLM": "models",
     "CoffeeMixer": "models.coffee",
+    "CoffeeConfig": "models",
+    "CoffeeModel": "models",
+    "CoffeeForCausalLM": "models",
+    "CoffeeForImageClassification": "models",
     "METHODS": "composition",
     "StateComposer": "composition",
     "compose_states": "composition",
@@ -65,7 +70,11 @@ __all__ = [
     "leave_one_out",
     "load_demo",
     "ComposableMambaCache",
+    "CoffeeConfig",
+    "CoffeeForCausalLM",
+    "CoffeeForImageClassification",
     "CoffeeMixer",
+    "CoffeeModel",
     "ComposableSeRpEntCache",
     "SeRpEntMambaConfig",
     "SeRpEntMambaForCausalLM",
@@ -132,8 +141,21 @@ def _register_serpent_models(_module=None) -> None:
     importlib.import_module(f"{__name__}.models.serpent.modeling_serpent")
 
 
+def _register_coffee_config(_module=None) -> None:
+    """``AutoConfig`` learns ``coffee`` as soon as transformers has it (as :func:`_register_serpent_config`)."""
+    importlib.import_module(f"{__name__}.models.coffee")
+
+
+def _register_coffee_models(_module=None) -> None:
+    """``AutoModel`` / ``AutoModelForCausalLM`` / ``AutoModelForImageClassification`` learn the COFFEE classes as
+    soon as transformers has them: the modeling module registers its classes when imported."""
+    importlib.import_module(f"{__name__}.models.coffee.modeling_coffee")
+
+
 _guard.install()
 _guard.when_imported("lm_eval.api.registry", _register_lm_eval_model)
 _guard.when_imported(f"{__name__}.state", _install_encoder)
 _guard.when_imported("transformers.models.auto.configuration_auto", _register_serpent_config)
 _guard.when_imported("transformers.models.auto.modeling_auto", _register_serpent_models)
+_guard.when_imported("transformers.models.auto.configuration_auto", _register_coffee_config)
+_guard.when_imported("transformers.models.auto.modeling_auto", _register_coffee_models)

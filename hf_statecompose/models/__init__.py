@@ -1,5 +1,5 @@
 """Running models on states: the per-architecture mixer paths, the state-aware mixer classes, the kernel
-choice per model, :func:`encode`, and the SeRpEnt-Mamba model (:mod:`.serpent`).
+choice per model, :func:`encode`, the SeRpEnt-Mamba model (:mod:`.serpent`) and the COFFEE models (:mod:`.coffee`).
 
 The names are imported on first use (PEP 562). Importing this package itself stays light (torch and
 transformers' cache classes, no transformers modeling code) because it is the parent of the SeRpEnt
@@ -23,6 +23,10 @@ _EXPORTS = {
     "SeRpEntMambaConfig": "serpent",
     "SeRpEntMambaModel": "serpent",
     "SeRpEntMambaForCausalLM": "serpent",
+    "CoffeeConfig": "coffee",
+    "CoffeeModel": "coffee",
+    "CoffeeForCausalLM": "coffee",
+    "CoffeeForImageClassification": "coffee",
 }
 
 __all__ = sorted(_EXPORTS)

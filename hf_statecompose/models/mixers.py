@@ -9,7 +9,8 @@ name: each reduces itself to :func:`_new_state_aware_mixer` and the stock class,
 re-create the state-aware mixer on load. That is what lets ``copy.deepcopy``, ``pickle`` and
 ``torch.save`` of a model with these mixers work.
 
-A mixer class with ``_hsc_runs_on_cache = True`` (SeRpEnt-Mamba's ``SeRpEntMixer``) always runs on this
+A mixer class with ``_hsc_runs_on_cache = True`` (SeRpEnt-Mamba's ``SeRpEntMixer``, COFFEE's
+``CoffeeSequenceMixer``) always runs on this
 package's cache: it is left as it is, and reads the backend from its ``_hsc_backend`` attribute.
 """
 from __future__ import annotations
@@ -75,6 +76,11 @@ def enable_state_path(model, backend: str | None = None):
     ``None`` keeps the model's current choice (``"auto"`` the first time)."""
     architecture_of(model)  # raises a clear TypeError for other models
     backbone = base_model_of(model)
+    # a model whose states cannot be composed says why (COFFEE with a baseline mixer or the linear feedback gate)
+    unsupported = getattr(backbone, "_hsc_states_unsupported", None)
+    reason = unsupported() if callable(unsupported) else None
+    if reason:
+        raise TypeError(f"{type(model).__name__}: {reason}")
     if backend is not None or get_backend(model) is None:
         set_backend(model, "auto" if backend is None else backend)
     for block in backbone.layers:

@@ -2,7 +2,7 @@
 state files, fingerprints and the composer read, instead of tests on the architecture's name.
 
 For each architecture (``model_type`` of the config): how many *state layers* a model has (one per layer for
-Mamba / Mamba-2; one per (layer, branch) for SeRpEnt-Mamba, ``v = layer * num_branches + branch``), the
+Mamba / Mamba-2 / COFFEE; one per (layer, branch) for SeRpEnt-Mamba, ``v = layer * num_branches + branch``), the
 per-row shapes of the SSM state, the conv window and ΣΔ and the shape of ``A``, whether the decay is per
 element (Mamba-1: ``ΣΔ[d] · A[d, n]``) or per head (Mamba-2: ``ΣΔ[h] · A[h]``), where the ``A_log`` of state
 layer ``v`` lives in a model, which cache class holds the states, and the extra per-layer tensors beyond the
@@ -144,7 +144,38 @@ SERPENT_MAMBA = Architecture(
     check_extra_values=_check_resampling_values,
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, SERPENT_MAMBA)}
+# ---------------------------------------------------------------------------------------------- COFFEE
+def _coffee_elements(c) -> int:
+    """E·n: the state elements of one COFFEE layer, E = the mixer's features (``intermediate_size`` for the
+    ``"lm"`` head, ``hidden_size`` for the paper's ``"core"`` module)."""
+    width = c.hidden_size if getattr(c, "head", "lm") == "core" else c.intermediate_size
+    return width * c.state_size
+
+
+def _coffee_A_log(backbone, v):
+    return getattr(getattr(backbone.layers[v], "mixer", None), "decay_A_log", None)
+
+
+# COFFEE (hf_statecompose.models.coffee): one state layer per layer, held by the plain ComposableMambaCache as
+# a Mamba-1 state with one channel per state element. The mixer's state [B, E, n] is stored flattened:
+#   ssm_states[l]  [B, E·n, 1] float32 (the state element (e, j) at row e·n + j);
+#   conv_states[l] [B, E·n, 0] in the model dtype: empty, COFFEE has no conv;
+#   delta_sums[l]  [B, E·n] = -Σ_k log(1 + λΔ(k)) >= 0 over the context's tokens (advance_layer adds them up);
+#   A[l]           [E·n, 1] = -1 (= -exp(A_log) with the mixer block's zero buffer decay_A_log [E·n, 1]);
+# so that log_decay(l) = ΣΔ · A = Σ_k log(1 + λΔ(k)), each element's product of step multipliers over the
+# context (per element, Mamba-1 semantics): what the composer's decay-based weights read.
+COFFEE = Architecture(
+    name="coffee",
+    per_element_decay=True,
+    num_state_layers=lambda c: c.num_hidden_layers,
+    state_shapes=lambda c: ((_coffee_elements(c), 1), (_coffee_elements(c), 0)),
+    decay_shapes=lambda c: ((_coffee_elements(c),), (_coffee_elements(c), 1)),
+    A_log_of=_coffee_A_log,
+    cache_module="cache",
+    cache_class_name="ComposableMambaCache",
+)
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, SERPENT_MAMBA, COFFEE)}
 
 
 def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, model_dtype: torch.dtype, batch: int,
@@ -171,7 +202,7 @@ def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, m
 
 
 def architecture(name: str) -> Architecture:
-    """The description of architecture ``name`` (``"mamba"``, ``"mamba2"``, ``"serpent_mamba"``)."""
+    """The description of architecture ``name`` (``"mamba"``, ``"mamba2"``, ``"serpent_mamba"``, ``"coffee"``)."""
     try:
         return ARCHITECTURES[name]
     except (KeyError, TypeError):

@@ -17,7 +17,8 @@ import torch
 from .architectures import ARCHITECTURES
 
 # model_type -> architecture (SeRpEnt-Mamba: hf_statecompose.models.serpent, one Mamba-1 state per layer and
-# branch); what each architecture's states hold: .architectures
+# branch; COFFEE: hf_statecompose.models.coffee, one flattened state per layer); what each architecture's
+# states hold: .architectures
 SUPPORTED_MODEL_TYPES = {name: name for name in ARCHITECTURES}
 
 # config entries that do not change the states (runtime flags, bookkeeping, generation defaults)
@@ -62,8 +63,8 @@ def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
             break
         inner = getattr(inner, "model", inner)
     raise TypeError(
-        f"{type(model).__name__} is not a Mamba, Mamba-2 or SeRpEnt-Mamba model (no `.backbone.layers`); "
-        "pass a MambaForCausalLM, Mamba2ForCausalLM, SeRpEntMambaForCausalLM or their bare models"
+        f"{type(model).__name__} is not a Mamba, Mamba-2, SeRpEnt-Mamba or COFFEE model (no `.backbone.layers`); "
+        "pass a MambaForCausalLM, Mamba2ForCausalLM, SeRpEntMambaForCausalLM, CoffeeForCausalLM or their bare models"
     )
 
 
@@ -72,8 +73,8 @@ def architecture_of(model: torch.nn.Module) -> str:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
-            "hf_statecompose supports transformers' Mamba and Mamba-2 models and its own SeRpEnt-Mamba "
-            f"(model_type 'mamba', 'mamba2' or 'serpent_mamba'), got model_type {model_type!r} ({type(model).__name__})"
+            "hf_statecompose supports transformers' Mamba and Mamba-2 models and its own SeRpEnt-Mamba and COFFEE "
+            f"(model_type 'mamba', 'mamba2', 'serpent_mamba' or 'coffee'), got model_type {model_type!r} ({type(model).__name__})"
         )
     return SUPPORTED_MODEL_TYPES[model_type]
 
