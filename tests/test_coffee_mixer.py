@@ -124,13 +124,16 @@ def test_output_filter_parallel_matches_sequential():
         _close(grads_p[name], grads_s[name], 1e-10, f"grad {name}")
 
 
-def test_default_initial_state_is_zero_and_auto_is_parallel():
+def test_default_initial_state_is_zero_and_auto_picks_the_path():
     torch.manual_seed(0)
     mixer = hsc.CoffeeMixer(3, 2)
     u = torch.randn(2, 9, 3)
-    y = mixer(u)
+    y = mixer(u)  # parameters require grad: a backward may follow, the parallel path
     assert mixer.last_solve.method == "parallel" and mixer.last_iterations <= 9
     torch.testing.assert_close(y, mixer(u, torch.zeros(2, 3, 2), method="sequential"))
+    with torch.no_grad():  # CPU inference: the loop
+        torch.testing.assert_close(mixer(u), y.detach())
+    assert mixer.last_solve.method == "sequential"
 
 
 def test_gradcheck_parallel():

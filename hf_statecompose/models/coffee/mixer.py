@@ -206,6 +206,18 @@ class _CoffeeTrajectory(torch.autograd.Function):
         return grad_u, grad_x0, grad_lam, grad_w, None, None
 
 
+def _auto_method(u, initial_state, mixer) -> str:
+    """``"parallel"`` on an accelerator, or where a backward will follow (its implicit adjoint beats autograd
+    through the loop); the loop for CPU inference, where Newton's 10-30 scans cost more than one pass
+    (``benchmarks/coffee_parallel.py``: forward 1.4-4.8x the loop's time at L = 256-16,384 on 2 CPU cores,
+    forward + backward 0.33-0.77x up to L = 4096)."""
+    if u.device.type != "cpu":
+        return "parallel"
+    needs_grad = torch.is_grad_enabled() and (
+        u.requires_grad or initial_state.requires_grad or any(p.requires_grad for p in mixer.parameters()))
+    return "parallel" if needs_grad else "sequential"
+
+
 class CoffeeMixer(nn.Module):
     """COFFEE sequence mixer: [B, L, D] -> [B, L, D], state [B, D, n] (eq. (7) with the gate (5)).
 
@@ -241,8 +253,9 @@ class CoffeeMixer(nn.Module):
     not hold for it, and the parallel path may fall back to the loop).
 
     ``forward(u, initial_state=None, return_final_state=False, method="auto")``: ``"sequential"`` runs the
-    plain loop (autograd through it); ``"parallel"`` (and ``"auto"``) the Newton solve with the implicit
-    backward, falling back to the loop, with one warning, if Newton diverges. :attr:`last_solve`
+    plain loop (autograd through it); ``"parallel"`` the Newton solve with the implicit backward, falling back
+    to the loop, with one warning, if Newton diverges; ``"auto"`` the parallel path on accelerators and
+    wherever gradients are needed, the loop for inference on the CPU (faster there). :attr:`last_solve`
     (:class:`CoffeeSolveInfo`) says how the last forward went, :attr:`last_iterations` its Newton steps.
     """
 
@@ -317,6 +330,8 @@ class CoffeeMixer(nn.Module):
             raise ValueError("gate='linear_state' has no log-decay: its step multiplier 1 + λΔ can be negative")
         lam, w = self.eigenvalues.to(u.dtype), self.w_D.to(u.dtype)
         initial_state = initial_state.to(u.dtype)
+        if method == "auto":
+            method = _auto_method(u, initial_state, self)
         if method == "sequential":
             states = coffee_states_sequential(u, initial_state, lam, w, self.gate, mask)
             self.last_solve = CoffeeSolveInfo("sequential")
