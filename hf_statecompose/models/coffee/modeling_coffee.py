@@ -69,7 +69,10 @@ def build_mixer(config: CoffeeConfig, width: int) -> nn.Module:
     if config.mixer_type == "coffee":
         return CoffeeMixer(width, config.state_size, output_filter=config.output_filter, gate=config.gate)
     module = importlib.import_module("hf_statecompose.models.coffee.baselines")
-    return getattr(module, _BASELINES[config.mixer_type])(width, config.state_size)
+    mixer = getattr(module, _BASELINES[config.mixer_type])(width, config.state_size)
+    for part in mixer.modules():  # initialised by the baseline itself (App. H.2), not by transformers' defaults
+        part._hsc_own_init = True
+    return mixer
 
 
 # ---------------------------------------------------------------------------------------------- blocks
@@ -130,10 +133,8 @@ class CoffeeSequenceMixer(nn.Module):
                 y, final, log_decay = self.ssm(x, initial_state=initial, method=method, mask=mask, return_log_decay=True)
             else:
                 y, final = self.ssm(x, initial_state=initial, return_final_state=True, method=method, mask=mask)
-        else:  # the baselines take no mask: padding enters as zero inputs (only "coffee" skips it exactly)
-            if mask is not None:
-                x = x * mask[:, :, None].to(x.dtype)
-            y, final = self.ssm(x, initial_state=initial, return_final_state=True)
+        else:  # the baselines: their own mask (a padding step has Δ = 0), no log-decay
+            y, final = self.ssm(x, initial_state=initial, return_final_state=True, mask=mask)
         if cache is not None:
             delta_sum = (-log_decay).reshape(batch, E * n) if log_decay is not None else final.new_zeros(batch, E * n)
             cache.advance_layer(
@@ -228,6 +229,11 @@ class CoffeePreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
+        if getattr(module, "_hsc_own_init", False):
+            return  # a baseline mixer's parts keep the baseline's own initialisation
+        if isinstance(module, nn.Embedding) and self.config.head == "core":  # App. H.2
+            init.copy_(module.weight, orthonormal_embeddings(*module.weight.shape).to(module.weight.dtype))
+            return
         super()._init_weights(module)
         if isinstance(module, CoffeeMixer):  # App. H.2 (see CoffeeMixer.reset_parameters)
             init.constant_(module.A, module.A_INIT)
@@ -237,8 +243,6 @@ class CoffeePreTrainedModel(PreTrainedModel):
                 init.normal_(module.w_gamma)
         elif isinstance(module, CoffeeSequenceMixer):
             init.zeros_(module.decay_A_log)
-        elif isinstance(module, CoffeeModel) and self.config.head == "core":
-            init.copy_(module.embeddings.weight, orthonormal_embeddings(*module.embeddings.weight.shape))
         elif isinstance(module, CoffeeForImageClassification):
             for linear in (module.classifier_in, module.classifier_out):  # torch's default Linear init
                 init.kaiming_uniform_(linear.weight, a=math.sqrt(5))
