@@ -1,0 +1,517 @@
+"""COFFEE states: encode, compose and generate like Mamba (issue 13).
+
+A COFFEE layer's state [B, E, n] lives in a plain ComposableMambaCache, flattened as a Mamba-1 state with one
+channel per element ([B, E·n, 1]), an empty conv window, ΣΔ = -Σ_k log(1 + λΔ(k)) and A = -1. One state +
+query is context + query (forward, greedy, sampling, beams, padded batches) for every model-free method; with
+the input gate (no feedback) CASO of two states is the state of the concatenation, with the state feedback
+gate it is not; states files, refusals, copies and the store work as for Mamba."""
+import copy
+import io
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+
+import hf_statecompose as hsc
+from hf_statecompose import ComposableMambaCache, StateComposer
+from hf_statecompose.composition.composer import MODEL_FREE_METHODS
+from hf_statecompose.ops.compose import native as compose_native
+from hf_statecompose.ops.compose.reference import compose_ssm_ref
+from hf_statecompose.state import serialization
+from hf_statecompose.state.validation import check_state
+
+from helpers import tiny_model
+
+VOCAB = 40
+NEW = 8
+
+
+def tiny(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
+    """A tiny random COFFEE LM, enabled; an untied N(0, 1) head spreads the logits (greedy does not echo)."""
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(**kwargs)).eval()
+    if model.lm_head is not None:
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, 1.0)
+    model.generation_config.eos_token_id = None  # fixed-length generations (eos would end them early)
+    return hsc.enable(model)
+
+
+def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def assert_states_equal(actual, expected, rtol=1e-5, atol=1e-6):
+    assert type(actual) is type(expected) and actual.num_layers == expected.num_layers
+    for v in range(expected.num_layers):
+        for name in ("ssm_states", "conv_states", "delta_sums", "A"):
+            torch.testing.assert_close(getattr(actual, name)[v], getattr(expected, name)[v], rtol=rtol, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def context():
+    return ids_of(13, seed=11)
+
+
+@pytest.fixture(scope="module")
+def state(model, context):
+    with torch.no_grad():
+        return ComposableMambaCache.encode(model, context)
+
+
+@pytest.fixture(scope="module")
+def states(model):
+    with torch.no_grad():
+        return [ComposableMambaCache.encode(model, ids_of(n, seed=20 + n)) for n in (9, 14, 6)]
+
+
+# ------------------------------------------------------------------------------------------ enable / encode
+def test_enable_and_encode_accept_a_coffee_model(model, state, context):
+    assert hsc.is_enabled(model) and isinstance(model, hsc.CoffeeForCausalLM)
+    assert type(model.backbone.layers[0].mixer).__name__ == "CoffeeSequenceMixer"  # no mixer swap
+    assert hsc.get_backend(model) == "auto" and hsc.enable(model) is model
+    assert type(state) is ComposableMambaCache and state.architecture == "coffee"
+    assert state.num_layers == 2 and state.fingerprint == hsc.model_fingerprint(model)
+    assert state.num_tokens.tolist() == [13] and torch.equal(state.token_ids, context)
+    E = 32 * 4  # intermediate_size · state_size
+    assert state.ssm_states[0].shape == (1, E, 1) and state.conv_states[0].shape == (1, E, 0)
+    assert state.delta_sums[1].shape == (1, E) and torch.equal(state.A[1], -torch.ones(E, 1))
+    assert state.log_decay(0).shape == (1, E, 1) and (state.log_decay(0) <= 0).all()
+    check_state(state, model)
+    with torch.no_grad():  # the log decay is the mixer's Σ log(1 + λΔ), the state its final state, flattened
+        block = model.backbone.layers[0]
+        x = block.mixer.in_proj(block.norm(model.backbone.embeddings(context))).chunk(2, -1)[0]
+        _, final, log_decay = block.mixer.ssm(x, return_log_decay=True)
+    torch.testing.assert_close(state.ssm_states[0], final.reshape(1, E, 1))
+    torch.testing.assert_close(state.log_decay(0), log_decay.reshape(1, E, 1))
+    with torch.no_grad():  # a left-padded batch of contexts: counts, ids, each row as encoded alone
+        ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids_of(5, seed=3)], 1)
+        ids = torch.cat([ids, ids_of(9, seed=4)])
+        mask = (torch.arange(9) >= torch.tensor([[4], [0]])).long()
+        batch = ComposableMambaCache.encode(model, ids, attention_mask=mask)
+        alone = ComposableMambaCache.encode(model, ids[:1, 4:])
+    assert batch.num_tokens.tolist() == [5, 9] and batch.token_ids[0, :4].tolist() == [-1] * 4
+    assert_states_equal(batch.select(0), alone)
+
+
+def test_models_whose_states_do_not_compose_are_refused():
+    for overrides, message in ((dict(mixer_type="s6"), "mixer_type='coffee'"),
+                               (dict(gate="linear_state"), "gate='state' or 'input'")):
+        torch.manual_seed(0)
+        model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                                                       state_size=4, **overrides))
+        with pytest.raises(TypeError, match=message):
+            hsc.enable(model)
+        with pytest.raises(TypeError, match=message):
+            ComposableMambaCache.encode(model, ids_of(4))
+
+
+def test_backend_and_disable(model):
+    other = copy.deepcopy(model)
+    hsc.set_backend(other, "torch")
+    assert hsc.get_backend(other) == "torch"
+    hsc.disable(other)
+    assert not hsc.is_enabled(other) and type(other) is hsc.CoffeeForCausalLM
+    with pytest.raises(ValueError, match=r"past_states needs hf_statecompose\.enable"):
+        other(ids_of(2), past_states=[object()])
+    hsc.enable(other)
+    assert hsc.is_enabled(other)
+
+
+# ------------------------------------------------------------------------------------------ n = 1: exact
+@pytest.mark.parametrize("query_length", [1, 2, 9, 40])
+@torch.no_grad()
+def test_one_state_reproduces_context_plus_query(model, state, context, query_length):
+    query = ids_of(query_length, seed=30 + query_length)
+    whole = torch.cat([context, query], 1)
+    full = model(whole).logits[:, -query_length:]
+    expected = model.generate(whole, max_new_tokens=NEW, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True)
+    for method in MODEL_FREE_METHODS:
+        kwargs = dict(composition=StateComposer(method, weights=[1.0]) if method == "weighted" else method)
+        assert rel(model(query, past_states=[state], **kwargs).logits, full) < 1e-4, method
+        out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences[:, context.shape[1]:]), method
+        assert rel(out.scores[0], expected.scores[0]) < 1e-4, method
+    assert len(set(expected.sequences[0, -NEW:].tolist())) > 1  # a real test: not one token repeated
+
+
+@torch.no_grad()
+def test_left_padded_contexts_and_queries(model):
+    """Left-padded contexts (encode) and queries (forward, generate): every row its exact result."""
+    contexts = [ids_of(n, seed=40 + n)[0] for n in (5, 11, 8)]
+    queries = [ids_of(n, seed=50 + n)[0] for n in (3, 1, 6)]
+
+    def pad(rows):
+        width = max(map(len, rows))
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
+        return ids, mask
+
+    (c_ids, c_mask), (q_ids, q_mask) = pad(contexts), pad(queries)
+    states = ComposableMambaCache.encode(model, c_ids, attention_mask=c_mask)
+    logits = model(q_ids, attention_mask=q_mask, past_states=[states], composition="caso").logits
+    out = model.generate(q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False,
+                         pad_token_id=0)
+    for r, (c, q) in enumerate(zip(contexts, queries)):
+        whole = torch.cat([c, q])[None]
+        assert rel(logits[r, -len(q):], model(whole).logits[0, -len(q):]) < 1e-4
+        expected = model.generate(whole, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(out[r, q_ids.shape[1]:], expected[0, whole.shape[1]:])
+
+
+@torch.no_grad()
+def test_continuing_a_state_equals_encoding_the_concatenation(model):
+    """encode(c1) then forward(c2, cache_params=state) is encode(c1 + c2): SSM state and ΣΔ (accumulated over
+    both forwards: the log decays add up)."""
+    c1, c2 = ids_of(7, batch=2, seed=60), ids_of(10, batch=2, seed=61)
+    continued = ComposableMambaCache.encode(model, c1).clone()
+    model(c2, cache_params=continued, use_cache=True)
+    whole = ComposableMambaCache.encode(model, torch.cat([c1, c2], 1))
+    assert_states_equal(continued, whole)
+    assert continued.num_tokens.tolist() == [17, 17] and continued.token_ids is None
+
+
+@torch.no_grad()
+def test_beams_and_sampling_with_past_states(model, state, context):
+    query = ids_of(4, seed=70)
+    whole = torch.cat([context, query], 1)
+    kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False)
+    out = model.generate(query, past_states=[state], **kwargs)
+    assert out.shape[0] == 2 and torch.equal(out, model.generate(whole, **kwargs)[:, context.shape[1]:])
+    torch.manual_seed(5)
+    expected = model.generate(whole, max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
+    torch.manual_seed(5)
+    out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
+    assert torch.equal(out, expected[:, context.shape[1]:])
+
+
+@torch.no_grad()
+def test_generate_does_not_mutate_the_states(model, state):
+    before = copy.deepcopy(state)
+    model.generate(ids_of(3), past_states=[state], max_new_tokens=4, do_sample=False)
+    model.generate(ids_of(3), past_states=[state, state], max_new_tokens=4, num_beams=2, do_sample=False)
+    assert_states_equal(state, before, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ n > 1
+@torch.no_grad()
+def test_every_method_generates_from_several_states(model, states):
+    query = ids_of(5, seed=80)
+    for method in (*MODEL_FREE_METHODS, "concat", "piconcat_r"):
+        composition = StateComposer(method, weights=[0.2, 0.5, 0.3]) if method == "weighted" else method
+        logits = model(query, past_states=states, composition=composition).logits
+        assert torch.isfinite(logits).all(), method
+        out = model.generate(query, past_states=states, composition=composition, max_new_tokens=4, do_sample=False)
+        assert out.shape == (1, 9) and torch.equal(out[:, :5], query), method
+    rows = model.generate(ids_of(3, batch=2, seed=81), past_states=[states[:2], states[1:]], composition="caso",
+                          max_new_tokens=3, do_sample=False)
+    assert rows.shape == (2, 6)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("method", MODEL_FREE_METHODS)
+@torch.no_grad()
+def test_states_compose_per_element_with_empty_conv_windows(states, method, native, monkeypatch):
+    """Per layer: the composed state is the plain reference's composition of the flattened states with their
+    per-element decays (soup / weighted: exactly the weighted mean), ΣΔ the total (mean / weighted mean), the
+    conv windows stay empty; on the native CPU kernel and on the torch path."""
+    if not native:
+        monkeypatch.setattr(compose_native, "enabled", lambda: False)
+    elif not compose_native.enabled():
+        pytest.skip("no native compose kernel here")
+    weights = [0.2, 0.5, 0.3] if method == "weighted" else None
+    composed = StateComposer(method, weights=weights).compose(states)
+    assert type(composed) is ComposableMambaCache and composed.num_tokens.tolist() == [9 + 14 + 6]
+    w = None if weights is None else torch.tensor(weights, dtype=torch.float64)
+    for v in range(composed.num_layers):
+        deltas = torch.stack([s.delta_sums[v] for s in states])
+        expected = compose_ssm_ref([s.ssm_states[v].double() for s in states], deltas.double(), states[0].A[v].double(),
+                                   method, weights=w)
+        torch.testing.assert_close(composed.ssm_states[v].double(), expected, rtol=1e-5, atol=1e-6)
+        if method in ("soup", "weighted"):  # the weighted mean of the states, as defined
+            mean = sum((1 / 3 if w is None else float(w[k])) * s.ssm_states[v].double() for k, s in enumerate(states))
+            torch.testing.assert_close(composed.ssm_states[v].double(), mean, rtol=1e-6, atol=1e-7)
+        if method == "soup":
+            total = deltas.mean(0)
+        elif method == "weighted":
+            total = (w.float()[:, None, None] * deltas).sum(0)
+        else:
+            total = deltas.sum(0)
+        torch.testing.assert_close(composed.delta_sums[v], total)
+        assert torch.equal(composed.A[v], states[0].A[v])
+        assert composed.conv_states[v].shape == (1, 128, 0)
+    check_state(composed)
+
+
+def _core(gate: str) -> hsc.CoffeeForCausalLM:
+    return tiny(head="core", num_hidden_layers=1, hidden_size=16, state_size=4, gate=gate)
+
+
+@torch.no_grad()
+def test_caso_is_the_concatenation_without_feedback_and_not_with_it():
+    """A 1-layer core model is linear time-varying in its state when its gate reads the input only: the
+    state after c1 + c2 is Π(1 + λΔ) over c2 times the state after c1, plus the state of c2 alone, which is
+    CASO. With the state feedback gate, c2's gates depend on the state it starts from: CASO differs."""
+    c1, c2 = ids_of(12, seed=100), ids_of(9, seed=101)
+    query = ids_of(3, seed=102)
+    differences = {}
+    for gate in ("input", "state"):
+        model = _core(gate)
+        s1, s2 = (ComposableMambaCache.encode(model, c) for c in (c1, c2))
+        caso = StateComposer("caso").compose([s1, s2])
+        whole = ComposableMambaCache.encode(model, torch.cat([c1, c2], 1))
+        differences[gate] = rel(caso.ssm_states[0], whole.ssm_states[0])
+        if gate == "input":
+            torch.testing.assert_close(caso.delta_sums[0], whole.delta_sums[0], rtol=1e-5, atol=1e-5)  # decays add
+            torch.testing.assert_close(caso.ssm_states[0], whole.ssm_states[0], rtol=1e-5, atol=1e-6)
+            expected = model(torch.cat([c1, c2, query], 1)).logits[:, -3:]
+            assert rel(model(query, past_states=[s1, s2], composition="caso").logits, expected) < 1e-4
+    print(f"CASO vs concat, relative state difference: input gate {differences['input']:.2e}, "
+          f"state feedback gate {differences['state']:.2e}")
+    assert differences["input"] < 1e-5 and differences["state"] > 1e-3
+
+
+@torch.no_grad()
+def test_nested_compositions_agree_where_the_maths_says(states):
+    a, b, c = states
+    d = ComposableMambaCache.stack([a])  # a copy of a
+    caso = StateComposer("caso")
+    nested = caso.compose([caso.compose([a, b]), caso.compose([c, d])])
+    assert_states_equal(nested, caso.compose([a, b, c, d]))
+    p, q = 0.3, 0.6
+    inner = StateComposer("weighted", weights=[p, 1 - p]).compose([a, b])
+    nested = StateComposer("weighted", weights=[q, 1 - q]).compose([inner, c])
+    assert_states_equal(nested, StateComposer("weighted", weights=[q * p, q * (1 - p), 1 - q]).compose([a, b, c]))
+
+
+@torch.no_grad()
+def test_concat_baselines_re_encode(model, states):
+    tokens = torch.cat([s.token_ids for s in states], 1)
+    concat = StateComposer("concat").compose(states, model=model)
+    assert_states_equal(concat, ComposableMambaCache.encode(model, tokens))
+    piconcat = StateComposer("piconcat_r").compose(states, model=model)
+    assert type(piconcat) is ComposableMambaCache and piconcat.num_tokens.tolist() == [29]
+    check_state(piconcat, model)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@torch.no_grad()
+def test_states_of_another_architecture_or_model_are_refused(model, state):
+    mamba = tiny_model("mamba")
+    mamba_state = ComposableMambaCache.encode(mamba, ids_of(6))
+    query = ids_of(3)
+    with pytest.raises(ValueError, match="'mamba' model.*this model is 'coffee'.*re-encode"):
+        model.generate(query, past_states=[mamba_state], max_new_tokens=2)
+    with pytest.raises(ValueError, match="'coffee' model.*this model is 'mamba'.*re-encode"):
+        mamba.generate(query, past_states=[state], max_new_tokens=2)
+    with pytest.raises(ValueError, match="different model"):
+        StateComposer("soup").compose([state, mamba_state])
+    other = tiny(seed=1)
+    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
+        other(query, past_states=[state])
+    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
+        StateComposer("concat").compose([state], model=other)
+    with pytest.raises(ValueError, match="layers"):
+        tiny(num_hidden_layers=3)(query, past_states=[state])
+    with pytest.raises(ValueError, match="per-row shape"):  # another state size: other shapes
+        tiny(state_size=2)(query, past_states=[state])
+
+
+def _set_layer(state, v, **tensors):
+    current = dict(ssm_state=state.ssm_states[v], conv_state=state.conv_states[v], delta_sum=state.delta_sums[v],
+                   A=state.A[v])
+    current.update(tensors)
+    state.set_layer(v, **current)
+
+
+BAD_STATES = [
+    (lambda s: _set_layer(s, 1, ssm_state=s.ssm_states[1] * float("nan")), "layer 1 SSM state contains NaN", True),
+    (lambda s: _set_layer(s, 0, delta_sum=-s.delta_sums[0] - 1), "layer 0 ΣΔ has negative entries", False),
+    (lambda s: _set_layer(s, 1, A=s.A[1] * 2), "layer 1 A is not this model's", True),
+    (lambda s: _set_layer(s, 0, conv_state=torch.zeros(1, 128, 1)), r"layer 0 conv window has shape \(1, 128, 1\)", True),
+    (lambda s: _set_layer(s, 0, ssm_state=s.ssm_states[0].view(1, 32, 4)), r"layer 0 SSM state has shape \(1, 32, 4\)", True),
+]
+
+
+@pytest.mark.parametrize("edit, message, on_past_states", BAD_STATES)
+@torch.no_grad()
+def test_bad_in_memory_states_are_refused(model, state, edit, message, on_past_states):
+    """check_state refuses each; past_states= refuses those its checks cover (shapes, A, NaN; ΣΔ's sign is
+    checked by check_state and on loading files, not on every past_states call, as for Mamba)."""
+    bad = state.clone()
+    edit(bad)
+    with pytest.raises(ValueError, match=message):
+        check_state(bad, model)
+    if on_past_states:
+        with pytest.raises(ValueError):
+            model(ids_of(2), past_states=[bad])
+
+
+# ------------------------------------------------------------------------------------------ files
+@pytest.fixture
+def saved(state, tmp_path):
+    path = tmp_path / "coffee.safetensors"
+    state.save(path)
+    return path
+
+
+def _craft(saved, edit):
+    tensors = load_file(saved)
+    with safe_open(saved, framework="pt") as handle:
+        meta = json.loads(handle.metadata()["hf_statecompose"])
+    edit(tensors, meta)
+    meta = dict(meta, tensor_digest=serialization._digest(tensors))
+    path = saved.parent / "crafted.safetensors"
+    path.write_bytes(save(tensors, metadata={"hf_statecompose": json.dumps(meta)}))
+    return path
+
+
+def _set(name, fn):
+    def edit(tensors, meta):
+        tensors[name] = fn(tensors[name])
+    return edit
+
+
+CRAFTED = [
+    ("missing conv", lambda t, m: t.pop("conv.1"), r"missing tensors \['conv.1'\]"),
+    ("conv not empty", _set("conv.0", lambda t: torch.zeros(1, 128, 2)), r"layer 0 conv window has (per-row )?shape \(1?,? ?128, 2\)"),
+    ("ssm unflattened", _set("ssm.1", lambda t: t.reshape(1, 32, 4).contiguous()), r"layer 1 SSM state has (per-row )?shape"),
+    ("negative ΣΔ", _set("delta_sum.0", lambda t: -t - 1), "ΣΔ has negative entries"),
+    ("A positive", _set("A.1", lambda t: -t), "layer 1 A (must be finite and negative|is not this model's)"),
+    ("nan state", _set("ssm.0", lambda t: t * float("nan")), "SSM state contains NaN"),
+    ("architecture mamba", lambda t, m: m.update(architecture="mamba"), "metadata says 'mamba'"),
+    ("layers", lambda t, m: m.update(num_layers=3), "config has 2 layers, the metadata says 3"),
+]
+
+
+@pytest.mark.parametrize("edit, message", [c[1:] for c in CRAFTED], ids=[c[0] for c in CRAFTED])
+def test_crafted_files_are_refused(model, saved, edit, message):
+    path = _craft(saved, edit)
+    for kwargs in ({}, {"model": model}):
+        with pytest.raises(ValueError, match=message):
+            ComposableMambaCache.load(path, **kwargs)
+
+
+@torch.no_grad()
+def test_file_round_trip_is_exact_and_generates_the_same(model, state, saved):
+    query = ids_of(4, seed=90)
+    expected = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False)
+    for loaded in (ComposableMambaCache.load(saved, model=model), ComposableMambaCache.load(saved)):
+        assert type(loaded) is ComposableMambaCache and loaded.architecture == "coffee"
+        assert isinstance(loaded.config, hsc.CoffeeConfig) and loaded.config.state_size == 4
+        assert_states_equal(loaded, state, rtol=0, atol=0)
+        assert torch.equal(loaded.token_ids, state.token_ids) and loaded.fingerprint == state.fingerprint
+        assert torch.equal(model.generate(query, past_states=[loaded], max_new_tokens=NEW, do_sample=False), expected)
+
+
+@torch.no_grad()
+def test_files_of_another_architecture_or_model_are_refused(model, saved, tmp_path):
+    mamba = tiny_model("mamba")
+    mamba_path = tmp_path / "mamba.safetensors"
+    ComposableMambaCache.encode(mamba, ids_of(5)).save(mamba_path)
+    with pytest.raises(ValueError, match="'mamba' model, this model is 'coffee'.*re-encode"):
+        ComposableMambaCache.load(mamba_path, model=model)
+    with pytest.raises(ValueError, match="'coffee' model, this model is 'mamba'.*re-encode"):
+        ComposableMambaCache.load(saved, model=mamba)
+    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
+        ComposableMambaCache.load(saved, model=tiny(seed=2))
+
+
+@torch.no_grad()
+def test_core_module_states_round_trip(tmp_path):
+    """The core head's states (E = hidden_size) through a file and back, generating the same."""
+    model = _core("state")
+    context, query = ids_of(10, seed=110), ids_of(3, seed=111)
+    state = ComposableMambaCache.encode(model, context)
+    assert state.ssm_states[0].shape == (1, 16 * 4, 1)
+    state.save(tmp_path / "core.safetensors")
+    loaded = ComposableMambaCache.load(tmp_path / "core.safetensors", model=model)
+    expected = model.generate(torch.cat([context, query], 1), max_new_tokens=NEW, do_sample=False)[:, 10:]
+    assert torch.equal(model.generate(query, past_states=[loaded], max_new_tokens=NEW, do_sample=False), expected)
+
+
+# ------------------------------------------------------------------------------------------ copies
+@torch.no_grad()
+def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
+    query = ids_of(3, seed=91)
+    expected = model(query, past_states=[state]).logits
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(state), pickle.loads(pickle.dumps(state)), torch.load(buffer, weights_only=False),
+                   state.clone(), state.to("cpu", torch.float32)):
+        assert type(copied) is ComposableMambaCache
+        assert_states_equal(copied, state, rtol=0, atol=0)
+        assert torch.equal(model(query, past_states=[copied]).logits, expected)
+
+
+@torch.no_grad()
+def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states, monkeypatch):
+    query = ids_of(3, seed=92)
+    expected = model.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        assert hsc.is_enabled(copied) and isinstance(copied, hsc.CoffeeForCausalLM)
+        assert torch.equal(copied.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
+    from hf_statecompose.generation import integration
+
+    data = pickle.dumps(model)
+    monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
+    loaded = pickle.loads(data)
+    assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
+    assert torch.equal(loaded.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
+    duplicate = copy.deepcopy(model)  # the copy runs its own weights
+    with torch.no_grad():
+        duplicate.backbone.layers[0].mixer.ssm.w_D.mul_(1.5)
+    with pytest.raises(ValueError, match="re-encode"):  # the states are the original's
+        duplicate(query, past_states=states)
+
+
+# ------------------------------------------------------------------------------------------ store
+def test_a_state_store_of_a_coffee_model(tmp_path):
+    """A StateStore keeps COFFEE states (empty conv windows): add, get (each entry equal to encoding it
+    alone), retrieve, generate, compact, reopen; a store of another model is refused."""
+    from store_helpers import BagOfWords, CharTokenizer
+
+    model = tiny(vocab_size=99)
+    tokenizer = CharTokenizer()
+    texts = ["the cat sat on the mat", "dogs bark loudly at night", "a short one", "cats and dogs"]
+    store = hsc.StateStore(tmp_path / "s", model, tokenizer, retriever=BagOfWords())
+    ids = store.add(texts, show_progress=False, batch_size=3)
+    with torch.no_grad():
+        alone = [ComposableMambaCache.encode(model, torch.tensor([tokenizer(t)["input_ids"]])) for t in texts]
+    for got, expected in zip(store.get(ids), alone):
+        assert type(got) is ComposableMambaCache and got.architecture == "coffee"
+        assert_states_equal(got, expected)  # the store encodes padded batches
+    query = ids_of(4, seed=93)
+    expected = model.generate(query, past_states=alone[:2], max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(model.generate(query, past_states=store.get(ids[:2]), max_new_tokens=NEW, do_sample=False), expected)
+    assert store.retrieve("the cat", k=1)[0].text == texts[0]
+    store.delete(ids[1])
+    store.compact()
+    again = hsc.StateStore(tmp_path / "s", model, tokenizer, retriever=BagOfWords())
+    assert set(again.ids()) == {ids[0], ids[2], ids[3]}
+    assert_states_equal(again.get(ids[3]), alone[3])
+    with pytest.raises(ValueError, match="another model"):
+        hsc.StateStore(tmp_path / "s", tiny(seed=3, vocab_size=99), tokenizer, retriever=BagOfWords())
