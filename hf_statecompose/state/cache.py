@@ -12,6 +12,12 @@ holds:
 
 plus the number of tokens per row, the context token ids (for the concatenation baselines), the model's
 dtype and its fingerprint. States travel as safetensors + JSON metadata (:mod:`.serialization`).
+
+COFFEE models (architecture ``"coffee"``, :mod:`hf_statecompose.models.coffee`) use this class as it is,
+their ``[B, E, n]`` layer state flattened into a Mamba-1 layout with one channel per state element:
+``ssm_states[l]`` ``[B, E·n, 1]``, an empty conv window ``[B, E·n, 0]`` (no conv), ``ΣΔ`` ``[B, E·n]`` =
+``-Σ_k log(1 + λΔ(k))`` and ``A`` = -1 ``[E·n, 1]``, so ``log_decay(l)`` is each element's log of the product
+of its step multipliers over the context (:data:`.architectures.COFFEE`).
 """
 from __future__ import annotations
 
