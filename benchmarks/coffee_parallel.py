@@ -65,11 +65,17 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     parser.add_argument("--backward-max-length", type=int, default=16384,
                         help="time forward+backward only up to this length")
+    parser.add_argument("--window", type=int, default=None,
+                        help="CoffeeMixer.newton_window (default: the class's, 1024)")
     parser.add_argument("--out", default=str(HERE / "results" / "coffee_parallel.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = {"init": hsc.CoffeeMixer(args.hidden, args.state), "trained": trained(hsc.CoffeeMixer(args.hidden, args.state))}
+    if args.window is not None:
+        for mixer in weights.values():
+            mixer.newton_window = args.window
+    window = weights["init"].newton_window
     rows = []
     for label, mixer in weights.items():
         mixer = mixer.to(args.device)
@@ -96,6 +102,7 @@ def main(argv=None):
                     bucket.append(median_time(fn, 1, args.device))
             t = [statistics.median(x) for x in times]
             row = {"weights": label, "L": length, "D": args.hidden, "n": args.state, "newton_iterations": info.iterations,
+                   "newton_window": window, "windows": info.windows,
                    "residual": info.residual, "tolerance": info.tolerance, "rel_error_vs_fp64_loop": error,
                    "fp32_loop_rel_error_vs_fp64_loop": loop_error,
                    "forward_parallel_s": t[0], "forward_sequential_s": t[1], "forward_ratio": t[0] / t[1]}
@@ -104,14 +111,14 @@ def main(argv=None):
             rows.append(row)
             print(row, flush=True)
     print(f"\nCOFFEE mixer D={args.hidden} n={args.state} batch 1, {args.device}, threads={torch.get_num_threads()}, "
-          f"median of {args.repeats} interleaved runs; ratio = parallel / sequential (same run)")
-    print("| weights | L | Newton iterations | error vs fp64 loop (parallel / fp32 loop) | forward parallel | "
+          f"Newton window {window}, median of {args.repeats} interleaved runs; ratio = parallel / sequential (same run)")
+    print("| weights | L | Newton iterations (windows) | error vs fp64 loop (parallel / fp32 loop) | forward parallel | "
           "forward sequential | ratio | fwd+bwd parallel | fwd+bwd sequential | ratio |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         bwd = (f"{r['fwd_bwd_parallel_s'] * 1e3:.1f} ms | {r['fwd_bwd_sequential_s'] * 1e3:.1f} ms | "
                f"{r['fwd_bwd_ratio']:.2f}") if "fwd_bwd_ratio" in r else "— | — | —"
-        print(f"| {r['weights']} | {r['L']} | {r['newton_iterations']} | {r['rel_error_vs_fp64_loop']:.1e} / "
+        print(f"| {r['weights']} | {r['L']} | {r['newton_iterations']} ({r['windows']}) | {r['rel_error_vs_fp64_loop']:.1e} / "
               f"{r['fp32_loop_rel_error_vs_fp64_loop']:.1e} | {r['forward_parallel_s'] * 1e3:.1f} ms | "
               f"{r['forward_sequential_s'] * 1e3:.1f} ms | {r['forward_ratio']:.2f} | {bwd} |")
     write_result({"rows": rows, "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -254,3 +254,28 @@ def test_linear_feedback_gate_and_bad_arguments():
         hsc.CoffeeMixer(2, 2, gate="softplus")
     with pytest.raises(ValueError, match="mask must be"):
         hsc.CoffeeMixer(2, 2)(torch.zeros(1, 3, 2), mask=torch.ones(1, 4))
+
+
+def test_newton_windows():
+    """The parallel forward over windows (here 16 steps, 100 steps in all, left padding across a window
+    boundary) equals the loop; the info counts the windows and sums the iterations."""
+    torch.manual_seed(2)
+    mixer = _trained(hsc.CoffeeMixer(4, 3, dtype=torch.float64))
+    mixer.newton_window = 16
+    u, x0 = torch.randn(2, 100, 4, dtype=torch.float64), torch.randn(2, 4, 3, dtype=torch.float64)
+    mask = torch.ones(2, 100)
+    mask[1, :21] = 0
+    y_p = final_p = grads_p = None
+    for method in ("parallel", "sequential"):
+        leaves = [u.clone().requires_grad_(), x0.clone().requires_grad_()]
+        y, final = mixer(leaves[0], leaves[1], return_final_state=True, method=method, mask=mask)
+        grads = torch.autograd.grad(y.square().sum() + final.sum(), leaves + list(mixer.parameters()))
+        if method == "parallel":
+            info = mixer.last_solve
+            assert info.method == "parallel" and info.windows == 7 and 0 < info.iterations <= 100
+            assert info.residual <= info.tolerance
+            y_p, final_p, grads_p = y, final, grads
+    _close(y_p, y, 1e-10, "output")
+    _close(final_p, final, 1e-10, "final state")
+    for a, b in zip(grads_p, grads):
+        _close(a, b, 1e-10, "grad")

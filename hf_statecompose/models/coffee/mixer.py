@@ -55,14 +55,16 @@ class CoffeeSolveInfo:
     """How the last forward computed its trajectory.
 
     method: ``"parallel"``, ``"sequential"``, or ``"sequential (fallback)"`` when Newton diverged;
-    iterations: Newton steps taken (0 for the sequential path; at most L);
-    residual: the final max |f_k(x(k-1)) - x(k)| (None for the sequential path);
-    tolerance: the stopping tolerance used (None for the sequential path)."""
+    iterations: Newton steps taken, summed over the windows (0 for the sequential path; at most L);
+    residual: the final max |f_k(x(k-1)) - x(k)| (the largest over the windows; None for the sequential path);
+    tolerance: the stopping tolerance used (the largest over the windows; None for the sequential path);
+    windows: how many consecutive windows of at most ``CoffeeMixer.newton_window`` steps were solved."""
 
     method: str
     iterations: int = 0
     residual: float | None = None
     tolerance: float | None = None
+    windows: int = 0
 
 
 def _gate_and_slope(prev, u, w, gate_kind, mask=None):
@@ -165,6 +167,32 @@ def _newton_trajectory(u, x0, lam, w, gate_kind="state", mask=None):
         iterations += 1
 
 
+def _windowed_newton(u, x0, lam, w, gate_kind, mask, window):
+    """Newton over consecutive windows of at most ``window`` steps, each started from the previous window's
+    exact last state. One window of L steps may need many more iterations than L / window windows need in all:
+    the first t states are exact after t iterations and the rest converge quadratically only once the
+    iterate is close, so a long trajectory pays for every stretch where the guess is far off (measured, trained
+    weights, L = 16,384, D = 16, n = 8: 27 iterations as one window, 9-12 per window of 1,024, 3-5x less work).
+    The windows cost no parallelism the scans use: they run over batch and channels in parallel and over L
+    by doubling (torch) or sequentially (Triton)."""
+    L = u.shape[1]
+    if L <= window:
+        states, info, ok = _newton_trajectory(u, x0, lam, w, gate_kind, mask)
+        info.windows = 1
+        return states, info, ok
+    pieces, x, iterations, residual, tolerance, windows = [], x0, 0, 0.0, 0.0, 0
+    for start in range(0, L, window):
+        part = None if mask is None else mask[:, start:start + window]
+        states, info, ok = _newton_trajectory(u[:, start:start + window], x, lam, w, gate_kind, part)
+        iterations, windows = iterations + info.iterations, windows + 1
+        residual, tolerance = max(residual, info.residual), max(tolerance, info.tolerance)
+        if not ok:
+            return None, CoffeeSolveInfo("parallel", iterations, info.residual, info.tolerance, windows), False
+        pieces.append(states)
+        x = states[:, -1]
+    return torch.cat(pieces, 1), CoffeeSolveInfo("parallel", iterations, residual, tolerance, windows), True
+
+
 class _CoffeeTrajectory(torch.autograd.Function):
     """States x(0..L-1) from (u, x(-1), λ, w_D): forward by Newton (sequential on divergence), backward by
     the implicit adjoint recurrence. ``ctx`` keeps only the converged trajectory, not the iterations."""
@@ -174,7 +202,7 @@ class _CoffeeTrajectory(torch.autograd.Function):
         gate_kind = mixer.gate
         ctx.gate_kind, ctx.mask = gate_kind, mask
         with torch.no_grad():
-            states, info, ok = _newton_trajectory(u, x0, lam, w, gate_kind, mask)
+            states, info, ok = _windowed_newton(u, x0, lam, w, gate_kind, mask, mixer.newton_window)
             if not ok:
                 if not mixer._warned_fallback:
                     logger.warning(
@@ -183,7 +211,8 @@ class _CoffeeTrajectory(torch.autograd.Function):
                         info.residual, info.iterations, info.tolerance)
                     mixer._warned_fallback = True
                 states = coffee_states_sequential(u, x0, lam, w, gate_kind, mask)
-                info = CoffeeSolveInfo("sequential (fallback)", info.iterations, info.residual, info.tolerance)
+                info = CoffeeSolveInfo("sequential (fallback)", info.iterations, info.residual, info.tolerance,
+                                       info.windows)
         mixer.last_solve = info
         ctx.save_for_backward(u, x0, lam, w, states)
         return states
@@ -209,8 +238,8 @@ class _CoffeeTrajectory(torch.autograd.Function):
 def _auto_method(u, initial_state, mixer) -> str:
     """``"parallel"`` on an accelerator, or where a backward will follow (its implicit adjoint beats autograd
     through the loop); the loop for CPU inference, where Newton's 10-30 scans cost more than one pass
-    (``benchmarks/coffee_parallel.py``: forward 1.4-4.8x the loop's time at L = 256-16,384 on 2 CPU cores,
-    forward + backward 0.33-0.77x up to L = 4096)."""
+    (``benchmarks/coffee_parallel.py``, D = 16, n = 8, 1 thread: forward 1.0-2.7x the loop's time at
+    L = 256-16,384, forward + backward 0.19-0.76x)."""
     if u.device.type != "cpu":
         return "parallel"
     needs_grad = torch.is_grad_enabled() and (
@@ -260,6 +289,8 @@ class CoffeeMixer(nn.Module):
     """
 
     A_INIT = -4.0
+    # the parallel forward solves consecutive windows of at most this many steps (see `_windowed_newton`)
+    newton_window = 1024
 
     def __init__(self, hidden_size: int, state_size: int, output_filter: bool = False, gate: str = "state",
                  device=None, dtype=None):
