@@ -313,6 +313,24 @@ def test_concat_baselines_re_encode(model, states):
     check_state(piconcat, model)
 
 
+def test_training_through_compositions_reaches_the_mixer():
+    """hsc.composition_loss on a COFFEE model: gradients through the composed states (bp2c) and on into the
+    context encodings (bptc, a different gradient), finite, at the feedback weights w_D."""
+    model = tiny(seed=4).train()
+    examples = [hsc.CompositionExample(contexts=[ids_of(7, seed=120)[0], ids_of(5, seed=121)[0]],
+                                       query=ids_of(3, seed=122)[0], target=ids_of(4, seed=123)[0]),
+                hsc.CompositionExample(contexts=[ids_of(6, seed=124)[0]], query=ids_of(2, seed=125)[0],
+                                       target=ids_of(3, seed=126)[0])]
+    grads = {}
+    for objective in ("bptc", "bp2c"):
+        model.zero_grad()
+        hsc.composition_loss(model, examples, objective=objective).backward()
+        grad = model.backbone.layers[0].mixer.ssm.w_D.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, objective
+        grads[objective] = grad.clone()
+    assert not torch.allclose(grads["bptc"], grads["bp2c"])
+
+
 # ------------------------------------------------------------------------------------------ bad input
 @torch.no_grad()
 def test_states_of_another_architecture_or_model_are_refused(model, state):

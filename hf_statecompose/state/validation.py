@@ -130,7 +130,7 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
     Without ``model`` (what a state file can be checked against by itself):
 
     * the architecture is one of :data:`.architectures.ARCHITECTURES` (``"mamba"``, ``"mamba2"``,
-      ``"serpent_mamba"``) and matches ``state.config.model_type``; one state per state layer of the
+      ``"serpent_mamba"``, ``"coffee"``) and matches ``state.config.model_type``; one state per state layer of the
       config (SeRpEnt: layers x branches), every layer filled;
     * dtypes: SSM state, ΣΔ and ``A`` float32, conv window ``state.model_dtype``, ``num_tokens`` and
       ``token_ids`` int64; all tensors on one device;
