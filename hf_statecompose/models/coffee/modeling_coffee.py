@@ -24,9 +24,9 @@ features read the image by rows, by columns, and both reversed; the last output 
 (``4·image_size``), goes through Linear → GELU → Linear (3385 parameters for n = 2, 25 × 25 images).
 
 Left padding: ``attention_mask`` becomes the mixer's ``mask``: a padding step has gate 0, so it neither feeds
-nor decays the state, and every row of a left-padded batch equals that row alone. The prompt runs in
-parallel (Newton / DEER, ``method="auto"``), every later token as one sequential step (``L = 1``) from the
-cache.
+nor decays the state, and every row of a left-padded batch equals that row alone. The prompt runs with the
+mixer's ``method="auto"`` (its choice between the parallel Newton / DEER solve and the loop), every later
+token as one sequential step (``L = 1``) from the cache.
 
 State. Per layer, the mixer's state ``[B, E, n]`` (E = ``intermediate_size`` for ``"lm"``, ``hidden_size``
 for ``"core"``) lives in a :class:`~hf_statecompose.state.cache.ComposableMambaCache` flattened as a
@@ -127,7 +127,7 @@ class CoffeeSequenceMixer(nn.Module):
             initial = layer.recurrent_states[0].view(batch, E, n)
         log_decay = None
         if self.mixer_type == "coffee":
-            # the prompt in parallel (Newton / DEER), a single token as one step of the loop
+            # the prompt as the mixer chooses ("auto": Newton / DEER or the loop), a single token as one step of the loop
             method = "sequential" if length == 1 else "auto"
             if cache is not None and self.ssm.gate != "linear_state":
                 y, final, log_decay = self.ssm(x, initial_state=initial, method=method, mask=mask, return_log_decay=True)
