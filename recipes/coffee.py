@@ -11,7 +11,8 @@
 Experiments are data: ``recipes/configs/coffee.json``. Induction head (App. E, H.1): Adam, ``batch_size``
 (512) fresh sequences per step from a seeded training generator, an evaluation every ``eval_every`` steps on
 ``eval_size`` (10,000) fresh sequences from an independent validation generator, the best model kept (by
-validation accuracy, then loss), early stop at ``early_stop`` (0.99) validation accuracy; the final metrics
+validation accuracy, then loss), early stop at ``early_stop`` (0.99; the shipped ``ih-coffee`` trains on to
+0.995 for a margin, and the step where it first reached ``target_accuracy`` 0.99 is reported); the final metrics
 on ``test_size`` fresh sequences from a third generator. Loss and accuracy are on the target symbol(s)
 after the last trigger (:mod:`hf_statecompose.demo.induction_head`). MNIST (App. I): the 5,000 digits of
 :mod:`hf_statecompose.demo.mnist`, 4,000 / 500 / 500, Adam lr 0.01 -> 0.005 once an epoch's mean training
@@ -151,7 +152,7 @@ def train_ih(settings: dict):
     g_train = torch.Generator().manual_seed(settings["train_seed"])
     g_val = torch.Generator().manual_seed(settings["validation_seed"])
     best, best_state, log, train_log = None, None, [], []
-    step_times, status = [], "step budget used"
+    step_times, status, reached = [], "step budget used", None
     start = time.perf_counter()
     model.train()
     step = 0
@@ -178,6 +179,8 @@ def train_ih(settings: dict):
             if best is None or (val["accuracy"], -val["loss"]) > (best["accuracy"], -best["loss"]):
                 best = {"step": step, **val}
                 best_state = copy.deepcopy(model.state_dict())
+            if reached is None and val["accuracy"] >= settings["target_accuracy"]:
+                reached = {"step": step, "sequences": step * settings["batch_size"], **val}
             if val["accuracy"] >= settings["early_stop"]:
                 status = f"early stop: validation accuracy {val['accuracy']:.4f} >= {settings['early_stop']} at step {step}"
                 break
@@ -188,7 +191,7 @@ def train_ih(settings: dict):
     return model, {
         "steps": step, "sequences_seen": step * settings["batch_size"], "status": status,
         "train_seconds": round(train_seconds, 1), "seconds_per_step": round(sum(step_times) / max(1, len(step_times)), 4),
-        "task": task.to_dict(), "best_validation": best, "test": test, "eval_log": log, "train_log": train_log,
+        "task": task.to_dict(), "target_accuracy_reached": reached, "best_validation": best, "test": test, "eval_log": log, "train_log": train_log,
     }
 
 
@@ -312,7 +315,9 @@ def summary_table(results: list[dict]) -> str:
             budget = f"{r['steps']} x {s['batch_size']}"
             if s["kind"] == "mnist":
                 budget += f" ({r['epochs']} ep.)"
-            stopped = ("early" if r.get("status", "").startswith("early") else
+            reached = r.get("target_accuracy_reached")
+            stopped = (f"{s['target_accuracy']} at step {reached['step']}" + (f", stop {s['early_stop']}" if s["early_stop"] != s["target_accuracy"] else "")
+                       if reached else "early" if r.get("status", "").startswith("early") else
                        "non-finite" if "non-finite" in r.get("status", "") else f"cap {s.get('steps', r['steps'])}" if s["kind"] == "ih" else "all epochs")
             rows.append(f"| {s['label']} | {r['parameters']:,} | {s['lr']} | {budget} | {stopped} | {r['train_seconds']:.0f} | "
                         f"{r['seconds_per_step']:.3f} | {bv['loss']:.3f} | {bv['accuracy']:.4f} | {r['test']['loss']:.3f} | "
