@@ -180,7 +180,7 @@ def train_ih(settings: dict):
                 best = {"step": step, **val}
                 best_state = copy.deepcopy(model.state_dict())
             if reached is None and val["accuracy"] >= settings["target_accuracy"]:
-                reached = {"step": step, "sequences": step * settings["batch_size"], **val}
+                reached = {"step": step, "train_sequences": step * settings["batch_size"], **val}
             if val["accuracy"] >= settings["early_stop"]:
                 status = f"early stop: validation accuracy {val['accuracy']:.4f} >= {settings['early_stop']} at step {step}"
                 break
