@@ -58,13 +58,16 @@ class CoffeeSolveInfo:
     iterations: Newton steps taken, summed over the windows (0 for the sequential path; at most L);
     residual: the final max |f_k(x(k-1)) - x(k)| (the largest over the windows; None for the sequential path);
     tolerance: the stopping tolerance used (the largest over the windows; None for the sequential path);
-    windows: how many consecutive windows of at most ``CoffeeMixer.newton_window`` steps were solved."""
+    windows: how many consecutive windows of at most ``CoffeeMixer.newton_window`` steps were solved;
+    clipped: whether Newton diverged in some window and that window went on with its Jacobian clipped to
+    [-1, 1] (see `_newton_trajectory`)."""
 
     method: str
     iterations: int = 0
     residual: float | None = None
     tolerance: float | None = None
     windows: int = 0
+    clipped: bool = False
 
 
 def _gate_and_slope(prev, u, w, gate_kind, mask=None):
@@ -147,6 +150,8 @@ def _newton_trajectory(u, x0, lam, w, gate_kind="state", mask=None):
     wide = torch.float64 if u.dtype != torch.float64 else u.dtype
     u_w, lam_w, w_w, x0_w = u_.to(wide), lam.to(wide), w.to(wide), x0.to(wide)
     mask_w = None if mask is None else mask.to(wide)
+    clipped = False  # Newton's Jacobian, until an iterate diverges (see below)
+    last_good = x
     while True:
         x_w = x.to(wide)
         prev = torch.cat([x0_w[:, None], x_w[:, :-1]], dim=1)
@@ -156,12 +161,24 @@ def _newton_trajectory(u, x0, lam, w, gate_kind="state", mask=None):
         res_max = float(residual.abs().max())
         x_max = float(x.abs().max())
         tolerance = _TOLERANCE_ULPS * eps * max(x_max, scale_in, torch.finfo(u.dtype).tiny)
+        info = CoffeeSolveInfo("parallel", iterations, res_max, tolerance, clipped=clipped)
         if not (math.isfinite(res_max) and math.isfinite(x_max)) or x_max > _GROWTH_LIMIT * (bound + 1):
-            return x, CoffeeSolveInfo("parallel", iterations, res_max, tolerance), False
+            if clipped or iterations >= L:
+                return x, info, False
+            # Newton diverged: where the dynamics expand (|J| > 1, e.g. steep trained gates with large inputs)
+            # the linearisation about a poor guess can blow up through the scan. Go back to the last bounded
+            # iterate and go on with the Jacobian clipped to [-1, 1]: a scan that cannot amplify, and still
+            # a method whose fixed points are exactly the trajectory and whose first t states are exact after
+            # t iterations (both hold for any finite Jacobian), so it ends within the same L iterations.
+            clipped, x = True, last_good
+            continue
         if res_max <= tolerance:
-            return x, CoffeeSolveInfo("parallel", iterations, res_max, tolerance), True
+            return x, info, True
         if iterations >= L:  # exact after L steps in exact arithmetic: still off means rounding blew up
-            return x, CoffeeSolveInfo("parallel", iterations, res_max, tolerance), False
+            return x, info, False
+        if clipped:
+            jacobian = jacobian.clamp(-1.0, 1.0)
+        last_good = x
         update = _solve_linear_recurrence(jacobian.reshape(B, L, D * n), residual.reshape(B, L, D * n))
         x = x + update.view(B, L, D, n)
         iterations += 1
@@ -180,17 +197,17 @@ def _windowed_newton(u, x0, lam, w, gate_kind, mask, window):
         states, info, ok = _newton_trajectory(u, x0, lam, w, gate_kind, mask)
         info.windows = 1
         return states, info, ok
-    pieces, x, iterations, residual, tolerance, windows = [], x0, 0, 0.0, 0.0, 0
+    pieces, x, iterations, residual, tolerance, windows, clipped = [], x0, 0, 0.0, 0.0, 0, False
     for start in range(0, L, window):
         part = None if mask is None else mask[:, start:start + window]
         states, info, ok = _newton_trajectory(u[:, start:start + window], x, lam, w, gate_kind, part)
-        iterations, windows = iterations + info.iterations, windows + 1
+        iterations, windows, clipped = iterations + info.iterations, windows + 1, clipped or info.clipped
         residual, tolerance = max(residual, info.residual), max(tolerance, info.tolerance)
         if not ok:
-            return None, CoffeeSolveInfo("parallel", iterations, info.residual, info.tolerance, windows), False
+            return None, CoffeeSolveInfo("parallel", iterations, info.residual, info.tolerance, windows, clipped), False
         pieces.append(states)
         x = states[:, -1]
-    return torch.cat(pieces, 1), CoffeeSolveInfo("parallel", iterations, residual, tolerance, windows), True
+    return torch.cat(pieces, 1), CoffeeSolveInfo("parallel", iterations, residual, tolerance, windows, clipped), True
 
 
 class _CoffeeTrajectory(torch.autograd.Function):
@@ -212,7 +229,7 @@ class _CoffeeTrajectory(torch.autograd.Function):
                     mixer._warned_fallback = True
                 states = coffee_states_sequential(u, x0, lam, w, gate_kind, mask)
                 info = CoffeeSolveInfo("sequential (fallback)", info.iterations, info.residual, info.tolerance,
-                                       info.windows)
+                                       info.windows, info.clipped)
         mixer.last_solve = info
         ctx.save_for_backward(u, x0, lam, w, states)
         return states
@@ -235,16 +252,14 @@ class _CoffeeTrajectory(torch.autograd.Function):
         return grad_u, grad_x0, grad_lam, grad_w, None, None
 
 
-def _auto_method(u, initial_state, mixer) -> str:
-    """``"parallel"`` on an accelerator, or where a backward will follow (its implicit adjoint beats autograd
-    through the loop); the loop for CPU inference, where Newton's 10-30 scans cost more than one pass
-    (``benchmarks/coffee_parallel.py``, D = 16, n = 8, 1 thread: forward 1.0-2.7x the loop's time at
-    L = 256-16,384, forward + backward 0.19-0.76x)."""
-    if u.device.type != "cpu":
-        return "parallel"
-    needs_grad = torch.is_grad_enabled() and (
-        u.requires_grad or initial_state.requires_grad or any(p.requires_grad for p in mixer.parameters()))
-    return "parallel" if needs_grad else "sequential"
+def _auto_method(u) -> str:
+    """``"parallel"`` on an accelerator, the loop on the CPU. A CPU has no parallel hardware for the Newton
+    scans to use, and each iteration is a full pass, so the loop wins wherever the batch carries the work:
+    measured (forward + backward, batch 512, L = 16-64, D = 16, n = 8, the IH training steps of
+    ``recipes/coffee.py``) the parallel path took 20-55x the loop's time; it is ahead only for a single long
+    sequence with a backward (``benchmarks/coffee_parallel.py``, batch 1: 0.19-0.76x the loop's time at
+    L = 256-16,384), where autograd's per-step overhead dominates the loop. Ask for ``method="parallel"`` there."""
+    return "sequential" if u.device.type == "cpu" else "parallel"
 
 
 class CoffeeMixer(nn.Module):
@@ -283,8 +298,8 @@ class CoffeeMixer(nn.Module):
 
     ``forward(u, initial_state=None, return_final_state=False, method="auto")``: ``"sequential"`` runs the
     plain loop (autograd through it); ``"parallel"`` the Newton solve with the implicit backward, falling back
-    to the loop, with one warning, if Newton diverges; ``"auto"`` the parallel path on accelerators and
-    wherever gradients are needed, the loop for inference on the CPU (faster there). :attr:`last_solve`
+    to the loop, with one warning, if Newton diverges; ``"auto"`` the parallel path on accelerators, the
+    loop on the CPU (faster there, see ``_auto_method``). :attr:`last_solve`
     (:class:`CoffeeSolveInfo`) says how the last forward went, :attr:`last_iterations` its Newton steps.
     """
 
@@ -362,7 +377,7 @@ class CoffeeMixer(nn.Module):
         lam, w = self.eigenvalues.to(u.dtype), self.w_D.to(u.dtype)
         initial_state = initial_state.to(u.dtype)
         if method == "auto":
-            method = _auto_method(u, initial_state, self)
+            method = _auto_method(u)
         if method == "sequential":
             states = coffee_states_sequential(u, initial_state, lam, w, self.gate, mask)
             self.last_solve = CoffeeSolveInfo("sequential")
