@@ -51,11 +51,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import ImageClassifierOutput
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from hf_statecompose.models.causal_lm import StateCacheGenerationMixin, refuse_past_states
 from hf_statecompose.models.coffee.mixer import CoffeeMixer
 from hf_statecompose.state.cache import ComposableMambaCache
 
@@ -166,17 +166,6 @@ class CoffeeBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- outputs
-def _refuse_past_states(model, kwargs) -> None:
-    # forward's **kwargs would swallow past_states: a model that was not given hf_statecompose.enable would
-    # silently run without its contexts (as the guard on transformers' Mamba classes refuses them)
-    if kwargs.get("past_states") is not None:
-        raise ValueError(
-            f"{type(model).__name__}.forward() got past_states, but past_states needs hf_statecompose.enable(model) "
-            "first: this model was never enabled (or was disabled), so it would ignore the states and silently run "
-            "without any context. Call `model = hf_statecompose.enable(model)` once after loading it"
-        )
-
-
 @dataclass
 class CoffeeOutput(ModelOutput):
     """Output of :class:`CoffeeModel`: the final hidden states (``"lm"``: after the last norm; ``"core"``: the
@@ -306,7 +295,7 @@ class CoffeeModel(CoffeePreTrainedModel):
             1 for real tokens, 0 for left padding (padding neither feeds nor decays the state). With a cache,
             only its last ``sequence_length`` columns are read.
         """
-        _refuse_past_states(self, kwargs)
+        refuse_past_states(self, kwargs)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -350,7 +339,7 @@ class CoffeeModel(CoffeePreTrainedModel):
         return CoffeeOutput(last_hidden_state=hidden_states, cache_params=returned_cache, hidden_states=all_hidden_states)
 
 
-class CoffeeForCausalLM(CoffeePreTrainedModel, GenerationMixin):
+class CoffeeForCausalLM(CoffeePreTrainedModel, StateCacheGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
 
     def __init__(self, config: CoffeeConfig):
@@ -372,41 +361,6 @@ class CoffeeForCausalLM(CoffeePreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        # this model's state is a ComposableMambaCache passed as ``cache_params``. transformers names the cache
-        # ``cache_params`` only for classes with "mamba" in their name and would build a DynamicCache as
-        # ``past_key_values`` for this one (what the stock method does): do what it does for Mamba instead
-        cache = model_kwargs.get("cache_params")
-        if cache is not None:
-            if generation_config.cache_implementation is not None:
-                raise ValueError("Passing both `cache_implementation` and `cache_params` is unsupported; use one")
-            cache._is_user_defined = True
-        elif generation_config.use_cache is not False:
-            model_kwargs["cache_params"] = ComposableMambaCache.empty_for(self)
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids,
-        inputs_embeds=None,
-        use_cache=None,
-        cache_params: ComposableMambaCache | None = None,
-        attention_mask: torch.LongTensor | None = None,
-        is_first_iteration: bool | None = False,
-        **kwargs,
-    ):
-        model_inputs = super().prepare_inputs_for_generation(
-            input_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            cache_params=cache_params,
-            attention_mask=attention_mask,
-            is_first_iteration=is_first_iteration,
-            **kwargs,
-        )
-        if use_cache and not is_first_iteration:
-            model_inputs["attention_mask"] = None  # after the prompt every token fed is real
-        return model_inputs
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -426,7 +380,7 @@ class CoffeeForCausalLM(CoffeePreTrainedModel, GenerationMixin):
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
             Compute the logits of the last ``logits_to_keep`` positions only (0: all), or of the given indices.
         """
-        _refuse_past_states(self, kwargs)
+        refuse_past_states(self, kwargs)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.backbone(
             input_ids,
@@ -444,15 +398,7 @@ class CoffeeForCausalLM(CoffeePreTrainedModel, GenerationMixin):
         else:
             logits = distance_logits(hidden_states[:, keep], self.backbone.embeddings.weight).float()
 
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        if not return_dict:
-            output = tuple(v for v in (logits, outputs.cache_params, outputs.hidden_states) if v is not None)
-            return ((loss,) + output) if loss is not None else output
-        return CoffeeCausalLMOutput(
-            loss=loss, logits=logits, cache_params=outputs.cache_params, hidden_states=outputs.hidden_states
-        )
+        return self._lm_outputs(outputs, logits, labels, return_dict, CoffeeCausalLMOutput, **kwargs)
 
 
 class CoffeeForImageClassification(CoffeePreTrainedModel):

@@ -71,10 +71,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.generation import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from hf_statecompose.models.causal_lm import StateCacheGenerationMixin, refuse_past_states
 from hf_statecompose.models.mamba import selective_ssm
 from hf_statecompose.ops import backends
 from hf_statecompose.state.serpent_cache import CLOCK_BITS, CLOCK_ONE, ComposableSeRpEntCache
@@ -316,17 +316,6 @@ class SeRpEntMambaBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- models
-def _refuse_past_states(model, kwargs) -> None:
-    # forward's **kwargs would swallow past_states: a model that was not given hf_statecompose.enable would
-    # silently run without its contexts (as the guard on transformers' Mamba classes refuses them)
-    if kwargs.get("past_states") is not None:
-        raise ValueError(
-            f"{type(model).__name__}.forward() got past_states, but past_states needs hf_statecompose.enable(model) "
-            "first: this model was never enabled (or was disabled), so it would ignore the states and silently run "
-            "without any context. Call `model = hf_statecompose.enable(model)` once after loading it"
-        )
-
-
 @dataclass
 class SeRpEntMambaOutput(ModelOutput):
     """Output of :class:`SeRpEntMambaModel`: the final hidden states (after the last norm), the cache
@@ -415,7 +404,7 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
             1 for real tokens, 0 for left padding (padding is skipped: it neither advances the time nor
             becomes a neighbour). With a cache, only its last ``sequence_length`` columns are read.
         """
-        _refuse_past_states(self, kwargs)
+        refuse_past_states(self, kwargs)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -461,7 +450,7 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
         )
 
 
-class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, GenerationMixin):
+class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, StateCacheGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
 
     def __init__(self, config: SeRpEntMambaConfig):
@@ -475,35 +464,6 @@ class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, GenerationMixin):
 
     def set_input_embeddings(self, new_embeddings):
         return self.backbone.set_input_embeddings(new_embeddings)
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        # generate() would build a DynamicCache from the config; this model's state is a ComposableSeRpEntCache
-        if model_kwargs.get("cache_params") is None and generation_config.use_cache is not False:
-            model_kwargs["cache_params"] = ComposableSeRpEntCache.empty_for(self)
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids,
-        inputs_embeds=None,
-        use_cache=None,
-        cache_params: ComposableSeRpEntCache | None = None,
-        attention_mask: torch.LongTensor | None = None,
-        is_first_iteration: bool | None = False,
-        **kwargs,
-    ):
-        model_inputs = super().prepare_inputs_for_generation(
-            input_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            cache_params=cache_params,
-            attention_mask=attention_mask,
-            is_first_iteration=is_first_iteration,
-            **kwargs,
-        )
-        if use_cache and not is_first_iteration:
-            model_inputs["attention_mask"] = None  # after the prompt every token fed is real
-        return model_inputs
 
     def forward(
         self,
@@ -524,7 +484,7 @@ class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, GenerationMixin):
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
             Compute the logits of the last ``logits_to_keep`` positions only (0: all), or of the given indices.
         """
-        _refuse_past_states(self, kwargs)
+        refuse_past_states(self, kwargs)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.backbone(
             input_ids,
@@ -539,15 +499,7 @@ class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, GenerationMixin):
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep].to(self.lm_head.weight.dtype)).float()
 
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        if not return_dict:
-            output = tuple(v for v in (logits, outputs.cache_params, outputs.hidden_states) if v is not None)
-            return ((loss,) + output) if loss is not None else output
-        return SeRpEntMambaCausalLMOutput(
-            loss=loss, logits=logits, cache_params=outputs.cache_params, hidden_states=outputs.hidden_states
-        )
+        return self._lm_outputs(outputs, logits, labels, return_dict, SeRpEntMambaCausalLMOutput, **kwargs)
 
 
 def _register_auto_models() -> None:
