@@ -415,7 +415,10 @@ def write_card(result: dict, out: Path, results: list[dict]) -> None:
 
 
 def load_results(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.name != "step_times.json"]
+    """The runs' result files in ``out`` (other JSON there, e.g. step_times.json or the composition
+    measurement of benchmarks/coffee_composition.py, is not a run: no ``name`` and ``settings``)."""
+    results = (json.loads(p.read_text()) for p in sorted(out.glob("*.json")))
+    return [r for r in results if isinstance(r, dict) and "name" in r and "settings" in r]
 
 
 def write_summary(out: Path, runs_order: list[str]) -> list[dict]:
