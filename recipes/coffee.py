@@ -43,6 +43,8 @@ CONFIG = ROOT / "recipes" / "configs" / "coffee.json"
 TABLES = {
     "1": "Table 1: COFFEE vs S6, IH L_seq 16, L_tri = L_tar = 1, n 8, D 16",
     "2": "Table 2: COFFEE with reduced n and D, IH L_seq 16, lr 0.01",
+    "3": "Table 3: noise between trigger and target, IH L_seq 16, n 8, D 16, lr 0.003",
+    "4": "Table 4: longer trigger or target, IH L_seq 16, n 8, D 16",
     "5": "Table 5: COFFEE with longer sequences, n 8, D 16, lr 0.01",
     "6": "Table 6: ablations, IH L_seq 16, n 8, D 16",
     "7": "Table 7: MNIST (25x25, four mixers + 2-layer head)",
