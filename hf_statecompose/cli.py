@@ -5,6 +5,8 @@
     hf-statecompose stats   STORE
     hf-statecompose delete  STORE ID [ID ...]
     hf-statecompose compact STORE
+    hf-statecompose store migrate SRC DST              (folder store -> Lance store, every entry verified)
+    hf-statecompose encode-corpus DST passages.jsonl  [--model demo] [--actors 2]   (Ray Data -> Lance store)
     hf-statecompose lm-eval run --model statecompose --model_args ... --tasks ...
 
 (also ``python -m hf_statecompose``). ``--model`` is ``demo`` (the embedded Mamba-2), ``demo-mamba``
@@ -265,6 +267,18 @@ def _maintain(args) -> None:
         print(json.dumps(store.compact(), indent=1))
 
 
+def _store_command(args) -> None:
+    if args.store_command == "migrate":
+        header = _require_store(args.source)
+        from .store.lance import migrate
+
+        spec = args.model or header.get("info", {}).get("model", "demo")
+        model, tokenizer = load_model(spec)
+        with _quiet_loading():
+            report = migrate(args.source, args.destination, model, tokenizer, batch_size=args.batch_size)
+        print(json.dumps(report, indent=1))
+
+
 def _text(error: BaseException) -> str:
     if isinstance(error, KeyError) and error.args:  # str(KeyError) quotes its message
         return str(error.args[0])
@@ -304,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("store", help=store_help)
     delete.add_argument("ids", nargs="+", metavar="ID", help="entry ids (as printed by query)")
     sub.add_parser("compact", help="rewrite the shards without the deleted entries").add_argument("store", help=store_help)
+
+    store = sub.add_parser("store", help="store maintenance across backends (store migrate SRC DST)")
+    store_sub = store.add_subparsers(dest="store_command", required=True, metavar="STORE_COMMAND", parser_class=_Parser)
+    migrate = store_sub.add_parser("migrate", help="copy a folder store into a Lance store (needs the [scale] extra) and verify every entry")
+    migrate.add_argument("source", help="the folder store to copy")
+    migrate.add_argument("destination", help="the Lance store: a local folder or an object-storage URI (created, or extended)")
+    migrate.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the source store's)")
+    migrate.add_argument("--batch-size", type=_count(1), default=64, metavar="N", help="entries copied per commit (default 64)")
     return parser
 
 
@@ -314,7 +336,7 @@ def main(argv=None) -> int:
 
         return run_cli(argv[1:])
     args = build_parser().parse_args(argv)  # --help and argument errors end here, before torch is imported
-    run = {"build": _build, "query": _query}.get(args.command, _maintain)
+    run = {"build": _build, "query": _query, "store": _store_command}.get(args.command, _maintain)
     try:
         run(args)
     except KeyboardInterrupt:

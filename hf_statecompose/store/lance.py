@@ -504,12 +504,16 @@ class LanceStateStore:
         rows = len(self)
         if rows < 256:
             raise ValueError(f"an ANN index needs at least 256 entries to train on; the store holds {rows} (exact search is used)")
+        from lancedb.index import HnswSq, IvfPq
+
         num_partitions = num_partitions or max(1, min(4096, int(round(rows ** 0.5))))
-        kwargs = {"metric": "cosine", "index_type": self.index_type, "num_partitions": num_partitions}
         if self.index_type == "IVF_PQ":
-            kwargs["num_sub_vectors"] = num_sub_vectors or next(d for d in (self.embedding_dim // 8, self.embedding_dim // 4, self.embedding_dim // 2, 1)
-                                                                 if d and self.embedding_dim % d == 0)
-        self.table.create_index(vector_column_name="vector", replace=True, **kwargs)
+            dim = self.embedding_dim
+            num_sub_vectors = num_sub_vectors or next(d for d in (dim // 8, dim // 4, dim // 2, 1) if d and dim % d == 0)
+            config = IvfPq(distance_type="cosine", num_partitions=num_partitions, num_sub_vectors=num_sub_vectors)
+        else:
+            config = HnswSq(distance_type="cosine", num_partitions=num_partitions)
+        self.table.create_index("vector", config=config, replace=True)
 
     def compact(self, keep_versions_for: timedelta | float = 60.0) -> dict:
         """Rewrite fragments without deleted rows and merge small ones (Lance ``optimize``), update the
@@ -570,6 +574,10 @@ def migrate(source, destination, model, tokenizer, retriever: Callable | None = 
     ids already there are skipped), then read every entry back from the Lance store, verified, and
     compare it with the folder store's: states bit for bit, text, metadata, token count, embedding.
     Returns counts; any difference is a ``ValueError``. Embeddings are copied, not recomputed."""
+    if not (os.path.isdir(source) and os.path.isfile(os.path.join(source, "store.json"))):
+        raise ValueError(f"no store at {source} (a folder store holds store.json)")
+    if "://" not in os.fspath(destination) and os.path.isfile(os.path.join(destination, "store.json")):
+        raise ValueError(f"{destination} holds a folder store: give a new folder (or an existing Lance store) as the destination")
     folder = StateStore(source, model, tokenizer, retriever=retriever)
     batch_size = _check_count(batch_size, "batch_size", 1)
     lance = LanceStateStore(destination, model, tokenizer, retriever=folder.retriever, storage_dtype=folder.header["storage_dtype"],
