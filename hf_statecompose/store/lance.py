@@ -370,8 +370,8 @@ class LanceStateStore:
         """One Arrow table of rows for ``texts`` (one forward pass over the left-padded batch); written by
         :meth:`write_rows`. Used by ``add`` and by the Ray actors of ``encode_corpus``."""
         input_ids, mask, token_lists = self._tokenize(texts)
-        if device is not None:
-            input_ids, mask = input_ids.to(device), mask.to(device)
+        device = device if device is not None else next(self.model.parameters()).device
+        input_ids, mask = input_ids.to(device), mask.to(device)
         state = ComposableMambaCache.encode(self.model, input_ids, attention_mask=mask)
         check_finite(state, "the encoded batch")
         vectors = self._embed(texts)
