@@ -159,8 +159,14 @@ def read_passages(path: str, text_field: str = "text") -> tuple[list[str], list[
 
 
 def read_header(path: str) -> dict | None:
-    """The store's ``store.json`` (None if ``path`` holds no store), checked before any model is loaded."""
+    """The store's ``store.json`` (None if ``path`` holds no store), checked before any model is loaded.
+    A Lance store (a folder holding ``store_header.lance``, or an object-storage URI) is read through
+    LanceDB; its header says ``"backend": "lance"``."""
     root = Path(path)
+    if "://" in str(path) or (root / "store_header.lance").is_dir():
+        from .store.lance import read_lance_header
+
+        return read_lance_header(str(path))
     header = root / "store.json"
     if not header.exists():
         if root.exists() and not root.is_dir():
@@ -197,7 +203,8 @@ def open_store(path: str, model_spec: str | None, storage_dtype: str | None = No
     else:
         model, tokenizer = load_model(model_spec)
     with _quiet_loading():
-        store = StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)})
+        store = StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)},
+                           backend=(header or {}).get("backend", "folder"))
     return store, model, tokenizer
 
 
@@ -279,6 +286,17 @@ def _store_command(args) -> None:
         print(json.dumps(report, indent=1))
 
 
+def _encode_corpus(args) -> None:
+    texts, metadata = read_passages(args.input, args.text_field)  # before Ray or a model is started
+    from .distributed import encode_corpus
+
+    passages = [{**meta, args.text_field: text} for text, meta in zip(texts, metadata)]
+    report = encode_corpus(passages, args.model, args.store, batch_size=args.batch_size, num_actors=args.actors,
+                           cpus_per_actor=args.cpus_per_actor, storage_dtype=args.storage_dtype, text_field=args.text_field,
+                           store_options={"info": {"model": _recorded(args.model)}})
+    print(json.dumps(report, indent=1))
+
+
 def _text(error: BaseException) -> str:
     if isinstance(error, KeyError) and error.args:  # str(KeyError) quotes its message
         return str(error.args[0])
@@ -326,6 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("destination", help="the Lance store: a local folder or an object-storage URI (created, or extended)")
     migrate.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the source store's)")
     migrate.add_argument("--batch-size", type=_count(1), default=64, metavar="N", help="entries copied per commit (default 64)")
+
+    corpus = sub.add_parser("encode-corpus", help="encode passages into a Lance store on Ray Data (resumable; needs the [scale] extra)")
+    corpus.add_argument("store", help="the Lance store: a local folder or an object-storage URI (created, or extended: stored ids are skipped)")
+    corpus.add_argument("input", help="UTF-8 .jsonl (one {\"text\": ..., \"id\": ...} object per line) or text file (blank-line-separated passages)")
+    corpus.add_argument("--model", type=_model_spec, default="demo", metavar="MODEL", help=f"{model_help} (default demo)")
+    corpus.add_argument("--actors", type=_count(1), default=None, metavar="N", help="Ray actors (default: one per GPU, else per CPU)")
+    corpus.add_argument("--cpus-per-actor", type=_count(1), default=1, metavar="N", help="CPUs (torch threads) per CPU actor (default 1)")
+    corpus.add_argument("--batch-size", type=_count(1), default=16, metavar="N", help="passages per batch and commit (default 16)")
+    corpus.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=None, help="dtype of the stored states (fixed at creation)")
+    corpus.add_argument("--text-field", default="text", metavar="FIELD", help="field of each .jsonl object holding the text (default: text)")
     return parser
 
 
@@ -336,7 +364,7 @@ def main(argv=None) -> int:
 
         return run_cli(argv[1:])
     args = build_parser().parse_args(argv)  # --help and argument errors end here, before torch is imported
-    run = {"build": _build, "query": _query, "store": _store_command}.get(args.command, _maintain)
+    run = {"build": _build, "query": _query, "store": _store_command, "encode-corpus": _encode_corpus}.get(args.command, _maintain)
     try:
         run(args)
     except KeyboardInterrupt:

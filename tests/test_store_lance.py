@@ -253,6 +253,13 @@ def test_cli_store_migrate_on_the_demo_model(tmp_path):
     done = subprocess.run(run + ["store", "migrate", str(tmp_path / "f"), str(tmp_path / "l")], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout[done.stdout.index("{"):])["verified"] == 3
+    # the other commands open a Lance store as they open a folder store (model from its header)
+    done = subprocess.run(run + ["stats", str(tmp_path / "l")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and json.loads(done.stdout)["backend"] == "lance" and json.loads(done.stdout)["entries"] == 3, done.stderr[-2000:]
+    done = subprocess.run(run + ["query", str(tmp_path / "l"), "bees and honey", "-k", "1", "--json", "--max-new-tokens", "2"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(json.loads(done.stdout)["retrieved"]) == 1
     bad = subprocess.run(run + ["store", "migrate", str(tmp_path / "nothing"), str(tmp_path / "l2")], env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no store at" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 

@@ -567,6 +567,21 @@ class LanceStateStore:
         return f"LanceStateStore({self.uri!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
 
 
+def read_lance_header(uri: str, storage_options: dict | None = None) -> dict | None:
+    """The sealed header of the Lance store at ``uri`` (``None`` if it holds none), without a model."""
+    from .store import _unseal_bytes
+
+    lancedb, _ = _lancedb()
+    db = lancedb.connect(uri, storage_options=storage_options)
+    listing = db.list_tables() if hasattr(db, "list_tables") else db.table_names()
+    if HEADER_TABLE not in set(getattr(listing, "tables", listing)):
+        return None
+    rows = {r["name"]: r for r in db.open_table(HEADER_TABLE).search().select(["name", "json"]).limit(None).to_arrow().to_pylist()}
+    if "header" not in rows:
+        raise ValueError(f"{uri} ({HEADER_TABLE}): the store's header row is missing; restore it from a backup")
+    return _unseal_bytes(rows["header"]["json"].encode(), f"{uri} ({HEADER_TABLE})", "header")
+
+
 # ------------------------------------------------------------------------------------ migrate
 def migrate(source, destination, model, tokenizer, retriever: Callable | None = None, batch_size: int = 64,
             show_progress: bool = True, **lance_options) -> dict:
