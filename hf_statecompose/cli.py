@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("compact", help="rewrite the shards without the deleted entries").add_argument("store", help=store_help)
 
     store = sub.add_parser("store", help="store maintenance across backends (store migrate SRC DST)")
-    store_sub = store.add_subparsers(dest="store_command", required=True, metavar="STORE_COMMAND", parser_class=_Parser)
+    store_sub = store.add_subparsers(dest="store_command", required=True, metavar="STORE_COMMAND", parser_class=_Parser,
+                                     help="migrate: copy a folder store into a Lance store")
     migrate = store_sub.add_parser("migrate", help="copy a folder store into a Lance store (needs the [scale] extra) and verify every entry")
     migrate.add_argument("source", help="the folder store to copy")
     migrate.add_argument("destination", help="the Lance store: a local folder or an object-storage URI (created, or extended)")
