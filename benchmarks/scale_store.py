@@ -155,17 +155,28 @@ def retrieval_part(args, tmp: Path) -> dict:
     rng = random.Random(2)
     texts = list(dict.fromkeys(sentence(rng, rng.randint(8, 14)) for _ in range(int(args.entries * 1.05))))[: args.entries]
     queries = [sentence(rng, rng.randint(4, 8)) for _ in range(args.queries)]
-    minilm = MiniLMRetriever(batch_size=256, max_length=32)
+    from safetensors.torch import load_file, save_file
+
+    from hf_statecompose.retrieval import MINILM_NAME
+    from hf_statecompose.store.lance import DIMENSION_PROBE
+
+    everything = texts + queries + [DIMENSION_PROBE]
+    cache = Path(args.embeddings_cache) if args.embeddings_cache else None
     start = time.perf_counter()
-    vectors = {}
-    for s in range(0, len(texts), 4096):
-        chunk = texts[s : s + 4096]
-        vectors.update(zip(chunk, minilm(chunk)))
-    vectors.update(zip(queries, minilm(queries)))
+    if cache is not None and cache.exists():  # the same generated texts (fixed seed), embedded by an earlier run
+        matrix = load_file(cache)["vectors"]
+        assert matrix.shape[0] == len(everything), "embeddings cache of another --entries / --queries"
+    else:
+        minilm = MiniLMRetriever(batch_size=256, max_length=32)
+        matrix = torch.cat([minilm(everything[s : s + 4096]) for s in range(0, len(everything), 4096)])
+        if cache is not None:
+            save_file({"vectors": matrix.contiguous()}, cache)
     embed_seconds = time.perf_counter() - start
-    retriever = Lookup(minilm.name, vectors)
+    retriever = Lookup(MINILM_NAME, dict(zip(everything, matrix)))
+    if args.embed_only:
+        return {"entries": len(texts), "minilm_embedding_seconds": embed_seconds}
     model, tok = tiny_mamba2(), CharTokenizer()
-    lance = hsc.StateStore(str(tmp / "big-lance"), model, tok, retriever=retriever, backend="lance")
+    lance = hsc.StateStore(str(tmp / "big-lance"), model, tok, retriever=retriever, backend="lance", index_threshold=min(10_000, len(texts)))
     folder = hsc.StateStore(str(tmp / "big-folder"), model, tok, retriever=retriever)
     start = time.perf_counter()
     lance.add(texts, batch_size=2048, show_progress=False)
@@ -209,6 +220,8 @@ def main(argv=None):
     parser.add_argument("--queries", type=int, default=100)
     parser.add_argument("--skip-encode", action="store_true")
     parser.add_argument("--skip-retrieval", action="store_true")
+    parser.add_argument("--embeddings-cache", default=None, help="safetensors file of the MiniLM vectors of the generated texts (made if missing)")
+    parser.add_argument("--embed-only", action="store_true", help="only compute --embeddings-cache, then stop")
     parser.add_argument("--out", default=str(HERE / "results" / "scale_store.json"))
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
@@ -232,6 +245,9 @@ def main(argv=None):
             torch.set_num_threads(os.cpu_count() or 1)
             result["retrieval"] = retrieval_part(args, Path(tmp))
             r = result["retrieval"]
+            if args.embed_only:
+                print(r)
+                return
             print(f"\nretrieval at {r['entries']} entries, {r['queries']} queries (median seconds):")
             print("| method | median ms |\n|---|---:|")
             for name, seconds in r["median_seconds"].items():

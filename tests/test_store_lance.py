@@ -79,6 +79,11 @@ def test_reopen_and_refusals(tmp_path):
         make_store(tmp_path / "s", model, tokenizer=Shifted())
     with pytest.raises(ValueError, match="backend must be"):
         hsc.StateStore(tmp_path / "t", model, CharTokenizer(), retriever=BagOfWords(), backend="sqlite")
+    with pytest.raises(ValueError, match="holds a Lance store"):
+        hsc.StateStore(tmp_path / "s", model, CharTokenizer(), retriever=BagOfWords())
+    hsc.StateStore(tmp_path / "folder", model, CharTokenizer(), retriever=BagOfWords())
+    with pytest.raises(ValueError, match="holds a folder store"):
+        make_store(tmp_path / "folder", model)
     # a folder store is untouched by the new keyword
     assert type(hsc.StateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords(), backend="folder")).__name__ == "StateStore"
 

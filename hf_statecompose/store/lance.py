@@ -67,6 +67,8 @@ STATES_TABLE = "states"
 # below this many entries a query is an exact scan (fast enough, and PQ training wants data); compact()
 # builds the ANN index once the table holds this many
 DEFAULT_INDEX_THRESHOLD = 10_000
+# embedded once when a store is created, to fix the retriever's dimension
+DIMENSION_PROBE = "an hf_statecompose store"
 
 
 def _lancedb():
@@ -158,6 +160,8 @@ class LanceStateStore:
         self.index_type = index_type
         self.nprobes = _check_count(nprobes, "nprobes", 1)
         self.refine_factor = None if refine_factor is None else _check_count(refine_factor, "refine_factor", 1)
+        if "://" not in self.uri and os.path.isfile(os.path.join(self.uri, "store.json")):
+            raise ValueError(f"{self.uri} holds a folder store: open it without backend='lance' (or copy it: hf-statecompose store migrate)")
         self.fingerprint = model_fingerprint(model)
         self._pa = pa
         self._db = lancedb.connect(self.uri, read_consistency_interval=timedelta(seconds=float(read_consistency_interval)),
@@ -203,7 +207,7 @@ class LanceStateStore:
     def _create(self, model, tokenizer_info: dict, storage_dtype: str, info: dict) -> None:
         from safetensors.torch import save
 
-        dim = int(self._embed(["an hf_statecompose store"]).shape[1])  # the retriever's dimension, fixed now
+        dim = int(self._embed([DIMENSION_PROBE]).shape[1])  # the retriever's dimension, fixed now
         ids = torch.tensor([self._tokenize(["A"])[0][0].tolist()])
         probe = ComposableMambaCache.encode(model, ids)
         A = {f"A.{layer}": _dense(a).to(torch.float32) for layer, a in enumerate(probe.A)}
@@ -278,14 +282,15 @@ class LanceStateStore:
         return "(" + ", ".join(f"'{i}'" for i in ids) + ")"
 
     def _rows(self, ids: Sequence[str], columns: list[str]) -> dict[str, dict]:
-        if not ids:
-            return {}
-        table = self.table.search().where(f"id IN {self._in(sorted(set(ids)))}").select(columns).limit(None).to_arrow()
+        wanted = sorted(set(ids))
         rows: dict[str, dict] = {}
-        for row in table.to_pylist():
-            if row["id"] in rows:
-                raise ValueError(f"entry {row['id']} is stored twice in {self.uri} (written outside this API?); delete it and re-add it")
-            rows[row["id"]] = row
+        for start in range(0, len(wanted), 1024):  # filters of bounded length
+            chunk = wanted[start : start + 1024]
+            table = self.table.search().where(f"id IN {self._in(chunk)}").select(columns).limit(None).to_arrow()
+            for row in table.to_pylist():
+                if row["id"] in rows:
+                    raise ValueError(f"entry {row['id']} is stored twice in {self.uri} (written outside this API?); delete it and re-add it")
+                rows[row["id"]] = row
         return rows
 
     def entries(self, ids: Sequence[str] | None = None) -> list[StoreEntry]:

@@ -341,6 +341,8 @@ class StateStore:
         self._thread_lock = threading.RLock()
         self._lock_mode: str | None = None
         self._lock_depth = 0
+        if (self.path / "store_header.lance").exists():
+            raise ValueError(f"{self.path} holds a Lance store: open it with StateStore(..., backend='lance')")
         (self.path / "shards").mkdir(parents=True, exist_ok=True)
         (self.path / "deleted").mkdir(exist_ok=True)
         header_path = self.path / "store.json"
