@@ -213,6 +213,29 @@ def retrieval_part(args, tmp: Path) -> dict:
             "state_bytes_per_entry": lance.stats()["state_bytes_per_entry"]}
 
 
+def per_token_part(args) -> dict:
+    """Encode cost per token of Mamba-1 2.7B-shaped layers (d_model 2560, d_inner 5120, N 16) on this CPU:
+    ``--cost-layers`` of the 64 layers, 2 x 512 tokens, our encode path; the full model is extrapolated
+    on paper (x 64 / layers), for the fleet sizing in the README."""
+    import torch
+    from transformers import MambaConfig, MambaForCausalLM
+
+    import hf_statecompose as hsc
+    from hf_statecompose.benchmarking import median_time
+
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=1024, hidden_size=2560, state_size=16, num_hidden_layers=args.cost_layers, expand=2, conv_kernel=4)
+    model = hsc.enable(MambaForCausalLM(config).eval())
+    ids = torch.randint(3, 1024, (2, 512))
+    seconds = median_time(lambda: hsc.ComposableMambaCache.encode(model, ids), 3, warmup=1)
+    per_layer_token = seconds / (ids.numel() * args.cost_layers)
+    layer_params = sum(p.numel() for p in model.backbone.layers[0].parameters())
+    return {"layers_run": args.cost_layers, "tokens": ids.numel(), "seconds": seconds, "seconds_per_layer_token": per_layer_token,
+            "params_per_layer": layer_params, "flop_per_layer_token_2x_params": 2 * layer_params,
+            "cpu_flop_per_second_achieved": 2 * layer_params / per_layer_token,
+            "seconds_per_token_64_layers_on_paper": 64 * per_layer_token, "threads": torch.get_num_threads()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passages", type=int, default=192)
@@ -220,6 +243,7 @@ def main(argv=None):
     parser.add_argument("--queries", type=int, default=100)
     parser.add_argument("--skip-encode", action="store_true")
     parser.add_argument("--skip-retrieval", action="store_true")
+    parser.add_argument("--cost-layers", type=int, default=2, help="2.7B-shaped layers timed for the per-token cost (0: skip)")
     parser.add_argument("--embeddings-cache", default=None, help="safetensors file of the MiniLM vectors of the generated texts (made if missing)")
     parser.add_argument("--embed-only", action="store_true", help="only compute --embeddings-cache, then stop")
     parser.add_argument("--out", default=str(HERE / "results" / "scale_store.json"))
@@ -255,6 +279,11 @@ def main(argv=None):
             print(f"recall@10 of IVF-PQ vs exact: {r['recall_at_10']:.3f} (min {r['min_recall_at_10']:.1f}); ANN / exact time "
                   f"{r['ann_over_exact']:.3f}; bytes per entry folder {r['bytes_on_disk_per_entry']['folder']:.0f}, lance "
                   f"{r['bytes_on_disk_per_entry']['lance']:.0f}; fill {r['fill_seconds']}")
+    if args.cost_layers:
+        result["per_token_2p7b_shape"] = c = per_token_part(args)
+        print(f"\nMamba-1 2.7B-shaped layer, CPU ({c['threads']} threads): {1e3 * c['seconds_per_layer_token']:.3f} ms per layer-token, "
+              f"{c['cpu_flop_per_second_achieved'] / 1e9:.1f} GFLOP/s achieved (2 x {c['params_per_layer']} params per layer-token); "
+              f"64 layers on paper: {c['seconds_per_token_64_layers_on_paper'] * 1e3:.1f} ms per token")
     write_result(result, args.out)
 
 
