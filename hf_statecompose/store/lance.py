@@ -220,7 +220,11 @@ class LanceStateStore:
         }
         pa = self._pa
         # the states table first, the header last: the header's commit is the store's
-        self._db.create_table(STATES_TABLE, schema=self._schema(dim), exist_ok=True)
+        try:
+            self._db.create_table(STATES_TABLE, schema=self._schema(dim), exist_ok=True)
+        except Exception:  # noqa: BLE001 - two processes creating the store at once (Ray actors): one wins
+            if STATES_TABLE not in self._table_names():
+                raise
         rows = pa.table({"name": ["header", "A"], "json": [_seal(header).decode(), ""],
                          "blob": pa.array([b"", save(A)], pa.large_binary())})
         try:
