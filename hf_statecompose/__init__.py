@@ -51,9 +51,10 @@ _EXPORTS = {
     "CompositionExample": "training",
     "composition_loss": "training",
     "load_demo": "demo",
+    "encode_corpus": "distributed",
 }
 _SUBPACKAGES = (
-    "attribution", "benchmarking", "cli", "composition", "demo", "generation", "lmeval", "models", "ops",
+    "attribution", "benchmarking", "cli", "composition", "demo", "distributed", "generation", "lmeval", "models", "ops",
     "pipeline", "retrieval", "state", "store", "training",
 )
 
@@ -84,6 +85,7 @@ __all__ = [
     "disable",
     "enable",
     "encode",
+    "encode_corpus",
     "get_backend",
     "is_enabled",
     "model_fingerprint",

@@ -5,6 +5,8 @@
     hf-statecompose stats   STORE
     hf-statecompose delete  STORE ID [ID ...]
     hf-statecompose compact STORE
+    hf-statecompose store migrate SRC DST              (folder store -> Lance store, every entry verified)
+    hf-statecompose encode-corpus DST passages.jsonl  [--model demo] [--actors 2]   (Ray Data -> Lance store)
     hf-statecompose lm-eval run --model statecompose --model_args ... --tasks ...
 
 (also ``python -m hf_statecompose``). ``--model`` is ``demo`` (the embedded Mamba-2), ``demo-mamba``
@@ -157,8 +159,14 @@ def read_passages(path: str, text_field: str = "text") -> tuple[list[str], list[
 
 
 def read_header(path: str) -> dict | None:
-    """The store's ``store.json`` (None if ``path`` holds no store), checked before any model is loaded."""
+    """The store's ``store.json`` (None if ``path`` holds no store), checked before any model is loaded.
+    A Lance store (a folder holding ``store_header.lance``, or an object-storage URI) is read through
+    LanceDB; its header says ``"backend": "lance"``."""
     root = Path(path)
+    if "://" in str(path) or (root / "store_header.lance").is_dir():
+        from .store.lance import read_lance_header
+
+        return read_lance_header(str(path))
     header = root / "store.json"
     if not header.exists():
         if root.exists() and not root.is_dir():
@@ -195,7 +203,8 @@ def open_store(path: str, model_spec: str | None, storage_dtype: str | None = No
     else:
         model, tokenizer = load_model(model_spec)
     with _quiet_loading():
-        store = StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)})
+        store = StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)},
+                           backend=(header or {}).get("backend", "folder"))
     return store, model, tokenizer
 
 
@@ -265,6 +274,29 @@ def _maintain(args) -> None:
         print(json.dumps(store.compact(), indent=1))
 
 
+def _store_command(args) -> None:
+    if args.store_command == "migrate":
+        header = _require_store(args.source)
+        from .store.lance import migrate
+
+        spec = args.model or header.get("info", {}).get("model", "demo")
+        model, tokenizer = load_model(spec)
+        with _quiet_loading():
+            report = migrate(args.source, args.destination, model, tokenizer, batch_size=args.batch_size)
+        print(json.dumps(report, indent=1))
+
+
+def _encode_corpus(args) -> None:
+    texts, metadata = read_passages(args.input, args.text_field)  # before Ray or a model is started
+    from .distributed import encode_corpus
+
+    passages = [{**meta, args.text_field: text} for text, meta in zip(texts, metadata)]
+    report = encode_corpus(passages, args.model, args.store, batch_size=args.batch_size, num_actors=args.actors,
+                           cpus_per_actor=args.cpus_per_actor, storage_dtype=args.storage_dtype, text_field=args.text_field,
+                           store_options={"info": {"model": _recorded(args.model)}})
+    print(json.dumps(report, indent=1))
+
+
 def _text(error: BaseException) -> str:
     if isinstance(error, KeyError) and error.args:  # str(KeyError) quotes its message
         return str(error.args[0])
@@ -304,6 +336,25 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("store", help=store_help)
     delete.add_argument("ids", nargs="+", metavar="ID", help="entry ids (as printed by query)")
     sub.add_parser("compact", help="rewrite the shards without the deleted entries").add_argument("store", help=store_help)
+
+    store = sub.add_parser("store", help="store maintenance across backends (store migrate SRC DST)")
+    store_sub = store.add_subparsers(dest="store_command", required=True, metavar="STORE_COMMAND", parser_class=_Parser,
+                                     help="migrate: copy a folder store into a Lance store")
+    migrate = store_sub.add_parser("migrate", help="copy a folder store into a Lance store (needs the [scale] extra) and verify every entry")
+    migrate.add_argument("source", help="the folder store to copy")
+    migrate.add_argument("destination", help="the Lance store: a local folder or an object-storage URI (created, or extended)")
+    migrate.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the source store's)")
+    migrate.add_argument("--batch-size", type=_count(1), default=64, metavar="N", help="entries copied per commit (default 64)")
+
+    corpus = sub.add_parser("encode-corpus", help="encode passages into a Lance store on Ray Data (resumable; needs the [scale] extra)")
+    corpus.add_argument("store", help="the Lance store: a local folder or an object-storage URI (created, or extended: stored ids are skipped)")
+    corpus.add_argument("input", help="UTF-8 .jsonl (one {\"text\": ..., \"id\": ...} object per line) or text file (blank-line-separated passages)")
+    corpus.add_argument("--model", type=_model_spec, default="demo", metavar="MODEL", help=f"{model_help} (default demo)")
+    corpus.add_argument("--actors", type=_count(1), default=None, metavar="N", help="Ray actors (default: one per GPU, else per CPU)")
+    corpus.add_argument("--cpus-per-actor", type=_count(1), default=1, metavar="N", help="CPUs (torch threads) per CPU actor (default 1)")
+    corpus.add_argument("--batch-size", type=_count(1), default=16, metavar="N", help="passages per batch and commit (default 16)")
+    corpus.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=None, help="dtype of the stored states (fixed at creation)")
+    corpus.add_argument("--text-field", default="text", metavar="FIELD", help="field of each .jsonl object holding the text (default: text)")
     return parser
 
 
@@ -314,7 +365,7 @@ def main(argv=None) -> int:
 
         return run_cli(argv[1:])
     args = build_parser().parse_args(argv)  # --help and argument errors end here, before torch is imported
-    run = {"build": _build, "query": _query}.get(args.command, _maintain)
+    run = {"build": _build, "query": _query, "store": _store_command, "encode-corpus": _encode_corpus}.get(args.command, _maintain)
     try:
         run(args)
     except KeyboardInterrupt:

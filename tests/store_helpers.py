@@ -48,3 +48,26 @@ TEXTS = [
     "iron ships sail across the bay",
     "glass is made from sand and heat",
 ]
+
+
+def tiny_mamba2():
+    """(model, tokenizer) for encode_corpus's actors: the tiny random Mamba-2 of the tests (seed 0)."""
+    from helpers import tiny_model
+
+    return tiny_model("mamba2"), CharTokenizer()
+
+
+class DyingBagOfWords(BagOfWords):
+    """BagOfWords (same name: same store) whose process SIGKILLs itself on its 3rd call if the file named
+    by $HSC_KILL_MARKER does not exist yet (it creates it first): a worker dying mid-run, once."""
+
+    def __call__(self, texts):
+        import os
+        import signal
+
+        self.calls = getattr(self, "calls", 0) + 1
+        marker = os.environ.get("HSC_KILL_MARKER")
+        if marker and self.calls == 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__call__(texts)

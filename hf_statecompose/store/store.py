@@ -146,6 +146,11 @@ def _unseal(path: Path, what: str, missing_ok: bool = False) -> dict | None:
         raise ValueError(f"{path}: the store's {what} is missing (files removed by hand?)") from None
     except OSError as error:
         raise ValueError(f"{path}: the store's {what} is unreadable ({error})") from None
+    return _unseal_bytes(data, path, what)
+
+
+def _unseal_bytes(data: bytes, path, what: str) -> dict:
+    """The body of sealed JSON ``data`` (see :func:`_seal`); a clear error naming ``path`` if it is damaged."""
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -179,6 +184,32 @@ def tokenizer_record(tokenizer) -> dict:
         "vocab_sha256": hashlib.sha256(_canonical(sorted((str(k), int(v)) for k, v in vocab.items()))).hexdigest() if vocab else None,
         "probe_sha256": hashlib.sha256(_canonical(probe)).hexdigest(),
     }
+
+
+def check_opened_header(header: dict, where, fingerprint: str, retriever_name: str, tokenizer_info: dict, storage_dtype: str | None) -> None:
+    """Refuse to open a store (its ``header``) with another model, storage dtype, retriever or tokenizer."""
+    if header["fingerprint"] != fingerprint:
+        raise ValueError(
+            f"the store at {where} was built with another model ({header['model_type']}, "
+            f"{header['num_hidden_layers']} layers, hidden {header['hidden_size']}, fingerprint "
+            f"{header['fingerprint'][:12]}…) than the one given (fingerprint {fingerprint[:12]}…): its states "
+            "would be silently wrong for this model. Open it with the model that built it, or build a new store."
+        )
+    if storage_dtype is not None and storage_dtype != header["storage_dtype"]:
+        raise ValueError(f"the store at {where} stores {header['storage_dtype']} states; got storage_dtype={storage_dtype!r}")
+    if header["retriever"] != retriever_name:
+        raise ValueError(
+            f"the store at {where} was indexed with the retriever {header['retriever']!r}, not "
+            f"{retriever_name!r}: their embeddings are not comparable. Pass the same retriever."
+        )
+    recorded = header["tokenizer"]
+    differs = [key for key in ("vocab_size", "vocab_sha256", "probe_sha256") if recorded.get(key) != tokenizer_info[key]]
+    if differs:
+        raise ValueError(
+            f"the store at {where} was built with the tokenizer {recorded.get('name_or_path')!r} (vocabulary "
+            f"{recorded.get('vocab_size')}), not {tokenizer_info['name_or_path']!r} (vocabulary {tokenizer_info['vocab_size']}; "
+            f"differs in {', '.join(differs)}): its token ids would be read wrongly. Pass the tokenizer that built it."
+        )
 
 
 # ------------------------------------------------------------------------------------ file changes
@@ -270,9 +301,23 @@ class StateStore:
         storage_dtype: ``"fp32"`` or ``"bf16"`` for the SSM states and conv windows (decays are always
             fp32). Fixed when the store is created; ``None`` keeps the store's (``"fp32"`` when new).
         info: JSON-able facts to record at creation (the CLI records where the model came from).
+        backend: ``"folder"`` (this class, default) or ``"lance"``: one LanceDB table at ``path`` (a local
+            folder or an object-storage URI), with the same API and checks
+            (:class:`hf_statecompose.store.lance.LanceStateStore`, which takes further keyword arguments;
+            needs the ``[scale]`` extra).
     """
 
-    def __init__(self, path, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None, info: dict | None = None):
+    def __new__(cls, path=None, *args, backend: str = "folder", **kwargs):
+        if backend == "lance":
+            from .lance import LanceStateStore
+
+            return LanceStateStore(path, *args, **kwargs)  # not a StateStore: __init__ below is not run
+        if backend != "folder":
+            raise ValueError(f"backend must be 'folder' or 'lance', got {backend!r}")
+        return super().__new__(cls)
+
+    def __init__(self, path, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None, info: dict | None = None,
+                 backend: str = "folder"):
         from ..generation.integration import enable
 
         self.path = Path(path)
@@ -296,6 +341,8 @@ class StateStore:
         self._thread_lock = threading.RLock()
         self._lock_mode: str | None = None
         self._lock_depth = 0
+        if (self.path / "store_header.lance").exists():
+            raise ValueError(f"{self.path} holds a Lance store: open it with StateStore(..., backend='lance')")
         (self.path / "shards").mkdir(parents=True, exist_ok=True)
         (self.path / "deleted").mkdir(exist_ok=True)
         header_path = self.path / "store.json"
@@ -324,28 +371,7 @@ class StateStore:
                 }
                 _write(header_path, _seal(header))
             self.header = self._read_header()
-        if self.header["fingerprint"] != self.fingerprint:
-            raise ValueError(
-                f"the store at {self.path} was built with another model ({self.header['model_type']}, "
-                f"{self.header['num_hidden_layers']} layers, hidden {self.header['hidden_size']}, fingerprint "
-                f"{self.header['fingerprint'][:12]}…) than the one given (fingerprint {self.fingerprint[:12]}…): its states "
-                "would be silently wrong for this model. Open it with the model that built it, or build a new store."
-            )
-        if storage_dtype is not None and storage_dtype != self.header["storage_dtype"]:
-            raise ValueError(f"the store at {self.path} stores {self.header['storage_dtype']} states; got storage_dtype={storage_dtype!r}")
-        if self.header["retriever"] != self.retriever_name:
-            raise ValueError(
-                f"the store at {self.path} was indexed with the retriever {self.header['retriever']!r}, not "
-                f"{self.retriever_name!r}: their embeddings are not comparable. Pass the same retriever."
-            )
-        recorded = self.header["tokenizer"]
-        differs = [key for key in ("vocab_size", "vocab_sha256", "probe_sha256") if recorded.get(key) != tokenizer_info[key]]
-        if differs:
-            raise ValueError(
-                f"the store at {self.path} was built with the tokenizer {recorded.get('name_or_path')!r} (vocabulary "
-                f"{recorded.get('vocab_size')}), not {tokenizer_info['name_or_path']!r} (vocabulary {tokenizer_info['vocab_size']}; "
-                f"differs in {', '.join(differs)}): its token ids would be read wrongly. Pass the tokenizer that built it."
-            )
+        check_opened_header(self.header, self.path, self.fingerprint, self.retriever_name, tokenizer_info, storage_dtype)
         self.storage_dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
         # what every state read from this store carries, taken once: ComposableMambaCache.empty_for
         # re-checks the model's fingerprint (a pass over all weights), far too slow per entry read
@@ -746,7 +772,10 @@ class StateStore:
         where = f"entry {record['id']} (shard {sid}) of {self.path}"
         if _checksum(tensors) != record["checksum"]:
             raise ValueError(f"{where}: data does not match its checksum (corrupted); delete and re-add it")
-        # the checksum proves the bytes are the ones written; these prove they are a state of this model
+        self._check_entry_tensors(where, tensors, record["num_tokens"], num_layers)
+
+    def _check_entry_tensors(self, where: str, tensors: dict, num_tokens: int, num_layers: int) -> None:
+        """The checksum proved the bytes are the ones written; this proves they are a state of this model."""
         ssm_shape, conv_shape = expected_state_shapes(self.model.config)
         for layer in range(num_layers):
             for name, shape, dtype in (("ssm", ssm_shape, self.storage_dtype), ("conv", conv_shape, self.storage_dtype), ("delta_sum", None, torch.float32)):
@@ -763,8 +792,8 @@ class StateStore:
                                     model_dtype=self._state_template["model_dtype"], batch=1, device=None,
                                     refuse=lambda problem: _refuse_entry(where, problem))
         tokens = tensors["token_ids"]
-        if tokens.dtype != torch.long or tuple(tokens.shape) != (1, record["num_tokens"]):
-            raise ValueError(f"{where}: token_ids {tokens.dtype} {tuple(tokens.shape)} do not match its {record['num_tokens']} tokens")
+        if tokens.dtype != torch.long or tuple(tokens.shape) != (1, num_tokens):
+            raise ValueError(f"{where}: token_ids {tokens.dtype} {tuple(tokens.shape)} do not match its {num_tokens} tokens")
 
     # ------------------------------------------------------------------------------------ retrieve
     def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True) -> list[StoreEntry]:

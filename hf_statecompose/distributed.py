@@ -1,0 +1,202 @@
+"""``encode_corpus``: encode a corpus into a Lance store on Ray Data (needs the ``[scale]`` extra).
+
+The driver reads the passages, gives each an entry id (from its ``id`` field, else from its text),
+drops the ids the store already holds, sorts the rest by length and hands them to Ray Data;
+``map_batches`` runs :class:`_EncodeActor` on a pool of actors (one GPU each when the cluster has GPUs,
+else ``cpus_per_actor`` CPUs each), so each actor loads the model once. Each call gets consecutive
+passages of similar length, encodes them as one left-padded batch and commits them to the Lance store
+itself (one Lance commit per batch, inserting only ids not stored yet): nothing goes back to the driver
+but ids. A rerun skips what is stored; a worker killed mid-run loses no committed batch (Ray retries
+its batch; the ids it had committed are skipped), and a rerun completes the set.
+
+Nothing here is pickled by us: passages travel as Arrow strings (metadata as JSON), states as
+safetensors bytes in Lance. Ray itself serializes the actor's constructor arguments (the model spec,
+the retriever and loader factories) to start the actors.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable, Iterable
+
+from .store.lance import HEADER_TABLE, STATES_TABLE, LanceStateStore, _lancedb
+from .store.store import _check_count, _checked_json
+
+
+def entry_id_for(passage_id=None, text: str | None = None) -> str:
+    """The store id of a passage: from its own id when it has one, else from its text (identical texts
+    without ids are one entry)."""
+    key = f"id:{passage_id}" if passage_id is not None else f"text:{text}"
+    return hashlib.blake2b(key.encode("utf-8"), digest_size=8).hexdigest()
+
+
+def load_model_spec(spec):
+    """``(model, tokenizer)`` for ``"demo"`` / ``"demo-mamba"`` / ``"demo-mamba2"`` (the embedded demo
+    models), a local checkpoint folder, or a zero-argument callable returning ``(model, tokenizer)``."""
+    if callable(spec):
+        model, tokenizer = spec()
+    else:
+        from .demo import DEMO_SPECS, load_demo
+
+        if spec in DEMO_SPECS:
+            return load_demo(DEMO_SPECS[spec])
+        if not isinstance(spec, (str, os.PathLike)) or not os.path.isfile(os.path.join(spec, "config.json")):
+            raise ValueError(f"model {spec!r}: not one of {', '.join(DEMO_SPECS)} nor a local checkpoint folder with a config.json")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    from .generation.integration import enable
+
+    return enable(model), tokenizer
+
+
+def _normalise(passages, text_field: str) -> tuple[list[str], list[str], list[str]]:
+    """``(ids, texts, metadata JSON)`` of a ``.jsonl`` path, a list of strings or a list of dicts."""
+    if isinstance(passages, (str, os.PathLike)):
+        from .store.passages import parse_passages_jsonl
+
+        path = os.fspath(passages)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no passages file {path}")
+        with open(path, encoding="utf-8") as handle:
+            texts, metadata = parse_passages_jsonl(handle.read(), path, text_field)
+    else:
+        if isinstance(passages, (bytes, dict)) or not isinstance(passages, Iterable):
+            raise TypeError("passages must be a .jsonl path, a list of strings or a list of {'text': ...} dicts")
+        texts, metadata = [], []
+        for n, passage in enumerate(passages):
+            if isinstance(passage, str):
+                passage = {text_field: passage}
+            if not isinstance(passage, dict) or not isinstance(passage.get(text_field), str):
+                raise TypeError(f"passage {n} is a {type(passage).__name__}, not a string or a dict with a string {text_field!r}")
+            passage = dict(passage)
+            texts.append(passage.pop(text_field))
+            metadata.append(passage)
+    ids, metas = [], []
+    for n, (text, meta) in enumerate(zip(texts, metadata)):
+        if not text.strip():
+            raise ValueError(f"passage {n} is empty; every entry needs some text to encode")
+        _checked_json(meta, f"metadata of passage {n}")
+        ids.append(entry_id_for(meta.get("id"), text))
+        metas.append(json.dumps(meta, sort_keys=True, ensure_ascii=False))
+    if len(set(ids)) != len(ids):
+        seen, dupes = set(), []
+        for entry_id, text in zip(ids, texts):
+            if entry_id in seen:
+                dupes.append(text[:40])
+            seen.add(entry_id)
+        raise ValueError(f"{len(dupes)} passages repeat another's id or (without ids) its text, e.g. {dupes[0]!r}; "
+                         "give each passage a unique 'id' field or drop the repeats")
+    return ids, texts, metas
+
+
+def stored_ids(store_uri, storage_options: dict | None = None) -> set[str]:
+    """Ids in the Lance store at ``store_uri`` (empty if there is no store yet); no model needed."""
+    lancedb, _ = _lancedb()
+    db = lancedb.connect(os.fspath(store_uri), storage_options=storage_options)
+    listing = db.list_tables() if hasattr(db, "list_tables") else db.table_names()
+    names = set(getattr(listing, "tables", listing))
+    if HEADER_TABLE not in names or STATES_TABLE not in names:
+        return set()
+    return set(db.open_table(STATES_TABLE).search().select(["id"]).limit(None).to_arrow().column("id").to_pylist())
+
+
+class _EncodeActor:
+    """One Ray actor: loads the model (and retriever) once, encodes and commits one batch per call."""
+
+    def __init__(self, model, store_uri, retriever=None, storage_dtype=None, store_options=None, device=None, threads=None):
+        import torch
+
+        if threads:
+            torch.set_num_threads(int(threads))
+        model, tokenizer = load_model_spec(model)
+        if device is not None:
+            model = model.to(device)
+        self.store = LanceStateStore(store_uri, model, tokenizer, retriever=retriever() if retriever is not None else None,
+                                     storage_dtype=storage_dtype, **(store_options or {}))
+
+    def __call__(self, batch: dict) -> dict:
+        import numpy as np
+
+        ids, texts, metas = [str(i) for i in batch["id"]], [str(t) for t in batch["text"]], [json.loads(m) for m in batch["metadata"]]
+        present = set(self.store._rows(ids, ["id"]))  # a retried batch, or another run meanwhile
+        todo = [n for n, entry_id in enumerate(ids) if entry_id not in present]
+        if todo:
+            rows = self.store.encode_rows([texts[n] for n in todo], [metas[n] for n in todo], [ids[n] for n in todo])
+            self.store.write_rows(rows, skip_existing=True)
+        written = set(todo)
+        return {"id": np.array(ids), "written": np.array([n in written for n in range(len(ids))])}
+
+
+def encode_corpus(passages, model_path, store_uri, *, retriever: Callable | None = None, batch_size: int = 16,
+                  num_actors: int | None = None, num_gpus_per_actor: float | None = None, cpus_per_actor: int = 1,
+                  storage_dtype: str | None = None, text_field: str = "text", show_progress: bool = True,
+                  store_options: dict | None = None, ray_remote_args: dict | None = None) -> dict:
+    """Encode ``passages`` with ``model_path`` into the Lance store at ``store_uri`` on Ray Data.
+
+    Args:
+        passages: a ``.jsonl`` path (one ``{"text": ..., ...}`` per line), or a list of strings or dicts;
+            fields besides the text are metadata. A passage's ``id`` field, if any, names its entry
+            (``entry_id_for``); without one its text does.
+        model_path: ``"demo"`` / ``"demo-mamba"`` / ``"demo-mamba2"``, a local checkpoint folder, or a
+            zero-argument callable returning ``(model, tokenizer)`` (called once in every actor).
+        store_uri: the Lance store (created if missing): a local folder or an object-storage URI.
+        retriever: a zero-argument callable returning the retriever (called once per actor); ``None``:
+            the default all-MiniLM-L6-v2.
+        batch_size: passages per ``map_batches`` call: one left-padded forward and one Lance commit.
+        num_actors: actor pool size (default: the cluster's GPUs, else its CPUs // ``cpus_per_actor``).
+        num_gpus_per_actor: default 1 when the cluster has GPUs, else 0 (CPU actors).
+        store_options: keyword arguments of :class:`~hf_statecompose.store.lance.LanceStateStore`
+            (``storage_options`` for object storage, index settings).
+        ray_remote_args: extra Ray options of the actors (e.g. ``{"max_restarts": 0}``: fail instead of
+            restarting a dead actor; by default Ray restarts it and retries its batches).
+
+    Uses the running Ray (``ray.init()`` first to join a cluster); starts a local one otherwise.
+    Returns ``{"passages", "already_stored", "encoded", "entries"}``: ``encoded`` counts the rows this
+    run's batches wrote (a batch that Ray re-executes after they were committed writes none again),
+    ``entries`` the corpus's ids in the store at the end.
+    """
+    try:
+        import ray
+        import ray.data
+    except ImportError as error:
+        raise ImportError("encode_corpus needs Ray Data: pip install 'hf_statecompose[scale]' (or pip install -c constraints.txt 'ray[data]')") from error
+    batch_size = _check_count(batch_size, "batch_size", 1)
+    cpus_per_actor = _check_count(cpus_per_actor, "cpus_per_actor", 1)
+    if not callable(model_path) and not isinstance(model_path, (str, os.PathLike)):
+        raise TypeError(f"model_path must be a demo name, a checkpoint folder or a callable, got {type(model_path).__name__}")
+    if retriever is not None and not callable(retriever):
+        raise TypeError("retriever must be a zero-argument callable returning the retriever (a class works)")
+    ids, texts, metas = _normalise(passages, text_field)
+    store_options = dict(store_options or {})
+    done = stored_ids(store_uri, store_options.get("storage_options"))
+    todo = sorted((n for n, entry_id in enumerate(ids) if entry_id not in done), key=lambda n: (len(texts[n]), n))
+    result = {"passages": len(ids), "already_stored": len(ids) - len(todo), "encoded": 0}
+    if todo:
+        if not ray.is_initialized():
+            ray.init()
+        resources = ray.cluster_resources()
+        gpus = int(resources.get("GPU", 0))
+        if num_gpus_per_actor is None:
+            num_gpus_per_actor = 1 if gpus else 0
+        if num_actors is None:
+            num_actors = max(1, gpus if num_gpus_per_actor else int(resources.get("CPU", 1)) // cpus_per_actor)
+        num_actors = _check_count(num_actors, "num_actors", 1)
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = bool(show_progress)
+        # sorted by length: consecutive rows, hence each batch, have similar lengths (little padding)
+        rows = [{"id": ids[n], "text": texts[n], "metadata": metas[n]} for n in todo]
+        dataset = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows) // batch_size, 4 * num_actors)))
+        encoded = dataset.map_batches(
+            _EncodeActor, batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=num_actors),
+            num_gpus=num_gpus_per_actor, num_cpus=cpus_per_actor,
+            fn_constructor_kwargs={"model": model_path, "store_uri": os.fspath(store_uri), "retriever": retriever,
+                                   "storage_dtype": storage_dtype, "store_options": store_options,
+                                   "device": "cuda" if num_gpus_per_actor else None, "threads": cpus_per_actor},
+            **dict(ray_remote_args or {}),
+        )
+        result["encoded"] = sum(int(batch["written"].sum()) for batch in encoded.iter_batches(batch_size=None, batch_format="numpy"))
+    result["entries"] = len(stored_ids(store_uri, store_options.get("storage_options")) & set(ids))
+    return result

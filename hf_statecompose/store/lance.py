@@ -1,0 +1,669 @@
+"""``StateStore(uri, model, tokenizer, backend="lance")``: the store in LanceDB tables, for corpora that
+outgrow one folder and one process. Needs the ``[scale]`` extra (``lancedb``, ``pylance``).
+
+Layout of a Lance store at ``uri`` (a LanceDB database: a local folder or an object-storage URI)::
+
+    store_header.lance   two rows, written once when the store is created (one Lance commit):
+                         "header": the sealed JSON header of a folder store (format, model fingerprint and
+                         summary, storage dtype, retriever name and embedding dimension, tokenizer record,
+                         ``info``) plus ``backend: "lance"`` and the checksum of A;
+                         "A": the model's A tensors (the same for every state: stored once), safetensors
+    states.lance         one row per entry: id, text, metadata (canonical JSON), num_tokens, vector (the
+                         unit-norm retrieval embedding, fixed-size float32 list), state, tensor_digest, seal
+
+``state`` is the bytes of a state file (:mod:`hf_statecompose.state.serialization`: safetensors, the
+``hf_statecompose`` metadata with format version, architecture, fingerprint, model dtype, config and the
+blake2b ``tensor_digest`` of every tensor) for one entry, except that ``A`` is not repeated in every row
+(for Mamba-1 it is as large as the SSM state): the reader takes it from the header table, checksum-verified.
+``seal`` is a blake2b digest over id, text, metadata, num_tokens, the vector's bytes and tensor_digest:
+a changed byte anywhere in a row is refused, never read as other text or another state.
+
+Guarantees, from Lance's commit model (every write is a new table version made visible by one atomic
+manifest commit; readers read one version): a reader sees an ``add`` batch, a ``delete`` or a compaction
+whole or not at all; ``get`` and ``retrieve`` read ids, vectors and states from one version. Writers from
+several processes append concurrently (Lance retries conflicting commits); ids are random (``add``) or
+given (``add(ids=...)``, :func:`hf_statecompose.distributed.encode_corpus`), and writes with given ids
+insert only ids not yet stored (``merge_insert``), so a retried or repeated write never duplicates an
+entry. Every state read is verified: the row's seal, the state file's metadata and fingerprint, its
+tensor digest, then dtypes, shapes, finite values and ΣΔ >= 0 against the model (as a folder store does).
+No pickle: rows are Arrow columns, states safetensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import numbers
+import os
+import uuid
+from datetime import timedelta
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ..state.architectures import architecture
+from ..state.cache import ComposableMambaCache
+from ..state.fingerprint import architecture_of, model_fingerprint
+from ..state.serialization import FORMAT_VERSION as STATE_FORMAT_VERSION
+from ..state.serialization import _check_metadata, _dense, _digest
+from ..state.validation import check_finite, expected_num_layers
+from .store import (
+    FORMAT_VERSION,
+    STORAGE_DTYPES,
+    StateStore,
+    StoreEntry,
+    _canonical,
+    _check_count,
+    _checked_json,
+    _checksum,
+    _progress,
+    _seal,
+    check_id,
+    check_opened_header,
+    tokenizer_record,
+)
+
+HEADER_TABLE = "store_header"
+STATES_TABLE = "states"
+# below this many entries a query is an exact scan (fast enough, and PQ training wants data); compact()
+# builds the ANN index once the table holds this many
+DEFAULT_INDEX_THRESHOLD = 10_000
+# embedded once when a store is created, to fix the retriever's dimension
+DIMENSION_PROBE = "an hf_statecompose store"
+
+
+def _lancedb():
+    try:
+        import lancedb
+        import pyarrow
+    except ImportError as error:
+        raise ImportError(
+            "the Lance store backend needs lancedb and pylance: pip install 'hf_statecompose[scale]' "
+            "(or pip install -c constraints.txt lancedb pylance)"
+        ) from error
+    return lancedb, pyarrow
+
+
+def _row_seal(entry_id: str, text: str, metadata_json: str, num_tokens: int, vector: bytes, tensor_digest: str) -> str:
+    body = _canonical([entry_id, text, metadata_json, int(num_tokens), hashlib.sha256(vector).hexdigest(), tensor_digest])
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
+
+
+def _blob_metadata(blob: bytes, where: str) -> dict:
+    """The ``hf_statecompose`` metadata of state-file bytes, checked as a state file's is."""
+    if not isinstance(blob, (bytes, bytearray)) or len(blob) < 9 or blob[8:9] != b"{":
+        raise ValueError(f"{where}: the state is not safetensors bytes (corrupted); delete and re-add the entry")
+    length = int.from_bytes(blob[:8], "little")
+    if 8 + length > len(blob):
+        raise ValueError(f"{where}: the state is truncated ({len(blob)} bytes, its header claims {length}); delete and re-add the entry")
+    try:
+        header = json.loads(blob[8 : 8 + length])
+        meta = json.loads(header["__metadata__"]["hf_statecompose"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{where}: the state's metadata is corrupted ({error!r:.80}); delete and re-add the entry") from None
+    _check_metadata(meta, where)
+    return meta
+
+
+class LanceStateStore:
+    """A :class:`~hf_statecompose.StateStore` in LanceDB (see the module docstring); made by
+    ``StateStore(uri, model, tokenizer, backend="lance", ...)`` or directly.
+
+    Args beyond the folder store's:
+        storage_options: passed to ``lancedb.connect`` (object-storage credentials, endpoint, region).
+        index_threshold: entries from which :meth:`compact` builds the ANN index (exact search below).
+        index_type: ``"IVF_PQ"`` (default) or ``"IVF_HNSW_SQ"``; ``nprobes`` / ``refine_factor`` tune
+            the search (``refine_factor`` re-ranks ``k * refine_factor`` candidates by exact distance).
+        read_consistency_interval: how stale a read may be (default 0: every read sees the latest
+            commit; on object storage a few seconds saves a round trip per query).
+    """
+
+    backend = "lance"
+
+    # the row encoding and the model checks are the folder store's own
+    _entry_tensors = StateStore._entry_tensors
+    _state = StateStore._state
+    _check_entry_tensors = StateStore._check_entry_tensors
+    _embed = StateStore._embed
+    _tokenize = StateStore._tokenize
+    _check_ids = StateStore._check_ids
+
+    def __init__(self, uri, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None,
+                 info: dict | None = None, *, storage_options: dict | None = None, index_threshold: int = DEFAULT_INDEX_THRESHOLD,
+                 index_type: str = "IVF_PQ", nprobes: int = 32, refine_factor: int | None = 10,
+                 read_consistency_interval: float = 0.0):
+        from ..generation.integration import enable
+
+        lancedb, pa = _lancedb()
+        if uri is None or not isinstance(uri, (str, os.PathLike)):
+            raise TypeError(f"uri must be a path or a URI string, got {type(uri).__name__}")
+        self.uri = os.fspath(uri)
+        self.path = self.uri  # named in messages, as a folder store's path
+        self.model = enable(model)
+        self.tokenizer = tokenizer
+        tokenizer_info = tokenizer_record(tokenizer)
+        if retriever is None:
+            from ..retrieval import default_retriever
+
+            retriever = default_retriever()
+        if not callable(retriever):
+            raise TypeError(f"retriever must be a callable list[str] -> [n, E] vectors, got {type(retriever).__name__}")
+        self.retriever = retriever
+        self.retriever_name = str(getattr(retriever, "name", type(retriever).__name__))
+        if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        if info is not None and not isinstance(info, dict):
+            raise TypeError(f"info must be a dict, got {type(info).__name__}")
+        info = _checked_json(dict(info or {}), "info")
+        self.index_threshold = _check_count(index_threshold, "index_threshold", 1)
+        if index_type not in ("IVF_PQ", "IVF_HNSW_SQ"):
+            raise ValueError(f"index_type must be 'IVF_PQ' or 'IVF_HNSW_SQ', got {index_type!r}")
+        self.index_type = index_type
+        self.nprobes = _check_count(nprobes, "nprobes", 1)
+        self.refine_factor = None if refine_factor is None else _check_count(refine_factor, "refine_factor", 1)
+        if "://" not in self.uri and os.path.isfile(os.path.join(self.uri, "store.json")):
+            raise ValueError(f"{self.uri} holds a folder store: open it without backend='lance' (or copy it: hf-statecompose store migrate)")
+        self.fingerprint = model_fingerprint(model)
+        self._pa = pa
+        self._db = lancedb.connect(self.uri, read_consistency_interval=timedelta(seconds=float(read_consistency_interval)),
+                                   storage_options=storage_options)
+        names = set(self._table_names())
+        if HEADER_TABLE not in names:
+            if STATES_TABLE in names and self._db.open_table(STATES_TABLE).count_rows() > 0:
+                raise ValueError(
+                    f"the Lance store at {self.uri} holds a {STATES_TABLE} table but no {HEADER_TABLE}: restore it from a backup "
+                    "(a store is never re-adopted without its header: another model would read its states wrongly)"
+                )
+            self._create(model, tokenizer_info, storage_dtype or "fp32", info)
+        self.header, self._A = self._read_header()
+        check_opened_header(self.header, self.uri, self.fingerprint, self.retriever_name, tokenizer_info, storage_dtype)
+        self.storage_dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
+        self.embedding_dim = int(self.header["embedding_dim"])
+        template = ComposableMambaCache.empty_for(model)
+        self._state_class = type(template)
+        self._layout = architecture(template.architecture)
+        self._state_template = {"architecture": template.architecture, "fingerprint": template.fingerprint,
+                                "model_dtype": template.model_dtype, "model_info": dict(template.model_info)}
+        self._blob_meta = {
+            "format_version": STATE_FORMAT_VERSION, "architecture": template.architecture, "fingerprint": self.fingerprint,
+            "model_dtype": str(template.model_dtype), "model_info": dict(template.model_info),
+            "num_layers": expected_num_layers(model.config), "config": model.config.to_dict(),
+            "A": "stored once per store (store_header row 'A')", "storage_dtype": self.header["storage_dtype"],
+        }
+        self.table = self._db.open_table(STATES_TABLE)
+
+    # ------------------------------------------------------------------------------------ creation
+    def _table_names(self) -> list[str]:
+        listing = self._db.list_tables() if hasattr(self._db, "list_tables") else self._db.table_names()
+        return list(getattr(listing, "tables", listing))
+
+    def _schema(self, dim: int):
+        pa = self._pa
+        return pa.schema([
+            ("id", pa.string()), ("text", pa.string()), ("metadata", pa.string()), ("num_tokens", pa.int64()),
+            ("vector", pa.list_(pa.float32(), dim)), ("state", pa.large_binary()), ("tensor_digest", pa.string()),
+            ("seal", pa.string()),
+        ])
+
+    def _create(self, model, tokenizer_info: dict, storage_dtype: str, info: dict) -> None:
+        from safetensors.torch import save
+
+        dim = int(self._embed([DIMENSION_PROBE]).shape[1])  # the retriever's dimension, fixed now
+        ids = torch.tensor([self._tokenize(["A"])[0][0].tolist()])
+        probe = ComposableMambaCache.encode(model, ids)
+        A = {f"A.{layer}": _dense(a).to(torch.float32) for layer, a in enumerate(probe.A)}
+        header = {
+            "format_version": FORMAT_VERSION, "kind": "hf_statecompose.store", "backend": "lance",
+            "fingerprint": self.fingerprint, "architecture": architecture_of(model), "model_type": model.config.model_type,
+            "num_hidden_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size,
+            "storage_dtype": storage_dtype, "retriever": self.retriever_name, "embedding_dim": dim,
+            "tokenizer": tokenizer_info, "info": info, "A_checksum": _checksum(A),
+        }
+        pa = self._pa
+        # the states table first, the header last: the header's commit is the store's
+        try:
+            self._db.create_table(STATES_TABLE, schema=self._schema(dim), exist_ok=True)
+        except Exception:  # noqa: BLE001 - two processes creating the store at once (Ray actors): one wins
+            if STATES_TABLE not in self._table_names():
+                raise
+        rows = pa.table({"name": ["header", "A"], "json": [_seal(header).decode(), ""],
+                         "blob": pa.array([b"", save(A)], pa.large_binary())})
+        try:
+            self._db.create_table(HEADER_TABLE, data=rows, mode="create")
+        except (ValueError, OSError, RuntimeError) as error:  # another process created it first: use theirs
+            if HEADER_TABLE not in self._table_names():
+                raise ValueError(f"cannot create the Lance store at {self.uri}: {error}") from None
+
+    def _read_header(self) -> tuple[dict, list[torch.Tensor]]:
+        from safetensors.torch import load
+
+        from .store import _unseal_bytes
+
+        where = f"{self.uri} ({HEADER_TABLE})"
+        try:
+            rows = {r["name"]: r for r in self._db.open_table(HEADER_TABLE).to_arrow().to_pylist()}
+        except Exception as error:  # noqa: BLE001 - any failure to read the table is a damaged store
+            raise ValueError(f"{where}: the store's header table is unreadable ({error!r:.120}); restore it from a backup") from None
+        if set(rows) != {"header", "A"}:
+            raise ValueError(f"{where}: the store's header table is damaged (rows {sorted(rows)}); restore it from a backup")
+        header = _unseal_bytes(rows["header"]["json"].encode(), where, "header")
+        if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "hf_statecompose.store" or header.get("backend") != "lance":
+            raise ValueError(f"{where}: not an hf_statecompose Lance store header (format {header.get('format_version')!r})")
+        if header.get("storage_dtype") not in STORAGE_DTYPES or not isinstance(header.get("tokenizer"), dict) \
+                or not isinstance(header.get("embedding_dim"), int):
+            raise ValueError(f"{where}: malformed store header; restore it from a backup")
+        try:
+            A = load(rows["A"]["blob"])
+        except Exception as error:  # noqa: BLE001
+            raise ValueError(f"{where}: the stored A tensors are unreadable ({error!r:.80}); restore the store from a backup") from None
+        if _checksum(A) != header.get("A_checksum"):
+            raise ValueError(f"{where}: the stored A tensors do not match their checksum (corrupted); restore the store from a backup")
+        num_layers = expected_num_layers(self.model.config)
+        if set(A) != {f"A.{layer}" for layer in range(num_layers)}:
+            raise ValueError(f"{where}: the stored A tensors are not those of a {num_layers}-layer model")
+        return header, [A[f"A.{layer}"] for layer in range(num_layers)]
+
+    # ------------------------------------------------------------------------------------ ids
+    def refresh(self) -> None:
+        """See other processes' commits now (reads already do with ``read_consistency_interval=0``)."""
+        self.table.checkout_latest()
+
+    def __len__(self) -> int:
+        return self.table.count_rows()
+
+    def ids(self) -> list[str]:
+        return self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist()
+
+    def __contains__(self, entry_id) -> bool:
+        try:
+            check_id(entry_id, "entry")
+        except (TypeError, ValueError):
+            return False
+        return self.table.count_rows(f"id = '{entry_id}'") > 0
+
+    @staticmethod
+    def _in(ids: Sequence[str]) -> str:
+        # ids are checked against the hex pattern before they get here: nothing to escape
+        return "(" + ", ".join(f"'{i}'" for i in ids) + ")"
+
+    def _rows(self, ids: Sequence[str], columns: list[str]) -> dict[str, dict]:
+        wanted = sorted(set(ids))
+        rows: dict[str, dict] = {}
+        for start in range(0, len(wanted), 1024):  # filters of bounded length
+            chunk = wanted[start : start + 1024]
+            table = self.table.search().where(f"id IN {self._in(chunk)}").select(columns).limit(None).to_arrow()
+            for row in table.to_pylist():
+                if row["id"] in rows:
+                    raise ValueError(f"entry {row['id']} is stored twice in {self.uri} (written outside this API?); delete it and re-add it")
+                rows[row["id"]] = row
+        return rows
+
+    def entries(self, ids: Sequence[str] | None = None) -> list[StoreEntry]:
+        """Text and metadata of entries (no state read), each row's seal checked."""
+        columns = ["id", "text", "metadata", "num_tokens", "vector", "tensor_digest", "seal"]
+        if ids is None:
+            rows = self.table.search().select(columns).limit(None).to_arrow().to_pylist()
+            return [self._entry(row) for row in rows]
+        ids = self._check_ids(ids, "ids")
+        found = self._rows(ids, columns)
+        missing = [i for i in ids if i not in found]
+        if missing:
+            raise KeyError(f"no entries {missing[:5]} in the store at {self.uri} (deleted, or never added)")
+        return [self._entry(found[i]) for i in ids]
+
+    def _vector_bytes(self, vector) -> bytes:
+        return torch.tensor(vector, dtype=torch.float32).numpy().tobytes()
+
+    def _check_row(self, row: dict) -> None:
+        entry_id = row.get("id")
+        if not isinstance(entry_id, str) or len(entry_id) != 16:
+            raise ValueError(f"{self.uri}: a row holds a malformed id {str(entry_id)[:40]!r} (corrupted)")
+        vector = row["vector"]
+        if vector is None or len(vector) != self.embedding_dim:
+            raise ValueError(f"entry {entry_id} of {self.uri}: its vector is malformed (corrupted); delete and re-add it")
+        seal = _row_seal(entry_id, row["text"], row["metadata"], row["num_tokens"], self._vector_bytes(vector), row["tensor_digest"])
+        if seal != row["seal"]:
+            raise ValueError(f"entry {entry_id} of {self.uri}: the row does not match its seal (corrupted or edited); delete and re-add it")
+
+    def _entry(self, row: dict, score: float | None = None) -> StoreEntry:
+        self._check_row(row)
+        return StoreEntry(row["id"], row["text"], json.loads(row["metadata"]), int(row["num_tokens"]), score=score)
+
+    # ------------------------------------------------------------------------------------ add
+    def add(self, texts: Iterable[str], metadata: Sequence[dict] | None = None, batch_size: int = 16, show_progress: bool = True,
+            ids: Sequence[str] | None = None) -> list[str]:
+        """Encode ``texts`` in batches of ``batch_size`` and store them; each batch is one Lance commit.
+
+        ``ids`` (optional, 16 lowercase hex digits each): the entries' ids; ids already stored are
+        skipped (not encoded again, not duplicated), so a repeated or resumed ``add`` is safe. Returns the
+        ids, in order (new and skipped)."""
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be a list of strings, got a single string (it would add one entry per character): use add([text])")
+        texts = list(texts)
+        batch_size = _check_count(batch_size, "batch_size", 1)
+        if metadata is not None and (isinstance(metadata, (dict, str, bytes)) or not isinstance(metadata, Iterable)):
+            raise TypeError("metadata must be a list with one dict per text")
+        metadata = list(metadata) if metadata is not None else [{} for _ in texts]
+        if len(metadata) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(metadata)} metadata dicts")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"text {i} is empty or not a string; every entry needs some text to encode")
+        for i, m in enumerate(metadata):
+            if m is not None and not isinstance(m, dict):
+                raise TypeError(f"metadata of text {i} must be a dict (or None), got {type(m).__name__}")
+        metadata = [_checked_json(dict(m or {}), f"metadata of text {i}") for i, m in enumerate(metadata)]
+        given = ids is not None
+        if given:
+            ids = self._check_ids(ids, "ids")
+            if len(ids) != len(texts):
+                raise ValueError(f"{len(texts)} texts but {len(ids)} ids")
+            if len(set(ids)) != len(ids):
+                raise ValueError("ids must be unique")
+            stored = set(self._rows(ids, ["id"])) if ids else set()
+            todo = [n for n, i in enumerate(ids) if i not in stored]
+        else:
+            ids = [uuid.uuid4().hex[:16] for _ in texts]
+            todo = list(range(len(texts)))
+        progress = _progress(len(todo), show_progress)
+        try:
+            for start in range(0, len(todo), batch_size):
+                chunk = todo[start : start + batch_size]
+                rows = self.encode_rows([texts[n] for n in chunk], [metadata[n] for n in chunk], [ids[n] for n in chunk])
+                self.write_rows(rows, skip_existing=given)
+                progress.update(len(chunk))
+        finally:
+            progress.close()
+        return ids
+
+    def encode_rows(self, texts: list[str], metadata: list[dict], ids: list[str], device=None):
+        """One Arrow table of rows for ``texts`` (one forward pass over the left-padded batch); written by
+        :meth:`write_rows`. Used by ``add`` and by the Ray actors of ``encode_corpus``."""
+        input_ids, mask, token_lists = self._tokenize(texts)
+        device = device if device is not None else next(self.model.parameters()).device
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        state = ComposableMambaCache.encode(self.model, input_ids, attention_mask=mask)
+        check_finite(state, "the encoded batch")
+        vectors = self._embed(texts)
+        if vectors.shape[1] != self.embedding_dim:
+            raise ValueError(f"the retriever returned {vectors.shape[1]}-dim vectors; the store holds {self.embedding_dim}-dim ones")
+        from safetensors.torch import save
+
+        columns: dict[str, list] = {name: [] for name in self._schema(self.embedding_dim).names}
+        for row, (entry_id, text, meta, tokens) in enumerate(zip(ids, texts, metadata, token_lists)):
+            tensors = self._entry_tensors(state, row, tokens)
+            tensors["num_tokens"] = torch.tensor([len(tokens)], dtype=torch.long)
+            digest = _digest(tensors)
+            blob = save(tensors, metadata={"hf_statecompose": json.dumps({**self._blob_meta, "tensor_digest": digest}, default=repr)})
+            vector = vectors[row].contiguous()
+            meta_json = _canonical(meta).decode()
+            columns["id"].append(entry_id)
+            columns["text"].append(text)
+            columns["metadata"].append(meta_json)
+            columns["num_tokens"].append(len(tokens))
+            columns["vector"].append(vector.tolist())
+            columns["state"].append(blob)
+            columns["tensor_digest"].append(digest)
+            columns["seal"].append(_row_seal(entry_id, text, meta_json, len(tokens), vector.numpy().tobytes(), digest))
+        return self._pa.table(columns, schema=self._schema(self.embedding_dim))
+
+    def write_rows(self, rows, skip_existing: bool = True) -> None:
+        """Commit ``rows`` (from :meth:`encode_rows`) as one Lance version; with ``skip_existing``, ids
+        already stored are left as they are (``merge_insert``: a retried write never duplicates)."""
+        if rows.num_rows == 0:
+            return
+        if skip_existing:
+            self.table.merge_insert("id").when_not_matched_insert_all().execute(rows)
+        else:
+            self.table.add(rows)
+
+    # ------------------------------------------------------------------------------------ read
+    def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
+        """The states of ``ids`` (one id: one state), every one verified (see the module docstring)."""
+        single = isinstance(ids, str)
+        ids = [check_id(ids, "entry")] if single else self._check_ids(ids, "ids")
+        device = device if device is not None else next(self.model.parameters()).device
+        rows = self._rows(ids, ["id", "text", "metadata", "num_tokens", "vector", "state", "tensor_digest", "seal"])
+        missing = [i for i in ids if i not in rows]
+        if missing:
+            raise KeyError(f"no entries {missing[:5]} in the store at {self.uri} (deleted, or never added)")
+        out = [self._read_state(rows[i], device) for i in ids]
+        return out[0] if single else out
+
+    def _read_state(self, row: dict, device) -> ComposableMambaCache:
+        from safetensors.torch import load
+
+        self._check_row(row)
+        where = f"entry {row['id']} of {self.uri}"
+        blob = row["state"]
+        meta = _blob_metadata(blob, where)
+        if meta["fingerprint"] != self.fingerprint:
+            raise ValueError(f"{where}: the state was encoded by another model (fingerprint differs); delete and re-add it")
+        if meta["tensor_digest"] != row["tensor_digest"]:
+            raise ValueError(f"{where}: the state's digest does not match its row (corrupted); delete and re-add it")
+        try:
+            tensors = load(bytes(blob))
+        except Exception as error:  # noqa: BLE001
+            raise ValueError(f"{where}: the state is truncated or corrupted ({error!r:.80}); delete and re-add it") from None
+        if _digest(tensors) != meta["tensor_digest"]:
+            raise ValueError(f"{where}: the state's tensor data does not match its digest (corrupted); delete and re-add it")
+        num_layers = len(self._A)
+        kinds = ("ssm", "conv", "delta_sum") + tuple(extra.file_key for extra in self._layout.extras)
+        expected = {f"{kind}.{layer}" for layer in range(num_layers) for kind in kinds} | {"token_ids", "num_tokens"}
+        if set(tensors) != expected:
+            raise ValueError(f"{where}: the state holds tensors {sorted(set(tensors) ^ expected)[:4]} it should not (or lacks them)")
+        if tensors["num_tokens"].tolist() != [row["num_tokens"]]:
+            raise ValueError(f"{where}: the state's num_tokens do not match its row")
+        self._check_entry_tensors(where, tensors, row["num_tokens"], num_layers)
+        return self._state(tensors, row, self._A, device)
+
+    # ------------------------------------------------------------------------------------ retrieve
+    def _has_index(self) -> bool:
+        return any(getattr(index, "columns", None) == ["vector"] for index in self.table.list_indices())
+
+    def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True, exact: bool = False) -> list[StoreEntry]:
+        """The ``k`` entries most similar to ``query`` (cosine), best first, with their states. Through the
+        ANN index once :meth:`compact` has built it (plus an exact scan of rows added since), else an
+        exact scan; ``exact=True`` always scans."""
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError("query must be a non-empty string")
+        k = _check_count(k, "k", 0)
+        excluded = self._check_ids(exclude, "exclude")
+        if k == 0:
+            return []
+        vector = self._embed([query])[0]
+        if vector.shape[0] != self.embedding_dim:
+            raise ValueError(f"the retriever returned a {vector.shape[0]}-dim query vector; the store holds {self.embedding_dim}-dim ones")
+        columns = ["id", "text", "metadata", "num_tokens", "vector", "tensor_digest", "seal", "_distance"] + (["state"] if load_states else [])
+        search = self.table.search(vector.numpy(), vector_column_name="vector").metric("cosine")
+        if excluded:
+            search = search.where(f"id NOT IN {self._in(sorted(set(excluded)))}", prefilter=True)
+        if exact:
+            search = search.bypass_vector_index()
+        else:
+            search = search.nprobes(self.nprobes)
+            if self.refine_factor:
+                search = search.refine_factor(self.refine_factor)
+        rows = search.select(columns).limit(k).to_arrow().to_pylist()
+        rows.sort(key=lambda r: r["_distance"])
+        entries = [self._entry(row, score=1.0 - float(row["_distance"])) for row in rows]
+        if load_states:
+            device = next(self.model.parameters()).device
+            for entry, row in zip(entries, rows):
+                entry.state = self._read_state(row, device)
+        return entries
+
+    # ------------------------------------------------------------------------------------ delete / compact
+    def delete(self, ids: Sequence[str] | str) -> None:
+        """Delete entries (one Lance commit; their bytes go at the next :meth:`compact`)."""
+        ids = [check_id(ids, "entry")] if isinstance(ids, str) else self._check_ids(ids, "ids")
+        found = self._rows(ids, ["id"])
+        missing = [i for i in ids if i not in found]
+        if missing:
+            raise KeyError(f"no entries {missing[:5]} in the store at {self.uri}")
+        self.table.delete(f"id IN {self._in(sorted(set(ids)))}")
+
+    def _fragment_counts(self) -> tuple[int, int, int]:
+        dataset = self.table.to_lance()
+        fragments = dataset.get_fragments()
+        physical = sum(f.physical_rows for f in fragments)
+        return len(fragments), physical, dataset.count_rows()
+
+    def build_index(self, num_partitions: int | None = None, num_sub_vectors: int | None = None) -> None:
+        """Build (or rebuild) the ANN index on the vectors now, whatever the table's size."""
+        rows = len(self)
+        if rows < 256:
+            raise ValueError(f"an ANN index needs at least 256 entries to train on; the store holds {rows} (exact search is used)")
+        from lancedb.index import HnswSq, IvfPq
+
+        num_partitions = num_partitions or max(1, min(4096, int(round(rows ** 0.5))))
+        if self.index_type == "IVF_PQ":
+            dim = self.embedding_dim
+            num_sub_vectors = num_sub_vectors or next(d for d in (dim // 8, dim // 4, dim // 2, 1) if d and dim % d == 0)
+            config = IvfPq(distance_type="cosine", num_partitions=num_partitions, num_sub_vectors=num_sub_vectors)
+        else:
+            config = HnswSq(distance_type="cosine", num_partitions=num_partitions)
+        self.table.create_index("vector", config=config, replace=True)
+
+    def compact(self, keep_versions_for: timedelta | float = 60.0) -> dict:
+        """Rewrite fragments without deleted rows and merge small ones (Lance ``optimize``), update the
+        ANN index (build it once the table holds ``index_threshold`` entries), and remove table versions
+        older than ``keep_versions_for`` (seconds or a timedelta; readers reading an older version at
+        that moment would fail: keep a margin on a busy store). Returns what it did."""
+        if not isinstance(keep_versions_for, timedelta):
+            if isinstance(keep_versions_for, bool) or not isinstance(keep_versions_for, numbers.Real) or keep_versions_for < 0:
+                raise ValueError(f"keep_versions_for must be >= 0 seconds or a timedelta, got {keep_versions_for!r}")
+            keep_versions_for = timedelta(seconds=float(keep_versions_for))
+        fragments_before, physical_before, rows = self._fragment_counts()
+        built = False
+        if rows >= self.index_threshold and not self._has_index():
+            self.build_index()
+            built = True
+        self.table.optimize(cleanup_older_than=keep_versions_for)
+        fragments_after, physical_after, _ = self._fragment_counts()
+        return {"removed_entries": physical_before - physical_after, "fragments_before": fragments_before,
+                "fragments_after": fragments_after, "index_built": built, "indexed": self._has_index()}
+
+    optimize = compact
+
+    # ------------------------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """Entries and bytes: ``entries``, ``deleted_pending``, ``fragments``, ``bytes`` (all files of a
+        local store; ``None`` on object storage), ``state_bytes_per_entry`` (tensor bytes of one entry's
+        state), ``blob_bytes_per_entry`` (its state column), ``storage_dtype``, ``indexed``, ``version``."""
+        fragments, physical, rows = self._fragment_counts()
+        per_entry = blob = None
+        if rows:
+            from safetensors import safe_open  # noqa: F401 (the blob's header says the sizes)
+
+            first = self.table.search().select(["state"]).limit(1).to_arrow().column("state")[0].as_py()
+            length = int.from_bytes(first[:8], "little")
+            header = json.loads(first[8 : 8 + length])
+            per_entry = sum(v["data_offsets"][1] - v["data_offsets"][0] for name, v in header.items()
+                            if name not in ("__metadata__", "token_ids", "num_tokens"))
+            blob = len(first)
+        local = "://" not in self.uri or self.uri.startswith("file://")
+        total = None
+        if local:
+            root = self.uri[len("file://"):] if self.uri.startswith("file://") else self.uri
+            total = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+        return {
+            "backend": "lance", "entries": rows, "deleted_pending": physical - rows, "fragments": fragments, "bytes": total,
+            "state_bytes_per_entry": per_entry, "blob_bytes_per_entry": blob, "storage_dtype": self.header["storage_dtype"],
+            "retriever": self.header["retriever"], "indexed": self._has_index(), "version": self.table.version,
+        }
+
+    def __repr__(self):
+        return f"LanceStateStore({self.uri!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
+
+
+def read_lance_header(uri: str, storage_options: dict | None = None) -> dict | None:
+    """The sealed header of the Lance store at ``uri`` (``None`` if it holds none), without a model."""
+    from .store import _unseal_bytes
+
+    lancedb, _ = _lancedb()
+    db = lancedb.connect(uri, storage_options=storage_options)
+    listing = db.list_tables() if hasattr(db, "list_tables") else db.table_names()
+    if HEADER_TABLE not in set(getattr(listing, "tables", listing)):
+        return None
+    rows = {r["name"]: r for r in db.open_table(HEADER_TABLE).search().select(["name", "json"]).limit(None).to_arrow().to_pylist()}
+    if "header" not in rows:
+        raise ValueError(f"{uri} ({HEADER_TABLE}): the store's header row is missing; restore it from a backup")
+    return _unseal_bytes(rows["header"]["json"].encode(), f"{uri} ({HEADER_TABLE})", "header")
+
+
+# ------------------------------------------------------------------------------------ migrate
+def migrate(source, destination, model, tokenizer, retriever: Callable | None = None, batch_size: int = 64,
+            show_progress: bool = True, **lance_options) -> dict:
+    """Copy the folder store ``source`` into a Lance store at ``destination`` (created, or extended:
+    ids already there are skipped), then read every entry back from the Lance store, verified, and
+    compare it with the folder store's: states bit for bit, text, metadata, token count, embedding.
+    Returns counts; any difference is a ``ValueError``. Embeddings are copied, not recomputed."""
+    if not (os.path.isdir(source) and os.path.isfile(os.path.join(source, "store.json"))):
+        raise ValueError(f"no store at {source} (a folder store holds store.json)")
+    if "://" not in os.fspath(destination) and os.path.isfile(os.path.join(destination, "store.json")):
+        raise ValueError(f"{destination} holds a folder store: give a new folder (or an existing Lance store) as the destination")
+    folder = StateStore(source, model, tokenizer, retriever=retriever)
+    batch_size = _check_count(batch_size, "batch_size", 1)
+    lance = LanceStateStore(destination, model, tokenizer, retriever=folder.retriever, storage_dtype=folder.header["storage_dtype"],
+                            info=folder.header.get("info") or {}, **lance_options)
+    if folder.header.get("embedding_dim") not in (None, lance.embedding_dim):
+        raise ValueError(f"{source} holds {folder.header['embedding_dim']}-dim embeddings, the Lance store {lance.embedding_dim}-dim ones")
+    with folder._locked(shared=True):
+        folder.refresh()
+        flat_ids, matrix = folder._flat_index()
+        vectors = {entry_id: matrix[n] for n, entry_id in enumerate(flat_ids)}
+        ids = sorted(flat_ids)
+        copied = verified = 0
+        from safetensors.torch import save
+
+        progress = _progress(2 * len(ids), show_progress)
+        try:
+            for start in range(0, len(ids), batch_size):
+                chunk = ids[start : start + batch_size]
+                present = set(lance._rows(chunk, ["id"]))
+                todo = [i for i in chunk if i not in present]
+                if todo:
+                    states = folder.get(todo, device="cpu")
+                    records = folder.entries(todo)
+                    columns: dict[str, list] = {name: [] for name in lance._schema(lance.embedding_dim).names}
+                    for entry_id, record, state in zip(todo, records, states):
+                        tokens = state.token_ids[0].tolist()
+                        tensors = lance._entry_tensors(state, 0, tokens)
+                        tensors["num_tokens"] = torch.tensor([len(tokens)], dtype=torch.long)
+                        digest = _digest(tensors)
+                        blob = save(tensors, metadata={"hf_statecompose": json.dumps({**lance._blob_meta, "tensor_digest": digest}, default=repr)})
+                        vector = vectors[entry_id].contiguous()
+                        meta_json = _canonical(record.metadata).decode()
+                        for name, value in (("id", entry_id), ("text", record.text), ("metadata", meta_json), ("num_tokens", record.num_tokens),
+                                            ("vector", vector.tolist()), ("state", blob), ("tensor_digest", digest),
+                                            ("seal", _row_seal(entry_id, record.text, meta_json, record.num_tokens, vector.numpy().tobytes(), digest))):
+                            columns[name].append(value)
+                    lance.write_rows(lance._pa.table(columns, schema=lance._schema(lance.embedding_dim)), skip_existing=True)
+                    copied += len(todo)
+                progress.update(len(chunk))
+            for start in range(0, len(ids), batch_size):
+                chunk = ids[start : start + batch_size]
+                ours, theirs = folder.get(chunk, device="cpu"), lance.get(chunk, device="cpu")
+                mine, copies = folder.entries(chunk), lance.entries(chunk)
+                rows = lance._rows(chunk, ["id", "vector"])
+                for entry_id, a, b, ra, rb in zip(chunk, ours, theirs, mine, copies):
+                    same = (ra.text, ra.metadata, ra.num_tokens) == (rb.text, rb.metadata, rb.num_tokens) and torch.equal(
+                        torch.tensor(rows[entry_id]["vector"], dtype=torch.float32), vectors[entry_id]) and _same_state(a, b)
+                    if not same:
+                        raise ValueError(f"entry {entry_id} differs between {source} and the Lance store at {destination} after the copy")
+                    verified += 1
+                progress.update(len(chunk))
+        finally:
+            progress.close()
+    return {"entries": len(ids), "copied": copied, "already_there": len(ids) - copied, "verified": verified, "destination": lance.uri}
+
+
+def _same_state(a, b) -> bool:
+    if a.num_layers != b.num_layers or not torch.equal(a.token_ids, b.token_ids) or a.num_tokens.tolist() != b.num_tokens.tolist():
+        return False
+    for layer in range(a.num_layers):
+        pairs = [(a.ssm_states[layer], b.ssm_states[layer]), (a.conv_states[layer], b.conv_states[layer]),
+                 (a.delta_sums[layer], b.delta_sums[layer]), (a.A[layer], b.A[layer])]
+        if not all(x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs):
+            return False
+    return True
