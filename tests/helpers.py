@@ -53,3 +53,69 @@ def compile_without_gpu(script: str, marker: str = "compiled", timeout: int = 30
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0 and marker in done.stdout, done.stderr[-3000:]
     return done.stdout
+
+
+# ------------------------------------------------------------------------------------------ pickle round trips
+# The standard asks models and states to survive copy.deepcopy, pickle and torch.save. The tests load those
+# bytes back through this restricted unpickler, never a bare pickle.loads / torch.load(weights_only=False):
+# it resolves only classes of torch / transformers / this package and the few functions the round trips of
+# these objects reference (listed below), and refuses every other global (os.system, builtins.eval, ...).
+import io as _io  # noqa: E402
+import pickle as _pickle  # noqa: E402
+import types as _types  # noqa: E402
+
+_TRUSTED_PACKAGES = ("torch", "transformers", "hf_statecompose")
+_TRUSTED_FUNCTIONS = {
+    ("builtins", "set"), ("__builtin__", "set"), ("collections", "OrderedDict"), ("_codecs", "encode"),
+    ("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.storage", "_load_from_bytes"), ("hf_statecompose.generation.integration", "_new_enabled_model"),
+    ("hf_statecompose.models.mixers", "_new_state_aware_mixer"),
+}
+
+
+def _attribute_of_trusted(obj, name):
+    """``getattr`` as pickled bound methods use it (enabled stock models), limited to non-dunder attributes of
+    objects whose class comes from a trusted package (never a module, never ``__globals__`` and the like)."""
+    owner = obj if isinstance(obj, type) else type(obj)
+    if name.startswith("__") or owner.__module__.split(".")[0] not in _TRUSTED_PACKAGES:
+        raise _pickle.UnpicklingError(f"refusing getattr({owner.__name__}, {name!r}) in a test round trip")
+    return getattr(obj, name)
+
+
+class TrustedUnpickler(_pickle.Unpickler):
+    def find_class(self, module, name):
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return _attribute_of_trusted
+        found = super().find_class(module, name)
+        if (module, name) in _TRUSTED_FUNCTIONS:
+            return found
+        trusted_package = module.split(".")[0] in _TRUSTED_PACKAGES
+        if trusted_package and (isinstance(found, (type, torch.dtype))):
+            return found
+        raise _pickle.UnpicklingError(f"refusing to load {module}.{name} in a test round trip")
+
+
+_TRUSTED_PICKLE = _types.SimpleNamespace(Unpickler=TrustedUnpickler, __name__="trusted_pickle",
+                                         load=lambda f, **kw: TrustedUnpickler(f, **kw).load())
+
+
+def trusted_loads(data: bytes):
+    """``pickle.loads`` through :class:`TrustedUnpickler`."""
+    return TrustedUnpickler(_io.BytesIO(data)).load()
+
+
+def pickle_round_trip(obj):
+    return trusted_loads(_pickle.dumps(obj))
+
+
+def torch_save_round_trip(obj):
+    """``torch.save`` then ``torch.load`` through :class:`TrustedUnpickler`."""
+    buffer = _io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, pickle_module=_TRUSTED_PICKLE)
+
+
+def load_saved(buffer):
+    """``torch.load`` of a buffer this test ``torch.save``-d, through :class:`TrustedUnpickler`."""
+    return torch.load(buffer, pickle_module=_TRUSTED_PICKLE)

@@ -4,7 +4,6 @@ Tiny configs throughout."""
 import copy
 import io
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 import hf_statecompose as hsc
 from hf_statecompose.models.coffee.modeling_coffee import distance_logits
+from helpers import load_saved, pickle_round_trip
 
 VOCAB = 40
 
@@ -314,7 +314,7 @@ def test_model_survives_deepcopy_pickle_and_torch_save(model):
         torch.save(model, buffer)
         buffer.seek(0)
         # the standard asks models to survive pickle / torch.save: these bytes are made here, never a user's file
-        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        for clone in (copy.deepcopy(model), pickle_round_trip(model), load_saved(buffer)):
             assert torch.equal(clone(ids).logits, expected)
 
 

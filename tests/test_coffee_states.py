@@ -23,7 +23,7 @@ from hf_statecompose.ops.compose.reference import compose_ssm_ref
 from hf_statecompose.state import serialization
 from hf_statecompose.state.validation import check_state
 
-from helpers import tiny_model
+from helpers import load_saved, pickle_round_trip, tiny_model, trusted_loads
 
 VOCAB = 40
 NEW = 8
@@ -475,7 +475,7 @@ def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    for copied in (copy.deepcopy(state), pickle.loads(pickle.dumps(state)), torch.load(buffer, weights_only=False),
+    for copied in (copy.deepcopy(state), pickle_round_trip(state), load_saved(buffer),
                    state.clone(), state.to("cpu", torch.float32)):
         assert type(copied) is ComposableMambaCache
         assert_states_equal(copied, state, rtol=0, atol=0)
@@ -489,14 +489,14 @@ def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states, mo
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
-    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+    for copied in (copy.deepcopy(model), pickle_round_trip(model), load_saved(buffer)):
         assert hsc.is_enabled(copied) and isinstance(copied, hsc.CoffeeForCausalLM)
         assert torch.equal(copied.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
     from hf_statecompose.generation import integration
 
     data = pickle.dumps(model)
     monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
-    loaded = pickle.loads(data)
+    loaded = trusted_loads(data)
     assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
     assert torch.equal(loaded.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
     duplicate = copy.deepcopy(model)  # the copy runs its own weights

@@ -12,7 +12,7 @@ import torch
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache
 
-from helpers import random_ids, tiny_model
+from helpers import load_saved, pickle_round_trip, random_ids, tiny_model, trusted_loads
 
 NEW = 5
 
@@ -57,7 +57,7 @@ def test_pickle_round_trip_keeps_the_model_enabled(arch):
     model = tiny_model(arch)
     state = ComposableMambaCache.encode(model, random_ids(12))
     query = random_ids(3)
-    loaded = pickle.loads(pickle.dumps(model))  # bytes made by this test (models must survive pickle)
+    loaded = pickle_round_trip(model)  # bytes made by this test (models must survive pickle)
     assert hsc.is_enabled(loaded) and isinstance(loaded, _stock_class(arch))
     assert type(loaded.backbone.layers[1].mixer) is type(model.backbone.layers[1].mixer)
     assert hsc.get_backend(loaded) == hsc.get_backend(model)
@@ -76,7 +76,7 @@ def test_unpickling_where_the_enabled_classes_were_never_made(arch, monkeypatch)
     data = pickle.dumps(model)
     monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
     monkeypatch.setattr(mixers, "_COMPOSABLE_MIXER_CLASSES", {})
-    loaded = pickle.loads(data)  # bytes made by this test (models must survive pickle)
+    loaded = trusted_loads(data)  # bytes made by this test (models must survive pickle)
     assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
     stock_mixer = type(model.backbone.layers[0].mixer)._hsc_stock_class
     assert type(loaded.backbone.layers[0].mixer) is mixers._COMPOSABLE_MIXER_CLASSES[stock_mixer]  # made on load
@@ -89,9 +89,9 @@ def test_torch_save_round_trip_keeps_the_model_enabled(arch):
     state = ComposableMambaCache.encode(model, random_ids(12))
     query = random_ids(3)
     buffer = io.BytesIO()
-    torch.save(model, buffer)  # the user's own model: weights_only=False is for exactly this
+    torch.save(model, buffer)  # the user's own model, loaded back through the restricted unpickler (helpers.load_saved)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = load_saved(buffer)
     assert hsc.is_enabled(loaded)
     assert torch.equal(_generate(loaded, query, [state]), _generate(model, query, [state]))
 

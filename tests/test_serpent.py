@@ -3,7 +3,6 @@ gradients, Auto registration and the Hub (trust_remote_code) round trip. Tiny co
 import copy
 import io
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import hf_statecompose as hsc
 from hf_statecompose.models.serpent.modeling_serpent import SeRpEntBranch, SeRpEntMambaBlock, branch_ssm_config
 from hf_statecompose.state.serpent_cache import CLOCK_BITS, ComposableSeRpEntCache
+from helpers import load_saved, pickle_round_trip
 
 VOCAB = 61
 
@@ -319,7 +319,7 @@ def test_model_survives_deepcopy_pickle_and_torch_save(model):
         torch.save(model, buffer)
         buffer.seek(0)
         # the standard asks models to survive pickle / torch.save: these bytes are made here, never a user's file
-        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        for clone in (copy.deepcopy(model), pickle_round_trip(model), load_saved(buffer)):
             assert torch.equal(clone(ids).logits, expected)
 
 

@@ -23,7 +23,7 @@ from hf_statecompose.state.architectures import SERPENT_MAMBA
 from hf_statecompose.state.serpent_cache import CLOCK_BITS
 from hf_statecompose.state.validation import check_state
 
-from helpers import tiny_model
+from helpers import load_saved, pickle_round_trip, tiny_model, trusted_loads
 
 VOCAB = 61
 NEW = 8
@@ -422,7 +422,7 @@ def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    for copied in (copy.deepcopy(state), pickle.loads(pickle.dumps(state)), torch.load(buffer, weights_only=False),
+    for copied in (copy.deepcopy(state), pickle_round_trip(state), load_saved(buffer),
                    state.clone(), state.to("cpu", torch.float32)):
         assert type(copied) is ComposableSeRpEntCache
         assert_states_equal(copied, state, rtol=0, atol=0)
@@ -436,7 +436,7 @@ def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states, mo
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
-    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+    for copied in (copy.deepcopy(model), pickle_round_trip(model), load_saved(buffer)):
         assert hsc.is_enabled(copied) and isinstance(copied, hsc.SeRpEntMambaForCausalLM)
         assert hsc.get_backend(copied) == hsc.get_backend(model)
         assert torch.equal(copied.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
@@ -445,7 +445,7 @@ def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states, mo
 
     data = pickle.dumps(model)
     monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
-    loaded = pickle.loads(data)
+    loaded = trusted_loads(data)
     assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
     assert torch.equal(loaded.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
     duplicate = copy.deepcopy(model)  # the copy runs its own weights

@@ -18,7 +18,7 @@ from hf_statecompose.state import serialization
 from hf_statecompose.state.fingerprint import model_fingerprint
 from hf_statecompose.state.validation import check_state
 
-from helpers import random_ids, tiny_model
+from helpers import pickle_round_trip, random_ids, tiny_model, torch_save_round_trip
 
 
 @pytest.fixture
@@ -238,14 +238,7 @@ def test_truncated_header_is_named_truncated(saved):
 # ------------------------------------------------------------------ copies keep their behaviour
 
 
-def _torch_save_round_trip(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)  # the owner's own object, in memory: not user data
-
-
-@pytest.mark.parametrize("round_trip", [copy.deepcopy, lambda s: pickle.loads(pickle.dumps(s)), _torch_save_round_trip],
+@pytest.mark.parametrize("round_trip", [copy.deepcopy, pickle_round_trip, torch_save_round_trip],
                          ids=["deepcopy", "pickle", "torch.save"])
 def test_copies_compose_and_generate_the_same(model, round_trip):
     with torch.no_grad():
