@@ -42,8 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.linear_recurrence import linear_recurrence
-
-METHODS = ("auto", "parallel", "sequential")
+from .mixer import check_mixer_inputs
 
 
 def _diagonal_scan(a, b, x0, method):
@@ -66,32 +65,15 @@ class _SelectiveBase(nn.Module):
         self.hidden_size, self.state_size = hidden_size, state_size
         self.W_D = nn.Linear(hidden_size, hidden_size, bias=delta_bias)
 
-    def _check(self, u, initial_state, mask, method):
-        D, n = self.hidden_size, self.state_size
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if u.dim() != 3 or u.shape[-1] != D:
-            raise ValueError(f"u must be [batch, length, hidden_size={D}], got {tuple(u.shape)}")
-        if u.shape[1] == 0:
-            raise ValueError("u has length 0; pass at least one step")
-        if initial_state is None:
-            initial_state = u.new_zeros(u.shape[0], D, n)
-        elif tuple(initial_state.shape) != (u.shape[0], D, n):
-            raise ValueError(f"initial_state must be [batch={u.shape[0]}, hidden_size={D}, state_size={n}], "
-                             f"got {tuple(initial_state.shape)}")
-        if mask is not None:
-            if tuple(mask.shape) != tuple(u.shape[:2]):
-                raise ValueError(f"mask must be [batch, length] = {tuple(u.shape[:2])}, got {tuple(mask.shape)}")
-            mask = mask.to(u.dtype)[:, :, None]
-        return initial_state.to(u.dtype), mask
-
     def _coefficients(self, u, mask):
         """(a, b, C-readout) for the scan: a, b [B, L, D, n]; readout [B, L, D, n] or [D, n] (broadcast)."""
         raise NotImplementedError
 
     def forward(self, u: torch.Tensor, initial_state: torch.Tensor | None = None, return_final_state: bool = False,
                 mask: torch.Tensor | None = None, method: str = "auto"):
-        x0, mask = self._check(u, initial_state, mask, method)
+        x0, mask = check_mixer_inputs(u, initial_state, mask, method, self.hidden_size, self.state_size)
+        if mask is not None:
+            mask = mask[:, :, None]
         a, b, readout = self._coefficients(u, mask)
         states = _diagonal_scan(a, b, x0, method)
         y = (states * readout).sum(-1)

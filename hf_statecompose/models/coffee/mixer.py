@@ -252,6 +252,29 @@ class _CoffeeTrajectory(torch.autograd.Function):
         return grad_u, grad_x0, grad_lam, grad_w, None, None
 
 
+def check_mixer_inputs(u, initial_state, mask, method, hidden_size, state_size):
+    """The arguments of a per-feature SISO mixer's forward (COFFEE and the S6 baselines), checked: ``u``
+    [B, L, D] with L >= 1, ``initial_state`` None (zeros) or [B, D, n], ``mask`` None or [B, L], ``method``
+    one of :data:`METHODS`. Returns (initial_state, mask), both in ``u``'s dtype."""
+    D, n = hidden_size, state_size
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if u.dim() != 3 or u.shape[-1] != D:
+        raise ValueError(f"u must be [batch, length, hidden_size={D}], got {tuple(u.shape)}")
+    if u.shape[1] == 0:
+        raise ValueError("u has length 0; pass at least one step")
+    if initial_state is None:
+        initial_state = u.new_zeros(u.shape[0], D, n)
+    elif tuple(initial_state.shape) != (u.shape[0], D, n):
+        raise ValueError(f"initial_state must be [batch={u.shape[0]}, hidden_size={D}, state_size={n}], "
+                         f"got {tuple(initial_state.shape)}")
+    if mask is not None:
+        if tuple(mask.shape) != tuple(u.shape[:2]):
+            raise ValueError(f"mask must be [batch, length] = {tuple(u.shape[:2])}, got {tuple(mask.shape)}")
+        mask = mask.to(u.dtype)
+    return initial_state.to(u.dtype), mask
+
+
 def _auto_method(u) -> str:
     """``"parallel"`` on an accelerator, the loop on the CPU. A CPU has no parallel hardware for the Newton
     scans to use, and each iteration is a full pass, so the loop wins wherever the batch carries the work:
@@ -356,26 +379,12 @@ class CoffeeMixer(nn.Module):
         return ``(y, final_state, log_decay)`` with ``log_decay = Σ_k log(1 + λ Δ(k))`` [B, D, n] (≤ 0), the
         log of the product of the step multipliers over the sequence (gates ``"state"`` and ``"input"``).
         """
-        D, n = self.hidden_size, self.state_size
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if u.dim() != 3 or u.shape[-1] != D:
-            raise ValueError(f"u must be [batch, length, hidden_size={D}], got {tuple(u.shape)}")
-        if u.shape[1] == 0:
-            raise ValueError("u has length 0; pass at least one step")
-        if initial_state is None:
-            initial_state = u.new_zeros(u.shape[0], D, n)
-        elif initial_state.shape != (u.shape[0], D, n):
-            raise ValueError(f"initial_state must be [batch={u.shape[0]}, hidden_size={D}, state_size={n}], "
-                             f"got {tuple(initial_state.shape)}")
+        initial_state, mask = check_mixer_inputs(u, initial_state, mask, method, self.hidden_size, self.state_size)
         if mask is not None:
-            if tuple(mask.shape) != tuple(u.shape[:2]):
-                raise ValueError(f"mask must be [batch, length] = {tuple(u.shape[:2])}, got {tuple(mask.shape)}")
-            mask = mask.to(u.dtype)[:, :, None, None]
+            mask = mask[:, :, None, None]
         if return_log_decay and self.gate == "linear_state":
             raise ValueError("gate='linear_state' has no log-decay: its step multiplier 1 + λΔ can be negative")
         lam, w = self.eigenvalues.to(u.dtype), self.w_D.to(u.dtype)
-        initial_state = initial_state.to(u.dtype)
         if method == "auto":
             method = _auto_method(u)
         if method == "sequential":
