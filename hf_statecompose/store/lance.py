@@ -42,7 +42,7 @@ import torch
 
 from ..state.architectures import architecture
 from ..state.cache import ComposableMambaCache
-from ..state.fingerprint import architecture_of, model_fingerprint
+from ..state.fingerprint import architecture_of
 from ..state.serialization import FORMAT_VERSION as STATE_FORMAT_VERSION
 from ..state.serialization import _check_metadata, _dense, _digest
 from ..state.validation import check_finite, expected_num_layers
@@ -59,7 +59,6 @@ from .store import (
     _seal,
     check_id,
     check_opened_header,
-    tokenizer_record,
 )
 
 HEADER_TABLE = "store_header"
@@ -126,34 +125,18 @@ class LanceStateStore:
     _embed = StateStore._embed
     _tokenize = StateStore._tokenize
     _check_ids = StateStore._check_ids
+    _bind = StateStore._bind
 
     def __init__(self, uri, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None,
                  info: dict | None = None, *, storage_options: dict | None = None, index_threshold: int = DEFAULT_INDEX_THRESHOLD,
                  index_type: str = "IVF_PQ", nprobes: int = 32, refine_factor: int | None = 10,
                  read_consistency_interval: float = 0.0):
-        from ..generation.integration import enable
-
         lancedb, pa = _lancedb()
         if uri is None or not isinstance(uri, (str, os.PathLike)):
             raise TypeError(f"uri must be a path or a URI string, got {type(uri).__name__}")
         self.uri = os.fspath(uri)
         self.path = self.uri  # named in messages, as a folder store's path
-        self.model = enable(model)
-        self.tokenizer = tokenizer
-        tokenizer_info = tokenizer_record(tokenizer)
-        if retriever is None:
-            from ..retrieval import default_retriever
-
-            retriever = default_retriever()
-        if not callable(retriever):
-            raise TypeError(f"retriever must be a callable list[str] -> [n, E] vectors, got {type(retriever).__name__}")
-        self.retriever = retriever
-        self.retriever_name = str(getattr(retriever, "name", type(retriever).__name__))
-        if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
-        if info is not None and not isinstance(info, dict):
-            raise TypeError(f"info must be a dict, got {type(info).__name__}")
-        info = _checked_json(dict(info or {}), "info")
+        tokenizer_info, info = self._bind(model, tokenizer, retriever, storage_dtype, info)
         self.index_threshold = _check_count(index_threshold, "index_threshold", 1)
         if index_type not in ("IVF_PQ", "IVF_HNSW_SQ"):
             raise ValueError(f"index_type must be 'IVF_PQ' or 'IVF_HNSW_SQ', got {index_type!r}")
@@ -162,7 +145,6 @@ class LanceStateStore:
         self.refine_factor = None if refine_factor is None else _check_count(refine_factor, "refine_factor", 1)
         if "://" not in self.uri and os.path.isfile(os.path.join(self.uri, "store.json")):
             raise ValueError(f"{self.uri} holds a folder store: open it without backend='lance' (or copy it: hf-statecompose store migrate)")
-        self.fingerprint = model_fingerprint(model)
         self._pa = pa
         self._db = lancedb.connect(self.uri, read_consistency_interval=timedelta(seconds=float(read_consistency_interval)),
                                    storage_options=storage_options)

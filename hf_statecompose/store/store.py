@@ -316,11 +316,12 @@ class StateStore:
             raise ValueError(f"backend must be 'folder' or 'lance', got {backend!r}")
         return super().__new__(cls)
 
-    def __init__(self, path, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None, info: dict | None = None,
-                 backend: str = "folder"):
+    def _bind(self, model, tokenizer, retriever, storage_dtype, info):
+        """The model (enabled), tokenizer and retriever this store runs with, and the checked
+        ``storage_dtype`` / ``info`` arguments (shared with the Lance store). Returns (tokenizer record,
+        info as checked JSON)."""
         from ..generation.integration import enable
 
-        self.path = Path(path)
         self.model = enable(model)
         self.tokenizer = tokenizer
         tokenizer_info = tokenizer_record(tokenizer)
@@ -336,8 +337,13 @@ class StateStore:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
         if info is not None and not isinstance(info, dict):
             raise TypeError(f"info must be a dict, got {type(info).__name__}")
-        info = _checked_json(dict(info or {}), "info")
         self.fingerprint = model_fingerprint(model)
+        return tokenizer_info, _checked_json(dict(info or {}), "info")
+
+    def __init__(self, path, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None, info: dict | None = None,
+                 backend: str = "folder"):
+        self.path = Path(path)
+        tokenizer_info, info = self._bind(model, tokenizer, retriever, storage_dtype, info)
         self._thread_lock = threading.RLock()
         self._lock_mode: str | None = None
         self._lock_depth = 0
