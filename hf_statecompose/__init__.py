@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from . import _guard
+from . import _guard, compat
 
 __version__ = "0.1.0"
 
@@ -54,7 +54,7 @@ _EXPORTS = {
     "encode_corpus": "distributed",
 }
 _SUBPACKAGES = (
-    "attribution", "benchmarking", "cli", "composition", "demo", "distributed", "generation", "lmeval", "models", "ops",
+    "attribution", "benchmarking", "cli", "compat", "composition", "demo", "distributed", "generation", "lmeval", "models", "ops",
     "pipeline", "retrieval", "state", "store", "training",
 )
 
@@ -154,7 +154,8 @@ def _register_coffee_models(_module=None) -> None:
     importlib.import_module(f"{__name__}.models.coffee.modeling_coffee")
 
 
-_guard.install()
+compat.warn_if_untested()  # once, if the installed transformers is outside the tested range
+_guard.install(compat.GUARDED)
 _guard.when_imported("lm_eval.api.registry", _register_lm_eval_model)
 _guard.when_imported(f"{__name__}.state", _install_encoder)
 _guard.when_imported("transformers.models.auto.configuration_auto", _register_serpent_config)

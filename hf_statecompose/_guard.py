@@ -20,11 +20,9 @@ import threading
 
 logger = logging.getLogger("hf_statecompose")
 
-# transformers module -> the classes whose stock forward / generate must refuse past_states
-GUARDED = {
-    "transformers.models.mamba.modeling_mamba": ("MambaModel", "MambaForCausalLM"),
-    "transformers.models.mamba2.modeling_mamba2": ("Mamba2Model", "Mamba2ForCausalLM"),
-}
+# transformers module -> the classes whose stock forward / generate must refuse past_states (set by install(),
+# from hf_statecompose.compat.GUARDED: the names of transformers' modules are the adapter's to know)
+GUARDED: dict[str, tuple[str, ...]] = {}
 _MARK = "_hf_statecompose_guard"
 
 
@@ -134,6 +132,8 @@ def refuse_past_states(module) -> None:
             _refusing(cls, "generate")
 
 
-def install() -> None:
-    for name in GUARDED:
+def install(guarded: dict[str, tuple[str, ...]]) -> None:
+    """Guard the classes ``guarded`` names (module -> class names) when (and if) their module is imported."""
+    GUARDED.update(guarded)
+    for name in guarded:
         when_imported(name, refuse_past_states)

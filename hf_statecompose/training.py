@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import compat
 from .state.cache import ComposableMambaCache
 
 OBJECTIVES = ("bptc", "bp2c")
@@ -137,7 +138,7 @@ def composition_loss(model, examples: list[CompositionExample], objective: str =
         sel = torch.tensor(without, device=device)
         # an empty state: the same values as the plain model, through our kernels (stock Mamba-1 trains ~20x slower on CPU)
         empty = ComposableMambaCache.empty_for(unwrap(model))
-        total = total + _summed_loss(model, ids[sel], mask[sel], label_ids[sel], weights[sel], cache_params=empty, use_cache=True)
+        total = total + _summed_loss(model, ids[sel], mask[sel], label_ids[sel], weights[sel], use_cache=True, **compat.cache_kwargs(empty))
     return total / weights.sum()
 
 

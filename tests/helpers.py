@@ -1,6 +1,8 @@
 """Shared helpers for the tests: tiny random models and comparisons."""
 import torch
-from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+from transformers import (
+    FalconMambaConfig, FalconMambaForCausalLM, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM,
+)
 
 import hf_statecompose as hsc
 
@@ -10,12 +12,15 @@ VOCAB = 99
 def tiny_model(arch: str, seed: int = 0, layers: int = 2, conv_kernel: int = 4, dtype=torch.float32, **overrides):
     """A tiny random model (hidden 32, vocab 99), in eval mode, enabled for past_states."""
     torch.manual_seed(seed)
-    if arch == "mamba":
-        config = MambaConfig(
+    if arch in ("mamba", "falcon_mamba"):
+        config_class, model_class = (
+            (MambaConfig, MambaForCausalLM) if arch == "mamba" else (FalconMambaConfig, FalconMambaForCausalLM)
+        )
+        config = config_class(
             vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2,
             conv_kernel=conv_kernel, pad_token_id=0, eos_token_id=1, bos_token_id=2, **overrides,
         )
-        model = MambaForCausalLM(config)
+        model = model_class(config)
     else:
         config = Mamba2Config(
             vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2, num_heads=8,

@@ -58,7 +58,7 @@ def test_state_from_another_config(arch, state):
 
 def test_shape_tampering_is_caught(model, state):
     bad = state.clone()
-    bad.layers[1].recurrent_states[0] = bad.ssm_states[1][..., :-1]
+    bad.layers[1].ssm_state = bad.ssm_states[1][..., :-1]
     with pytest.raises(ValueError, match="shape"):
         _generate(model, [bad])
     with pytest.raises(ValueError, match="shape"):

@@ -152,7 +152,7 @@ def test_loss_with_past_states_trains_through_the_composition(model):
     """forward(..., labels=) returns the loss, and it is differentiable w.r.t. the states (BPTC)."""
     states = [ComposableMambaCache.encode(model, random_ids(n)) for n in (6, 9)]
     leaf = states[0].ssm_states[0].clone().requires_grad_(True)
-    states[0].layers[0].recurrent_states[0] = leaf
+    states[0].layers[0].ssm_state = leaf
     ids = random_ids(7)
     out = model(ids, past_states=states, composition="picaso_s", labels=ids)
     assert out.loss.ndim == 0 and torch.isfinite(out.loss)

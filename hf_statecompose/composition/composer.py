@@ -213,7 +213,7 @@ def _check_compatible_fast(states):
     are uniform CPU states (what the native kernel can take), else None."""
     if (
         isinstance(states, list) and states and all(isinstance(s, ComposableMambaCache) for s in states)
-        and states[0].layers and all(layer.has_previous_state[0] for layer in states[0].layers)
+        and states[0].layers and all(layer.filled for layer in states[0].layers)
     ):
         gathered = _gather_uniform(states, states[0])
         if gathered is not None:

@@ -3,14 +3,14 @@
 What ``enable`` changes, and why it changes nothing else:
 
 * each mixer's class is swapped for a subclass whose ``forward`` runs our initial-state-aware path
-  (:mod:`hf_statecompose.models`) only when ``cache_params`` is a ``ComposableMambaCache``; any other
+  (:mod:`hf_statecompose.models`) only when its cache is a ``ComposableMambaCache``; any other
   call goes to the stock forward untouched (SeRpEnt-Mamba's mixers always run on its cache: they stay);
 * the model's class is swapped for a subclass of its stock class (same name, same module, made once per
   stock class) whose ``forward`` and ``generate`` take ``past_states=`` / ``composition=``. Without
   ``past_states`` they call the stock methods with the same arguments. With ``past_states`` the query is
   checked (a ``[batch, length]`` tensor, length >= 1, a left-padded 0/1 mask), the states are checked,
   composed into a fresh ``ComposableMambaCache`` with one row per query row (expanded for beams / return
-  sequences), and passed as ``cache_params``; ``past_states`` never reaches the stock methods.
+  sequences), and passed as the cache (``cache``; ``cache_params`` before transformers 5.24); ``past_states`` never reaches the stock methods.
   ``generate`` therefore returns what stock generate returns: the query as passed plus the new tokens.
 
 Nothing refers to a particular instance (the methods live on the classes): ``copy.deepcopy`` (trl's reference models, EMA
@@ -28,6 +28,7 @@ import types
 
 import torch
 
+from .. import compat
 from ..composition.composer import StateComposer
 from ..models import disable_state_path, enable_state_path, get_backend, set_backend, using_backend  # noqa: F401
 from ..state.cache import ComposableMambaCache
@@ -135,15 +136,16 @@ def _enabled_class(stock: type) -> type:
 
         def forward(self, *args, past_states=None, composition="picaso_r", **kwargs):
             if past_states is None:
-                if isinstance(kwargs.get("cache_params"), ComposableMambaCache):
+                if any(isinstance(kwargs.get(name), ComposableMambaCache) for name in compat.CACHE_NAMES):
                     _refuse_layer_checkpointing(self)
                 return stock.forward(self, *args, **kwargs)
             _refuse_layer_checkpointing(self)
             named = _by_name(forward_signature, self, args, kwargs)
-            if named.get("cache_params") is not None:
-                raise ValueError("pass either past_states or cache_params, not both")
+            if compat.cache_given(named):
+                raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
             batch = _check_query(named, ("input_ids",))
-            named["cache_params"] = compose_for_batch(self, past_states, composition, batch)
+            compat.pop_cache(named)
+            named.update(compat.cache_kwargs(compose_for_batch(self, past_states, composition, batch)))
             named["use_cache"] = True
             return stock.forward(self, **named)
 
@@ -161,8 +163,8 @@ def _enabled_class(stock: type) -> type:
                 if past_states is None:
                     return stock.generate(self, *args, **kwargs)
                 named = _by_name(generate_signature, self, args, kwargs)
-                if named.get("cache_params") is not None:
-                    raise ValueError("pass either past_states or cache_params, not both")
+                if compat.cache_given(named):
+                    raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
                 batch = _check_query(named, ("inputs", "input_ids"))
                 config = named.get("generation_config") or self.generation_config
                 _check_inferred_mask(named, config)
@@ -172,7 +174,8 @@ def _enabled_class(stock: type) -> type:
                 )
                 composed = compose_for_batch(self, past_states, composition, batch)
                 # generate() expands input_ids for beams / return sequences but never a user cache: do it here
-                named["cache_params"] = composed.repeat_interleave(expand) if expand > 1 else composed
+                compat.pop_cache(named)
+                named.update(compat.cache_kwargs(composed.repeat_interleave(expand) if expand > 1 else composed))
                 named["use_cache"] = True
                 return stock.generate(self, **named)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import compat
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import base_model_of
 from ..state.validation import check_left_padded_mask
@@ -14,7 +15,7 @@ def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | No
     """See :meth:`ComposableMambaCache.encode` (the same function).
 
     ``encode`` does not enable ``past_states``: it swaps the model's mixers for the state-aware ones (it
-    runs through them; they change no other call, since they run the stock forward unless ``cache_params``
+    runs through them; they change no other call, since they run the stock forward unless their cache
     is a ``ComposableMambaCache``) and nothing else. The model's class stays the stock one,
     ``hsc.is_enabled(model)`` stays False, and ``model.generate(..., past_states=...)`` is refused until
     ``hsc.enable(model)`` (which cannot live here: it composes states, a layer above this one).
@@ -33,7 +34,7 @@ def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | No
         input_ids = input_ids.to(device)
         mask = attention_mask.to(device) if attention_mask is not None else None
         with using_backend(model, backend):
-            backbone(input_ids=input_ids, attention_mask=mask, cache_params=cache, use_cache=True)
+            backbone(input_ids=input_ids, attention_mask=mask, use_cache=True, **compat.cache_kwargs(cache))
         token_ids = input_ids.clone()
         if mask is not None:
             token_ids = token_ids.masked_fill(mask == 0, -1)

@@ -18,7 +18,7 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     dtype = hidden_states.dtype
     batch, length, _ = hidden_states.shape
     layer = cache.layers[layer_idx]
-    has_state = layer.has_previous_state[0]
+    has_state = layer.filled
     backend = getattr(mixer, "_hsc_backend", "auto")
     if mask is not None:
         hidden_states = hidden_states * mask[:, :, None].to(dtype)
@@ -29,7 +29,7 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
         x,
         mixer.conv1d.weight.squeeze(1),
         mixer.conv1d.bias if mixer.use_conv_bias else None,
-        conv_state=layer.conv_states[0] if has_state else None,
+        conv_state=layer.conv_state if has_state else None,
         mask=mask,
         activation=mixer.activation,
         backend=backend,
@@ -38,7 +38,7 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
         x = x * mask[:, None, :].to(x.dtype)
 
     y, ssm_state, delta_sum, A = selective_ssm(
-        mixer, x, gate, layer.recurrent_states[0] if has_state else None, mask, backend
+        mixer, x, gate, layer.ssm_state if has_state else None, mask, backend
     )
     cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)
     return mixer.out_proj(y.transpose(1, 2).to(dtype))
@@ -53,6 +53,9 @@ def selective_ssm(mixer, x: torch.Tensor, gate: torch.Tensor, initial_state, mas
     time_step, B, C = torch.split(
         ssm_parameters, [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
     )
+    if getattr(mixer, "dt_layernorm", None) is not None:
+        # FalconMamba: weightless RMS norms on the time step, B and C (as its mixer applies them)
+        time_step, B, C = mixer.dt_layernorm(time_step), mixer.b_layernorm(B), mixer.c_layernorm(C)
     # tokens-first [B, T, D] seen as [B, D, T]; the bias is added in the scan
     dt = torch.nn.functional.linear(time_step, mixer.dt_proj.weight).transpose(1, 2)
     A = -torch.exp(mixer.A_log.float())  # [D, N]

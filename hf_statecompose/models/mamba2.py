@@ -16,7 +16,7 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.
     dtype = hidden_states.dtype
     batch, length, _ = hidden_states.shape
     layer = cache.layers[layer_idx]
-    has_state = layer.has_previous_state[0]
+    has_state = layer.filled
     backend = getattr(mixer, "_hsc_backend", "auto")
     if mask is not None:
         hidden_states = hidden_states * mask[:, :, None].to(dtype)
@@ -27,7 +27,7 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.
         xBC.transpose(1, 2),
         mixer.conv1d.weight.squeeze(1),
         mixer.conv1d.bias if mixer.use_conv_bias else None,
-        conv_state=layer.conv_states[0] if has_state else None,
+        conv_state=layer.conv_state if has_state else None,
         mask=mask,
         activation=mixer.activation,
         backend=backend,
@@ -48,7 +48,7 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.
         dt_bias=mixer.dt_bias,
         dt_softplus=True,
         dt_limit=tuple(mixer.time_step_limit),
-        initial_state=layer.recurrent_states[0] if has_state else None,
+        initial_state=layer.ssm_state if has_state else None,
         mask=mask,
         backend=backend,
         chunk_size=min(mixer.chunk_size, 64),

@@ -1,8 +1,8 @@
 """The state-aware mixer classes and the choice of kernels (backend) per model.
 
 :func:`enable_state_path` swaps each transformers mixer's class for a subclass whose ``forward`` runs
-our initial-state-aware path (``mamba.py`` / ``mamba2.py`` beside this file) when ``cache_params`` is a
-``ComposableMambaCache``; any other call goes to the stock forward untouched.
+our initial-state-aware path (``mamba.py`` / ``mamba2.py`` beside this file) when the cache it is given (``cache``,
+``cache_params`` before transformers 5.24) is a ``ComposableMambaCache``; any other call goes to the stock forward untouched.
 
 The subclasses are made at run time (one per stock mixer class, cached), so pickle cannot find them by
 name: each reduces itself to :func:`_new_state_aware_mixer` and the stock class, importable names that
@@ -18,16 +18,16 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers.models.mamba.modeling_mamba import MambaMixer
-from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
+from .. import compat
 from ..ops.backends import check_backend_name
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, base_model_of
 from .mamba import mamba_mixer_forward
 from .mamba2 import mamba2_mixer_forward
 
-_PATH_FOR_MIXER = {MambaMixer: mamba_mixer_forward, Mamba2Mixer: mamba2_mixer_forward}
+# model_type -> our initial-state-aware forward of that architecture's stock mixer (compat.mixer_classes())
+_PATH_FOR_MODEL_TYPE = {"mamba": mamba_mixer_forward, "mamba2": mamba2_mixer_forward, "falcon_mamba": mamba_mixer_forward}
 _COMPOSABLE_MIXER_CLASSES: dict[type, type] = {}
 
 
@@ -49,26 +49,40 @@ def _new_state_aware_mixer(base: type):
 
 def _composable_mixer_class(base: type) -> type:
     if base not in _COMPOSABLE_MIXER_CLASSES:
-        path = next(fn for cls, fn in _PATH_FOR_MIXER.items() if issubclass(base, cls))
+        path = _path_for(base)
 
-        def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-            if not isinstance(cache_params, ComposableMambaCache):
-                return base.forward(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        def forward(self, hidden_states, *args, **kwargs):
+            # the stock signature is (hidden_states, cache, attention_mask); the block passes the cache as `cache`
+            # (transformers >= 5.24) or `cache_params` (5.23)
+            args = list(args)
+            cache = args.pop(0) if args else compat.pop_cache(kwargs)
+            attention_mask = args.pop(0) if args else kwargs.pop("attention_mask", None)
+            if not isinstance(cache, ComposableMambaCache):
+                return base.forward(self, hidden_states, *args, attention_mask=attention_mask,
+                                    **compat.cache_kwargs(cache), **kwargs)
             length = hidden_states.shape[1]
             mask = None
             if attention_mask is not None and attention_mask.dim() == 2 and length > 1:
                 mask = attention_mask[:, -length:]
                 mask = None if bool((mask == 1).all()) else mask.to(hidden_states.dtype)
-            out = path(self, hidden_states, cache_params, mask)
+            out = path(self, hidden_states, cache, mask)
             if self.layer_idx == 0:
                 count = mask.sum(-1) if mask is not None else torch.full((hidden_states.shape[0],), length)
-                cache_params.add_tokens(count.to(device=hidden_states.device))
+                cache.add_tokens(count.to(device=hidden_states.device))
             return out
 
         _COMPOSABLE_MIXER_CLASSES[base] = type(
             f"Composable{base.__name__}", (_StateAwareMixer, base), {"forward": forward, "_hsc_stock_class": base}
         )
     return _COMPOSABLE_MIXER_CLASSES[base]
+
+
+def _path_for(mixer_class: type):
+    """Our forward for a stock mixer class (or None if it is not one we know)."""
+    for model_type, stock in compat.mixer_classes().items():
+        if issubclass(mixer_class, stock):
+            return _PATH_FOR_MODEL_TYPE[model_type]
+    return None
 
 
 def enable_state_path(model, backend: str | None = None):
@@ -88,8 +102,11 @@ def enable_state_path(model, backend: str | None = None):
         base = type(mixer)
         if isinstance(mixer, _StateAwareMixer) or getattr(mixer, "_hsc_runs_on_cache", False):
             continue
-        if not any(issubclass(base, cls) for cls in _PATH_FOR_MIXER):
-            raise TypeError(f"unsupported mixer {base.__name__}; expected transformers' MambaMixer or Mamba2Mixer")
+        if _path_for(base) is None:
+            raise TypeError(
+                f"unsupported mixer {base.__name__}; expected transformers' "
+                f"{', '.join(cls.__name__ for cls in compat.mixer_classes().values())}"
+            )
         mixer.__class__ = _composable_mixer_class(base)
     return model
 

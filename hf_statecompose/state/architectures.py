@@ -14,6 +14,7 @@ rebuilt from a state file's JSON, or the JSON itself seen through attributes, an
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -67,6 +68,10 @@ MAMBA = Architecture(
     cache_module="cache",
     cache_class_name="ComposableMambaCache",
 )
+
+# FalconMamba (transformers' falcon_mamba, e.g. falcon-mamba-7b): Mamba-1 with weightless RMS norms on Δ, B and C
+# inside the mixer; its states are Mamba-1 states in every respect
+FALCON_MAMBA = dataclasses.replace(MAMBA, name="falcon_mamba")
 
 
 def _mamba2_state_shapes(c):
@@ -175,7 +180,7 @@ COFFEE = Architecture(
     cache_class_name="ComposableMambaCache",
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, SERPENT_MAMBA, COFFEE)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, FALCON_MAMBA, SERPENT_MAMBA, COFFEE)}
 
 
 def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, model_dtype: torch.dtype, batch: int,
@@ -202,7 +207,8 @@ def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, m
 
 
 def architecture(name: str) -> Architecture:
-    """The description of architecture ``name`` (``"mamba"``, ``"mamba2"``, ``"serpent_mamba"``, ``"coffee"``)."""
+    """The description of architecture ``name`` (``"mamba"``, ``"mamba2"``, ``"falcon_mamba"``, ``"serpent_mamba"``,
+    ``"coffee"``)."""
     try:
         return ARCHITECTURES[name]
     except (KeyError, TypeError):

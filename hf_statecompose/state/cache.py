@@ -24,35 +24,24 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache
 
+from .. import compat
 from .architectures import architecture
 from .fingerprint import architecture_of, base_model_of, model_fingerprint
+from .layers import ComposableSSMLayer, layer_attribute
 
 
-class _LayerView(Sequence):
-    """Read-only per-layer view: ``cache.ssm_states[l]`` / ``cache.conv_states[l]``."""
+class ComposableMambaCache(compat.DynamicCache):
+    """A Mamba / Mamba-2 cache that carries what composition needs. Build it with :meth:`encode`.
 
-    def __init__(self, cache: "ComposableMambaCache", attribute: str):
-        self._cache = cache
-        self._attribute = attribute
-
-    def __len__(self):
-        return len(self._cache.layers)
-
-    def __getitem__(self, layer_idx):
-        if isinstance(layer_idx, slice):
-            return [self[i] for i in range(*layer_idx.indices(len(self)))]
-        return getattr(self._cache.layers[layer_idx], self._attribute)[0]
-
-
-class ComposableMambaCache(DynamicCache):
-    """A Mamba / Mamba-2 cache that carries what composition needs. Build it with :meth:`encode`."""
+    Its layers (``cache.layers``) are :class:`~hf_statecompose.state.layers.ComposableSSMLayer` objects, each
+    owning its SSM state, conv window, ΣΔ and ``A``; the per-layer views below read them."""
 
     # the function that runs a model over context tokens (hf_statecompose.models.encode): installed by the
     # layer that runs models, so that this data layer never imports it
     _encoder = None
+    # the class of this cache's layers (one per state layer of the architecture)
+    _layer_class = ComposableSSMLayer
 
     # generate() auto-compiles the decode step for "compileable" non-DynamicCache caches on GPU; our
     # layers are swapped, not updated in place, so never claim that
@@ -60,21 +49,25 @@ class ComposableMambaCache(DynamicCache):
     def is_compileable(self) -> bool:
         return False
 
-    def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None, _layers=None):
-        if _layers is None:
-            super().__init__(config=config)
-        else:  # empty layers made by the caller (_filled_like): what DynamicCache derives from the config
-            Cache.__init__(self, layers=_layers)
+    def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None,
+                 num_layers: int | None = None):
+        from .architectures import architecture as layout_of
+
+        if num_layers is None:
+            num_layers = layout_of(architecture).num_state_layers(config)
+        compat.Cache.__init__(self, layers=[self._layer_class() for _ in range(num_layers)])
         self.config = config
         self.architecture = architecture
         self.fingerprint = fingerprint
         self.model_dtype = model_dtype
         self.model_info = dict(model_info or {})
-        num_layers = len(self.layers)
-        self.delta_sums: list[torch.Tensor | None] = [None] * num_layers
-        self.A: list[torch.Tensor | None] = [None] * num_layers
         self.num_tokens: torch.Tensor | None = None  # [B] int64
         self.token_ids: torch.Tensor | None = None  # [B, T] int64, left-padded with -1
+
+    ssm_states = layer_attribute("ssm_state", "Per layer: the SSM state (Mamba-1 ``[B, D, N]``, Mamba-2 ``[B, H, P, N]``).")
+    conv_states = layer_attribute("conv_state", "Per layer: the conv window ``[B, C, K]`` (the model's dtype).")
+    delta_sums = layer_attribute("delta_sum", "Per layer: the context's ΣΔ (Mamba-1 ``[B, D]``, Mamba-2 ``[B, H]``).")
+    A = layer_attribute("A", "Per layer: the layer's ``A`` (Mamba-1 ``[D, N]``, Mamba-2 ``[H]``), float32.")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -126,18 +119,10 @@ class ComposableMambaCache(DynamicCache):
         return cls._encoder(model, input_ids, attention_mask=attention_mask, backend=backend, enable_grad=enable_grad)
 
     # ------------------------------------------------------------------ public contract
-    @property
-    def ssm_states(self) -> _LayerView:
-        return _LayerView(self, "recurrent_states")
-
-    @property
-    def conv_states(self) -> _LayerView:
-        return _LayerView(self, "conv_states")
-
     def layer_tensors(self) -> tuple[list, list, list]:
         """(SSM states, conv windows, ΣΔ), one list entry per layer, in one pass (no per-layer views)."""
         layers = self.layers
-        return [l.recurrent_states[0] for l in layers], [l.conv_states[0] for l in layers], list(self.delta_sums)
+        return [l.ssm_state for l in layers], [l.conv_state for l in layers], [l.delta_sum for l in layers]
 
     @property
     def num_layers(self) -> int:
@@ -145,22 +130,23 @@ class ComposableMambaCache(DynamicCache):
 
     @property
     def batch_size(self) -> int:
-        state = self.ssm_states[0] if self.layers else None
+        state = self.layers[0].ssm_state if self.layers else None
         return -1 if state is None else state.shape[0]
 
     @property
     def device(self) -> torch.device:
-        return self.ssm_states[0].device
+        return self.layers[0].ssm_state.device
 
     def is_filled(self) -> bool:
-        return all(layer.has_previous_state[0] for layer in self.layers)
+        return all(layer.filled for layer in self.layers)
 
     def log_decay(self, layer_idx: int) -> torch.Tensor:
         """log of the context's accumulated decay for a layer, broadcastable to ``ssm_states[layer_idx]``.
 
         Mamba-1: ``ΣΔ[b, d] · A[d, n]`` as ``[B, D, N]``; Mamba-2: ``ΣΔ[b, h] · A[h]`` as ``[B, H, 1, 1]``.
         """
-        delta_sum, A = self.delta_sums[layer_idx], self.A[layer_idx]
+        layer = self.layers[layer_idx]
+        delta_sum, A = layer.delta_sum, layer.A
         if delta_sum is None:
             raise ValueError(f"layer {layer_idx} of this cache holds no state yet; encode a context first")
         if architecture(self.architecture).per_element_decay:
@@ -171,21 +157,16 @@ class ComposableMambaCache(DynamicCache):
     def set_layer(self, layer_idx: int, *, ssm_state, conv_state, delta_sum, A):
         """Replace a layer's state (tensors are swapped, not copied in place, so autograd sees them)."""
         layer = self.layers[layer_idx]
-        layer.recurrent_states[0] = ssm_state
-        layer.conv_states[0] = conv_state
-        layer.is_recurrent_states_initialized[0] = True
-        layer.is_conv_states_initialized[0] = True
-        layer.has_previous_state[0] = True
-        layer.conv_kernel_size[0] = conv_state.shape[-1]
-        layer.dtype, layer.device = conv_state.dtype, conv_state.device
-        self.delta_sums[layer_idx] = delta_sum
-        self.A[layer_idx] = A
+        layer.fill(ssm_state, conv_state)
+        layer.delta_sum = delta_sum
+        layer.A = A
 
     def advance_layer(self, layer_idx: int, *, ssm_state, conv_state, delta_sum, A):
         """After a forward over more tokens: the new state, and ΣΔ of those tokens added to the total."""
         delta_sum = delta_sum.float()
-        if self.layers[layer_idx].has_previous_state[0]:
-            delta_sum = self.delta_sums[layer_idx] + delta_sum
+        layer = self.layers[layer_idx]
+        if layer.filled:
+            delta_sum = layer.delta_sum + delta_sum
         self.set_layer(
             layer_idx,
             ssm_state=ssm_state.float(),
@@ -202,45 +183,35 @@ class ComposableMambaCache(DynamicCache):
 
     # ------------------------------------------------------------------ batch operations
     def _map_rows(self, fn) -> "ComposableMambaCache":
+        """A new cache whose every per-row tensor (of every layer, and the token counts / ids) is ``fn`` of this
+        one's; ``A`` is shared only if ``fn`` returns its argument unchanged for it (see :meth:`clone`)."""
         out = self._empty_like()
-        for i in range(self.num_layers):
-            out.set_layer(
-                i,
-                ssm_state=fn(self.ssm_states[i]),
-                conv_state=fn(self.conv_states[i]),
-                delta_sum=fn(self.delta_sums[i]),
-                A=self.A[i],
-            )
+        for source, target in zip(self.layers, out.layers):
+            if not source.filled:
+                continue
+            target.fill(fn(source.ssm_state), fn(source.conv_state))
+            for name in source._row_tensors:
+                value = getattr(source, name)
+                setattr(target, name, fn(value) if value is not None else None)
+            target.A = source.A
         out.num_tokens = fn(self.num_tokens) if self.num_tokens is not None else None
         out.token_ids = fn(self.token_ids) if self.token_ids is not None else None
         return out
 
     def _empty_like(self) -> "ComposableMambaCache":
+        """A cache of the same model and class with empty layers."""
         return type(self)(
             self.config,
             architecture=self.architecture,
             fingerprint=self.fingerprint,
             model_dtype=self.model_dtype,
             model_info=self.model_info,
+            num_layers=len(self.layers),
         )
 
     def _filled_like(self, ssm_states, conv_states, delta_sums) -> "ComposableMambaCache":
-        """What ``_empty_like()`` then ``set_layer(i, ...)`` on every layer (with this cache's ``A``) give, but
-        each empty layer is made by its own class's constructor instead of DynamicCache re-deriving the
-        layer types from the config (which costs more than composing a small state). A subclass with its
-        own ``__init__`` or ``_empty_like`` gets exactly ``_empty_like()`` + ``set_layer``."""
-        cls = type(self)
-        if cls.__init__ is ComposableMambaCache.__init__ and cls._empty_like is ComposableMambaCache._empty_like:
-            out = cls(
-                self.config,
-                architecture=self.architecture,
-                fingerprint=self.fingerprint,
-                model_dtype=self.model_dtype,
-                model_info=self.model_info,
-                _layers=[type(layer)(number_of_states=layer.number_of_states) for layer in self.layers],
-            )
-        else:
-            out = self._empty_like()
+        """A new cache of this one's model with these per-layer tensors and this cache's ``A``."""
+        out = self._empty_like()
         for i, (ssm_state, conv_state, delta_sum, A) in enumerate(zip(ssm_states, conv_states, delta_sums, self.A)):
             out.set_layer(i, ssm_state=ssm_state, conv_state=conv_state, delta_sum=delta_sum, A=A)
         return out
@@ -255,10 +226,12 @@ class ComposableMambaCache(DynamicCache):
         """Move to ``device``; ``dtype`` converts the conv windows and records it as the model dtype
         (SSM states, ΣΔ and A stay float32)."""
         out = self._map_rows(lambda t: t.to(device) if device is not None else t)
-        for i in range(out.num_layers):
-            out.A[i] = out.A[i].to(device) if device is not None else out.A[i]
-            if dtype is not None:
-                out.layers[i].conv_states[0] = out.conv_states[i].to(dtype)
+        for layer in out.layers:
+            if not layer.filled:
+                continue
+            A = layer.A.to(device) if device is not None and layer.A is not None else layer.A
+            layer.fill(layer.ssm_state, layer.conv_state.to(dtype) if dtype is not None else layer.conv_state)
+            layer.A = A
         if dtype is not None:
             out.model_dtype = dtype
         return out
@@ -291,14 +264,13 @@ class ComposableMambaCache(DynamicCache):
         if cls is ComposableMambaCache and type(first) is not cls:
             return type(first).stack(caches)
         out = first._empty_like()
-        for i in range(first.num_layers):
-            out.set_layer(
-                i,
-                ssm_state=torch.cat([c.ssm_states[i] for c in caches]),
-                conv_state=torch.cat([c.conv_states[i] for c in caches]),
-                delta_sum=torch.cat([c.delta_sums[i] for c in caches]),
-                A=first.A[i],
-            )
+        for i, target in enumerate(out.layers):
+            layers = [c.layers[i] for c in caches]
+            target.fill(torch.cat([l.ssm_state for l in layers]), torch.cat([l.conv_state for l in layers]))
+            for name in target._row_tensors:
+                values = [getattr(l, name) for l in layers]
+                setattr(target, name, None if any(v is None for v in values) else torch.cat(values))
+            target.A = layers[0].A
         if all(c.num_tokens is not None for c in caches):
             out.num_tokens = torch.cat([c.num_tokens for c in caches])
         if all(c.token_ids is not None for c in caches):
@@ -323,33 +295,30 @@ class ComposableMambaCache(DynamicCache):
         ids = self.token_ids[row]
         return ids[ids >= 0]
 
-    # in-place batch ops that generate() calls (beam search reorders, some modes expand or select)
+    # in-place batch ops that generate() calls (beam search reorders, some modes expand or select): transformers'
+    # Cache dispatches them to the layers, which own every per-layer tensor; the cache adds its per-row extras
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
-        self._index_extras(beam_idx)
+        self._map_cache_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor):
-        for layer in self.layers:
-            layer.recurrent_states[0] = layer.recurrent_states[0][indices]
-            layer.conv_states[0] = layer.conv_states[0][indices]
-        self._index_extras(indices)
+        super().batch_select_indices(indices)
+        self._map_cache_rows(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
 
     def batch_repeat_interleave(self, repeats: int):
-        for layer in self.layers:
-            layer.recurrent_states[0] = layer.recurrent_states[0].repeat_interleave(repeats, dim=0)
-            layer.conv_states[0] = layer.conv_states[0].repeat_interleave(repeats, dim=0)
-        self.delta_sums = [d.repeat_interleave(repeats, dim=0) for d in self.delta_sums]
-        if self.num_tokens is not None:
-            self.num_tokens = self.num_tokens.repeat_interleave(repeats, dim=0)
-        if self.token_ids is not None:
-            self.token_ids = self.token_ids.repeat_interleave(repeats, dim=0)
+        super().batch_repeat_interleave(repeats)
+        self._map_cache_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
-    def _index_extras(self, index):
-        self.delta_sums = [d.index_select(0, index.to(d.device)) if d is not None else None for d in self.delta_sums]
+    def reset(self):
+        super().reset()
+        self.num_tokens = None
+        self.token_ids = None
+
+    def _map_cache_rows(self, fn) -> None:
         if self.num_tokens is not None:
-            self.num_tokens = self.num_tokens.index_select(0, index.to(self.num_tokens.device))
+            self.num_tokens = fn(self.num_tokens)
         if self.token_ids is not None:
-            self.token_ids = self.token_ids.index_select(0, index.to(self.token_ids.device))
+            self.token_ids = fn(self.token_ids)
 
     # ------------------------------------------------------------------ persistence
     def save(self, path) -> None:

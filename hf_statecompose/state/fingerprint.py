@@ -73,8 +73,9 @@ def architecture_of(model: torch.nn.Module) -> str:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
-            "hf_statecompose supports transformers' Mamba and Mamba-2 models and its own SeRpEnt-Mamba and COFFEE "
-            f"(model_type 'mamba', 'mamba2', 'serpent_mamba' or 'coffee'), got model_type {model_type!r} ({type(model).__name__})"
+            "hf_statecompose supports transformers' Mamba, Mamba-2 and FalconMamba models and its own SeRpEnt-Mamba and "
+            f"COFFEE (model_type {', '.join(map(repr, SUPPORTED_MODEL_TYPES))}), got model_type {model_type!r} "
+            f"({type(model).__name__})"
         )
     return SUPPORTED_MODEL_TYPES[model_type]
 

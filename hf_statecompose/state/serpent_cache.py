@@ -43,11 +43,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers.configuration_utils import PreTrainedConfig
 
 from .architectures import SERPENT_MAMBA
 from .cache import ComposableMambaCache
 from .fingerprint import architecture_of, base_model_of, model_fingerprint
+from .layers import SeRpEntSSMLayer, layer_attribute
 
 # fixed-point resolution of the resampling clock: each token advances it by round(δ · 2^20), δ in [κ, 1]
 CLOCK_BITS = 20
@@ -57,24 +57,24 @@ _EXTRAS = tuple(extra.attribute for extra in SERPENT_MAMBA.extras)  # clocks, wi
 
 
 class ComposableSeRpEntCache(ComposableMambaCache):
-    """The cache of a SeRpEnt-Mamba model: one Mamba-1 state per (layer, branch) plus the resampling extras."""
+    """The cache of a SeRpEnt-Mamba model: one Mamba-1 state per (layer, branch) plus the resampling extras,
+    each (layer, branch) a :class:`~hf_statecompose.state.layers.SeRpEntSSMLayer` owning all of its tensors."""
+
+    _layer_class = SeRpEntSSMLayer
 
     def __init__(self, config, *, architecture: str = "serpent_mamba", fingerprint: str = "",
                  model_dtype: torch.dtype = torch.float32, model_info=None, **kwargs):
-        num_branches = len(config.branch_compressions)
-        # DynamicCache builds its layer list from a config's layer types; the SeRpEnt config has one entry
-        # per layer, we need one LinearAttentionLayer per (layer, branch): the layer types of a Mamba that deep
-        layout = PreTrainedConfig()
-        layout.num_hidden_layers = config.num_hidden_layers * num_branches
-        layout.layer_types = ["linear_attention"] * layout.num_hidden_layers
-        super().__init__(layout, architecture=architecture, fingerprint=fingerprint, model_dtype=model_dtype,
+        super().__init__(config, architecture=architecture, fingerprint=fingerprint, model_dtype=model_dtype,
                          model_info=model_info, **kwargs)
-        self.config = config
-        self.num_branches = num_branches
+        self.num_branches = len(config.branch_compressions)
         self.resample_window = config.resample_window
-        num_virtual = len(self.layers)
-        for name in _EXTRAS:
-            setattr(self, name, [None] * num_virtual)
+
+    # per virtual layer, read and assigned through the layers (cache.clocks[v], cache.window_inputs[v] = x, ...)
+    clocks = layer_attribute("clocks", "Per virtual layer: the resampling clock ``[B]`` int64.")
+    window_inputs = layer_attribute("window_inputs", "Per virtual layer: the last K inputs ``[B, K, H]``.")
+    window_times = layer_attribute("window_times", "Per virtual layer: their clock values ``[B, K]`` int64.")
+    window_valid = layer_attribute("window_valid", "Per virtual layer: which of them are real ``[B, K]`` bool.")
+    last_outputs = layer_attribute("last_outputs", "Per virtual layer: the branch output at the latest grid point.")
 
     @classmethod
     def empty_for(cls, model) -> "ComposableSeRpEntCache":
@@ -126,7 +126,7 @@ class ComposableSeRpEntCache(ComposableMambaCache):
                      device: torch.device) -> None:
         """Give virtual layer ``layer_idx`` its empty state if it has none: what a first forward starts from
         (zero SSM state and conv window, clock 0, no inputs seen, zero last output)."""
-        if self.layers[layer_idx].has_previous_state[0]:
+        if self.layers[layer_idx].filled:
             return
         self.set_layer(
             layer_idx,
@@ -152,46 +152,8 @@ class ComposableSeRpEntCache(ComposableMambaCache):
         self.window_valid[layer_idx] = valid
         self.last_outputs[layer_idx] = last_output
 
-    # ------------------------------------------------------------------ batch operations
-    def _map_extras(self, out: "ComposableSeRpEntCache", fn) -> "ComposableSeRpEntCache":
-        for name in _EXTRAS:
-            setattr(out, name, [fn(t) if t is not None else None for t in getattr(self, name)])
-        return out
-
-    def _map_rows(self, fn) -> "ComposableSeRpEntCache":
-        return self._map_extras(super()._map_rows(fn), fn)
-
-    @classmethod
-    def stack(cls, caches: Sequence["ComposableSeRpEntCache"]) -> "ComposableSeRpEntCache":
-        out = super().stack(caches)
-        for name in _EXTRAS:
-            per_layer = zip(*(getattr(c, name) for c in caches))
-            setattr(out, name, [None if any(t is None for t in ts) else torch.cat(ts) for ts in per_layer])
-        return out
-
-    def _index_extras(self, index):
-        super()._index_extras(index)
-        for name in _EXTRAS:
-            setattr(self, name, [t.index_select(0, index.to(t.device)) if t is not None else None
-                                 for t in getattr(self, name)])
-
-    def batch_select_indices(self, indices: torch.Tensor):
-        if not self.is_filled():
-            return  # nothing stored yet
-        super().batch_select_indices(indices)
-
-    def batch_repeat_interleave(self, repeats: int):
-        if not self.is_filled():
-            return
-        super().batch_repeat_interleave(repeats)
-        for name in _EXTRAS:
-            setattr(self, name, [t.repeat_interleave(repeats, dim=0) if t is not None else None
-                                 for t in getattr(self, name)])
-
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        if not self.is_filled():
-            return
-        super().reorder_cache(beam_idx)
+    # batch operations (select, stack, repeat, beams' reorder, ...) are inherited: the resampling tensors live on
+    # the layers as per-row tensors, so every one of them follows its rows
 
     def __repr__(self):
         filled = self.is_filled() if self.layers else False

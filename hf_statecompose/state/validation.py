@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -215,7 +216,7 @@ def check_extras(state, where: str = "state", *, batch: int | None = None, devic
         extras = {}
         for extra in layout.extras:
             tensors = getattr(state, extra.attribute, None)
-            extras[extra.attribute] = tensors[v] if isinstance(tensors, list) and len(tensors) == state.num_layers else None
+            extras[extra.attribute] = tensors[v] if isinstance(tensors, Sequence) and len(tensors) == state.num_layers else None
         check_extra_tensors(layout, extras, v, config=state.config, model_dtype=state.model_dtype, batch=batch,
                             device=device, refuse=refuse)
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -55,6 +54,7 @@ from transformers.modeling_outputs import ImageClassifierOutput
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from hf_statecompose import compat
 from hf_statecompose.models.causal_lm import StateCacheGenerationMixin, refuse_past_states
 from hf_statecompose.models.coffee.mixer import CoffeeMixer
 from hf_statecompose.state.cache import ComposableMambaCache
@@ -123,8 +123,8 @@ class CoffeeSequenceMixer(nn.Module):
         E, n = self.width, self.state_size
         layer = None if cache is None else cache.layers[self.layer_idx]
         initial = None
-        if layer is not None and layer.has_previous_state[0]:
-            initial = layer.recurrent_states[0].view(batch, E, n)
+        if layer is not None and layer.filled:
+            initial = layer.ssm_state.view(batch, E, n)
         log_decay = None
         if self.mixer_type == "coffee":
             # the prompt as the mixer chooses ("auto": Newton / DEER or the loop), a single token as one step of the loop
@@ -166,25 +166,25 @@ class CoffeeBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- outputs
-@dataclass
+@compat.cache_output
 class CoffeeOutput(ModelOutput):
     """Output of :class:`CoffeeModel`: the final hidden states (``"lm"``: after the last norm; ``"core"``: the
     mixer's outputs), the cache (when ``use_cache``) and, on request, the hidden states after the embeddings
     and every layer."""
 
     last_hidden_state: torch.Tensor | None = None
-    cache_params: ComposableMambaCache | None = None
+    cache: ComposableMambaCache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
-@dataclass
+@compat.cache_output
 class CoffeeCausalLMOutput(ModelOutput):
     """Output of :class:`CoffeeForCausalLM`: shifted next-token loss (with ``labels``), logits, cache and
     hidden states."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    cache_params: ComposableMambaCache | None = None
+    cache: ComposableMambaCache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
@@ -279,7 +279,7 @@ class CoffeeModel(CoffeePreTrainedModel):
         self,
         input_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        cache_params: ComposableMambaCache | None = None,
+        cache: ComposableMambaCache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
@@ -287,15 +287,16 @@ class CoffeeModel(CoffeePreTrainedModel):
         **kwargs,
     ) -> tuple | CoffeeOutput:
         r"""
-        cache_params (`ComposableMambaCache`, *optional*):
+        cache (`ComposableMambaCache`, *optional*):
             The state after earlier tokens: the forward continues from it (and updates it in place).
         use_cache (`bool`, *optional*):
-            Return the cache (a new one when ``cache_params`` is None).
+            Return the cache (a new one when ``cache`` is None; ``cache_params``, its name before transformers 5.24, is accepted too).
         attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*):
             1 for real tokens, 0 for left padding (padding neither feeds nor decays the state). With a cache,
             only its last ``sequence_length`` columns are read.
         """
         refuse_past_states(self, kwargs)
+        cache = compat.resolve_cache(cache, kwargs)  # `cache_params`, the name before transformers 5.24, works too
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -305,13 +306,13 @@ class CoffeeModel(CoffeePreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embeddings(input_ids)
-        if cache_params is not None and not isinstance(cache_params, ComposableMambaCache):
+        if cache is not None and not isinstance(cache, ComposableMambaCache):
             raise TypeError(
-                f"cache_params must be a ComposableMambaCache (the state of a COFFEE model), got "
-                f"{type(cache_params).__name__}; pass None to start from an empty state"
+                f"cache must be a ComposableMambaCache (the state of a COFFEE model), got "
+                f"{type(cache).__name__}; pass None to start from an empty state"
             )
-        if cache_params is None and use_cache:
-            cache_params = ComposableMambaCache.empty_for(self)
+        if cache is None and use_cache:
+            cache = ComposableMambaCache.empty_for(self)
 
         batch, length = inputs_embeds.shape[:2]
         mask = None
@@ -322,21 +323,21 @@ class CoffeeModel(CoffeePreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for block in self.layers:
-            hidden_states = block(hidden_states, cache_params, mask)
+            hidden_states = block(hidden_states, cache, mask)
             if output_hidden_states:
                 all_hidden_states = all_hidden_states + (hidden_states,)
-        if cache_params is not None:
+        if cache is not None:
             count = mask.sum(-1) if mask is not None else torch.full((batch,), length, device=inputs_embeds.device)
-            cache_params.add_tokens(count)
+            cache.add_tokens(count)
         if self.norm_f is not None:
             hidden_states = self.norm_f(hidden_states)
             if output_hidden_states:
                 all_hidden_states = all_hidden_states + (hidden_states,)
 
-        returned_cache = cache_params if use_cache else None
+        returned_cache = cache if use_cache else None
         if not return_dict:
             return tuple(v for v in (hidden_states, returned_cache, all_hidden_states) if v is not None)
-        return CoffeeOutput(last_hidden_state=hidden_states, cache_params=returned_cache, hidden_states=all_hidden_states)
+        return CoffeeOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states, **compat.cache_kwargs(returned_cache))
 
 
 class CoffeeForCausalLM(CoffeePreTrainedModel, StateCacheGenerationMixin):
@@ -366,7 +367,7 @@ class CoffeeForCausalLM(CoffeePreTrainedModel, StateCacheGenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        cache_params: ComposableMambaCache | None = None,
+        cache: ComposableMambaCache | None = None,
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
@@ -381,10 +382,11 @@ class CoffeeForCausalLM(CoffeePreTrainedModel, StateCacheGenerationMixin):
             Compute the logits of the last ``logits_to_keep`` positions only (0: all), or of the given indices.
         """
         refuse_past_states(self, kwargs)
+        cache = compat.resolve_cache(cache, kwargs)  # `cache_params`, the name before transformers 5.24, works too
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.backbone(
             input_ids,
-            cache_params=cache_params,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
             return_dict=True,

@@ -66,7 +66,6 @@ package absolutely (``hf_statecompose.…``) and only its config relatively.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -74,6 +73,7 @@ from transformers import initialization as init
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from hf_statecompose import compat
 from hf_statecompose.models.causal_lm import StateCacheGenerationMixin, refuse_past_states
 from hf_statecompose.models.mamba import selective_ssm
 from hf_statecompose.ops import backends
@@ -85,14 +85,12 @@ from .configuration_serpent import SeRpEntMambaConfig
 def _mamba_mixer_class():
     # transformers' Mamba modules are imported on use: this module is imported by a post-import hook of
     # transformers' auto classes, which can run while transformers is half way through importing them
-    from transformers.models.mamba.modeling_mamba import MambaMixer
-
-    return MambaMixer
+    return compat.mixer_classes()["mamba"]
 
 
 def branch_ssm_config(config: SeRpEntMambaConfig):
     """The ``MambaConfig`` of every branch SSM: width h_b, i_b channels, one layer index per (layer, branch)."""
-    from transformers.models.mamba.configuration_mamba import MambaConfig
+    from transformers import MambaConfig
 
     ssm_config = MambaConfig(
         vocab_size=1,
@@ -131,7 +129,7 @@ def branch_ssm_forward(mixer, hidden_states: torch.Tensor, cache, count: torch.T
 
     projected = mixer.in_proj(hidden_states).transpose(1, 2)  # [B, 2D, T]
     x, gate = projected.chunk(2, dim=1)  # [B, D, T] each
-    window = layer.conv_states[0]  # [B, D, W]
+    window = layer.conv_state  # [B, D, W]
     # the conv is causal: the right padding cannot reach the real elements, so no mask (the ops' mask means
     # left padding); the window to keep is the W inputs that end at each row's last real element
     x, _ = backends.causal_conv1d(
@@ -149,7 +147,7 @@ def branch_ssm_forward(mixer, hidden_states: torch.Tensor, cache, count: torch.T
     new_window = inputs.gather(2, ends.expand(-1, inputs.shape[1], -1))
     x = x * mask[:, None, :].to(x.dtype)
 
-    y, ssm_state, delta_sum, A = selective_ssm(mixer, x, gate, layer.recurrent_states[0], mask, backend)
+    y, ssm_state, delta_sum, A = selective_ssm(mixer, x, gate, layer.ssm_state, mask, backend)
     cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=new_window, delta_sum=delta_sum, A=A)
     return mixer.out_proj(y.transpose(1, 2).to(dtype))
 
@@ -316,24 +314,24 @@ class SeRpEntMambaBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- models
-@dataclass
+@compat.cache_output
 class SeRpEntMambaOutput(ModelOutput):
     """Output of :class:`SeRpEntMambaModel`: the final hidden states (after the last norm), the cache
     (when ``use_cache``) and, on request, the hidden states after the embeddings' every layer."""
 
     last_hidden_state: torch.Tensor | None = None
-    cache_params: ComposableSeRpEntCache | None = None
+    cache: ComposableSeRpEntCache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
-@dataclass
+@compat.cache_output
 class SeRpEntMambaCausalLMOutput(ModelOutput):
     """Output of :class:`SeRpEntMambaForCausalLM`: shifted next-token loss (with ``labels``), logits, cache
     and hidden states."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    cache_params: ComposableSeRpEntCache | None = None
+    cache: ComposableSeRpEntCache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
@@ -388,7 +386,7 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
         self,
         input_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        cache_params: ComposableSeRpEntCache | None = None,
+        cache: ComposableSeRpEntCache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
@@ -396,15 +394,16 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
         **kwargs,
     ) -> tuple | SeRpEntMambaOutput:
         r"""
-        cache_params (`ComposableSeRpEntCache`, *optional*):
+        cache (`ComposableSeRpEntCache`, *optional*):
             The state after earlier tokens: the forward continues from it (and updates it in place).
         use_cache (`bool`, *optional*):
-            Return the cache (a new one when ``cache_params`` is None).
+            Return the cache (a new one when ``cache`` is None; ``cache_params``, its name before transformers 5.24, is accepted too).
         attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*):
             1 for real tokens, 0 for left padding (padding is skipped: it neither advances the time nor
             becomes a neighbour). With a cache, only its last ``sequence_length`` columns are read.
         """
         refuse_past_states(self, kwargs)
+        cache = compat.resolve_cache(cache, kwargs)  # `cache_params`, the name before transformers 5.24, works too
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -414,16 +413,16 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embeddings(input_ids)
-        if cache_params is not None and not isinstance(cache_params, ComposableSeRpEntCache):
+        if cache is not None and not isinstance(cache, ComposableSeRpEntCache):
             raise TypeError(
-                f"cache_params must be a ComposableSeRpEntCache (the state of a SeRpEnt model), got "
-                f"{type(cache_params).__name__}; pass None to start from an empty state"
+                f"cache must be a ComposableSeRpEntCache (the state of a SeRpEnt model), got "
+                f"{type(cache).__name__}; pass None to start from an empty state"
             )
-        if cache_params is None:
+        if cache is None:
             if use_cache:
-                cache_params = ComposableSeRpEntCache.empty_for(self)
+                cache = ComposableSeRpEntCache.empty_for(self)
             else:  # a throwaway state: one code path for the full and the incremental forward
-                cache_params = ComposableSeRpEntCache._for_config(self.config, self.embeddings.weight.dtype)
+                cache = ComposableSeRpEntCache._for_config(self.config, self.embeddings.weight.dtype)
 
         batch, length = inputs_embeds.shape[:2]
         if attention_mask is not None and attention_mask.dim() == 2:
@@ -434,19 +433,19 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None
         for block in self.layers:
-            hidden_states = block(hidden_states, cache_params, real)
+            hidden_states = block(hidden_states, cache, real)
             if output_hidden_states:
                 all_hidden_states = all_hidden_states + (hidden_states,)
-        cache_params.add_tokens(real.sum(-1))
+        cache.add_tokens(real.sum(-1))
         hidden_states = self.norm_f(hidden_states)
         if output_hidden_states:
             all_hidden_states = all_hidden_states + (hidden_states,)
 
-        returned_cache = cache_params if use_cache else None
+        returned_cache = cache if use_cache else None
         if not return_dict:
             return tuple(v for v in (hidden_states, returned_cache, all_hidden_states) if v is not None)
         return SeRpEntMambaOutput(
-            last_hidden_state=hidden_states, cache_params=returned_cache, hidden_states=all_hidden_states
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **compat.cache_kwargs(returned_cache)
         )
 
 
@@ -470,7 +469,7 @@ class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, StateCacheGenerationM
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        cache_params: ComposableSeRpEntCache | None = None,
+        cache: ComposableSeRpEntCache | None = None,
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
@@ -485,10 +484,11 @@ class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, StateCacheGenerationM
             Compute the logits of the last ``logits_to_keep`` positions only (0: all), or of the given indices.
         """
         refuse_past_states(self, kwargs)
+        cache = compat.resolve_cache(cache, kwargs)  # `cache_params`, the name before transformers 5.24, works too
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.backbone(
             input_ids,
-            cache_params=cache_params,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
             return_dict=True,

@@ -1,0 +1,341 @@
+"""The one module that knows transformers' internals: every name, signature and private hook of transformers
+that this package relies on beyond its documented public API is read here, and version checks live here and
+nowhere else. When transformers moves, this module (and its tests, ``tests/test_compat.py``) is what changes.
+
+What it covers:
+
+* **The tested range** (:data:`TESTED_TRANSFORMERS`): ``import hf_statecompose`` on a transformers outside it
+  warns once (:func:`warn_if_untested`), naming the range.
+* **The cache's name.** transformers 5.24 renamed the Mamba-family argument and output field ``cache_params``
+  to ``cache`` (``cache_params`` stays accepted, deprecated, until 5.40). :data:`CACHE_ARG` is the name the
+  installed release's mixers, blocks, models and ``generate`` use; :func:`pop_cache` takes a cache passed under
+  either name (users' code written for either release keeps working); :func:`output_cache` reads it from a
+  model output; :func:`cache_output` makes this package's output dataclasses carry it under the installed
+  release's name with the other name readable too.
+* **The cache layer.** :class:`SSMLayerBase` is transformers' ``LinearAttentionLayer`` (what a ``DynamicCache``
+  holds for an SSM layer) seen through a small accessor API (``ssm_state``, ``conv_state``, ``filled``,
+  :meth:`~SSMLayerBase.fill`), with the batch operations transformers' generation calls on layers
+  (``batch_repeat_interleave``, ``batch_select_indices``) that ``LinearAttentionLayer`` lacks. Subclasses
+  (``hf_statecompose.state.layers``) add what composition needs and extend the batch operations, so that
+  transformers' own ``reorder_cache`` / ``offload`` / ``prefetch`` / ``reset`` keep every tensor of a layer
+  consistent by construction.
+* **The mixers** (:data:`MIXER_MODULES`, :func:`mixer_classes`) and the classes whose stock ``forward`` /
+  ``generate`` must refuse ``past_states`` (:data:`GUARDED`).
+* **The generation hook** (:class:`CacheGenerationMixin`): the private ``generate()`` methods that this
+  package's own causal LMs override to keep their state cache.
+
+Importing this module is light (standard library only): the names that need transformers load on first use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import re
+import warnings
+from importlib.metadata import PackageNotFoundError, version
+
+logger = logging.getLogger("hf_statecompose")
+
+# [lowest tested, first untested): the releases the test command runs (tests-lowest / tests-newest in noxfile.py)
+TESTED_TRANSFORMERS = ("5.23", "5.25")
+TESTED_TRANSFORMERS_TEXT = f">={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}"
+
+# transformers module -> the Mamba-family classes whose stock forward / generate must refuse past_states
+GUARDED = {
+    "transformers.models.mamba.modeling_mamba": ("MambaModel", "MambaForCausalLM"),
+    "transformers.models.mamba2.modeling_mamba2": ("Mamba2Model", "Mamba2ForCausalLM"),
+    "transformers.models.falcon_mamba.modeling_falcon_mamba": ("FalconMambaModel", "FalconMambaForCausalLM"),
+}
+
+# model_type -> (module, mixer class) of transformers' stock mixers that the state-aware path replaces
+MIXER_MODULES = {
+    "mamba": ("transformers.models.mamba.modeling_mamba", "MambaMixer"),
+    "mamba2": ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"),
+    "falcon_mamba": ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer"),
+}
+
+CACHE_NAMES = ("cache", "cache_params")
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """The release numbers of a version string: '5.24.0.dev0' -> (5, 24, 0), '5.25' -> (5, 25)."""
+    match = re.match(r"\d+(?:\.\d+)*", text.strip())
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_version() -> str | None:
+    """The installed transformers' version string (None if it is not installed); read without importing it."""
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+def is_tested_transformers(text: str | None = None) -> bool:
+    """Whether transformers ``text`` (default: the installed one) lies in :data:`TESTED_TRANSFORMERS`."""
+    text = transformers_version() if text is None else text
+    if text is None:
+        return False
+    low, high = (_release(v) for v in TESTED_TRANSFORMERS)
+    return low <= _release(text) < high
+
+
+_warned = False
+
+
+def warn_if_untested() -> None:
+    """Warn once (a ``UserWarning`` and the log) when the installed transformers is outside the tested range."""
+    global _warned
+    text = transformers_version()
+    if _warned or text is None or is_tested_transformers(text):
+        return
+    _warned = True
+    message = (
+        f"hf_statecompose is tested with transformers {TESTED_TRANSFORMERS_TEXT}, but transformers {text} is "
+        f"installed: it reads transformers' cache and mixer internals, which change between releases. Install a "
+        f"tested release (pip install 'transformers{TESTED_TRANSFORMERS_TEXT}')"
+    )
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def cache_is_renamed(text: str | None = None) -> bool:
+    """transformers >= 5.24 names the Mamba-family cache ``cache`` (argument and output field)."""
+    text = transformers_version() if text is None else text
+    return text is not None and _release(text) >= _release("5.24")
+
+
+def _cache_arg() -> str:
+    return "cache" if cache_is_renamed() else "cache_params"
+
+
+def pop_cache(kwargs: dict, default=None):
+    """Remove and return the cache passed in ``kwargs`` under either name (``cache`` or ``cache_params``).
+    Both names with different values is refused, as transformers refuses it."""
+    found = [(name, kwargs.pop(name)) for name in CACHE_NAMES if name in kwargs]
+    values = [value for _, value in found if value is not None]
+    if len(values) > 1 and values[0] is not values[1]:
+        raise ValueError("pass the cache once, as `cache` (or the older name `cache_params`), not both")
+    return values[0] if values else default
+
+
+def resolve_cache(cache, kwargs: dict):
+    """In a ``forward(..., cache=None, **kwargs)``: the cache, whether it came as ``cache`` or as ``cache_params``
+    in ``kwargs`` (removed from them)."""
+    return pop_cache({**{name: kwargs.pop(name) for name in CACHE_NAMES if name in kwargs}, "cache": cache})
+
+
+def cache_given(kwargs: dict) -> bool:
+    """Whether ``kwargs`` hold a cache under either name."""
+    return any(kwargs.get(name) is not None for name in CACHE_NAMES)
+
+
+def cache_kwargs(cache) -> dict:
+    """``{name: cache}`` with the installed release's name for the Mamba-family cache argument."""
+    return {_cache_arg(): cache}
+
+
+def output_cache(output):
+    """The cache of a model output (a ``ModelOutput`` of transformers' Mamba-family models or of this package's)."""
+    for name in (_cache_arg(), *CACHE_NAMES):
+        try:
+            value = output[name] if isinstance(output, dict) else getattr(output, name)
+        except (KeyError, AttributeError):
+            continue
+        return value
+    return None
+
+
+def cache_output(cls):
+    """Class decorator for this package's ``ModelOutput`` subclasses: write the class with a field ``cache``;
+    on transformers < 5.24 the field is named ``cache_params`` (what that release's ``generate`` looks for in
+    outputs) and ``cache`` reads it; on >= 5.24 it is ``cache`` and ``cache_params`` stays readable (transformers'
+    ``ModelOutput`` provides it). Then applies ``@dataclass``."""
+    annotations = dict(cls.__dict__.get("__annotations__", {}))
+    if "cache" not in annotations:
+        raise TypeError(f"{cls.__name__} declares no `cache` field")
+    if cache_is_renamed():
+        return dataclasses.dataclass(cls)
+    cls.__annotations__ = {("cache_params" if key == "cache" else key): value for key, value in annotations.items()}
+    cls.cache_params = cls.__dict__.get("cache")
+    if "cache" in cls.__dict__:
+        delattr(cls, "cache")
+    cls = dataclasses.dataclass(cls)
+    cls.cache = property(lambda self: self.cache_params, doc="The cache (its name from transformers 5.24 on).")
+    return cls
+
+
+@functools.lru_cache(maxsize=None)
+def mixer_classes() -> dict:
+    """model_type -> transformers' stock mixer class, for the architectures the installed release has."""
+    out = {}
+    for model_type, (module, name) in MIXER_MODULES.items():
+        try:
+            out[model_type] = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # a release without that model
+            continue
+    return out
+
+
+def _make_ssm_layer_base():
+    import torch
+    from transformers.cache_utils import LinearAttentionLayer
+
+    class SSMLayerBase(LinearAttentionLayer):
+        """transformers' ``LinearAttentionLayer`` with one state (index 0), through accessors that hide its
+        per-state dicts, plus the batch operations generation calls on layers. A subclass that carries more
+        per-row tensors lists their attribute names in ``_row_tensors`` (each ``[B, ...]`` or None) and those
+        follow every batch operation; ``_fixed_tensors`` (no batch dimension, e.g. ``A``) follow devices only."""
+
+        _row_tensors: tuple[str, ...] = ()
+        _fixed_tensors: tuple[str, ...] = ()
+
+        def __init__(self):
+            super().__init__(number_of_states=1)
+            for name in self._row_tensors + self._fixed_tensors:
+                setattr(self, name, None)
+
+        # ------------------------------------------------------------------ accessors
+        @property
+        def ssm_state(self):
+            return self.recurrent_states[0]
+
+        @ssm_state.setter
+        def ssm_state(self, value):
+            self.recurrent_states[0] = value
+
+        @property
+        def conv_state(self):
+            return self.conv_states[0]
+
+        @conv_state.setter
+        def conv_state(self, value):
+            self.conv_states[0] = value
+
+        @property
+        def filled(self) -> bool:
+            return bool(self.has_previous_state[0])
+
+        def fill(self, ssm_state, conv_state) -> None:
+            """Hold these tensors (assigned, not copied: autograd sees them) as the layer's state."""
+            self.recurrent_states[0] = ssm_state
+            self.conv_states[0] = conv_state
+            self.is_recurrent_states_initialized[0] = True
+            self.is_conv_states_initialized[0] = True
+            self.has_previous_state[0] = True
+            self.conv_kernel_size[0] = conv_state.shape[-1]
+            self.dtype, self.device = conv_state.dtype, conv_state.device
+
+        def _map_row_tensors(self, fn) -> None:
+            for name in self._row_tensors:
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, fn(value))
+
+        # ------------------------------------------------------------------ transformers' batch operations
+        def reorder_cache(self, beam_idx):
+            super().reorder_cache(beam_idx)
+            self._map_row_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+        def batch_select_indices(self, indices):
+            if not self.filled:
+                return
+            self.recurrent_states[0] = self.recurrent_states[0][indices]
+            self.conv_states[0] = self.conv_states[0][indices]
+            self._map_row_tensors(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
+
+        def batch_repeat_interleave(self, repeats: int):
+            if not self.filled:
+                return
+            self.recurrent_states[0] = self.recurrent_states[0].repeat_interleave(repeats, dim=0)
+            self.conv_states[0] = self.conv_states[0].repeat_interleave(repeats, dim=0)
+            self._map_row_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
+
+        def offload(self):
+            super().offload()
+            self._map_row_tensors(lambda t: t.to("cpu", non_blocking=True))
+            for name in self._fixed_tensors:
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, value.to("cpu", non_blocking=True))
+
+        def prefetch(self):
+            super().prefetch()
+            if self.device is None:
+                return
+            self._map_row_tensors(lambda t: t.to(self.device, non_blocking=True) if t.device != self.device else t)
+            for name in self._fixed_tensors:
+                value = getattr(self, name)
+                if value is not None and value.device != self.device:
+                    setattr(self, name, value.to(self.device, non_blocking=True))
+
+        def reset(self) -> None:
+            """transformers' reset: zero states, no previous state; the per-row extras are forgotten with them."""
+            super().reset()
+            for name in self._row_tensors:
+                setattr(self, name, None)
+
+    SSMLayerBase.__module__, SSMLayerBase.__qualname__ = __name__, "SSMLayerBase"
+    return SSMLayerBase
+
+
+def _make_generation_mixin():
+    import torch
+    from transformers.generation import GenerationMixin
+
+    class CacheGenerationMixin(GenerationMixin):
+        """``generate()`` for a model whose whole state is one cache object that the model makes itself
+        (``self._hsc_empty_cache()``), passed under the release's cache name. transformers makes such a cache
+        only for classes it knows as Mamba-like; here, as it does for Mamba, a user's cache is kept, else an
+        empty one is made. After the prompt every token fed is real, so the attention mask is dropped from the
+        decoding steps."""
+
+        def _hsc_empty_cache(self):  # pragma: no cover - the model class provides it
+            raise NotImplementedError
+
+        def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+            cache = pop_cache(model_kwargs)
+            if cache is not None:
+                if generation_config.cache_implementation is not None:
+                    raise ValueError("Passing both `cache_implementation` and a cache is unsupported; use one")
+                cache._is_user_defined = True
+            elif generation_config.use_cache is not False:
+                cache = self._hsc_empty_cache()
+            if cache is not None:
+                model_kwargs.update(cache_kwargs(cache))
+
+        def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, use_cache=None, cache=None,
+                                          cache_params=None, attention_mask: torch.LongTensor | None = None,
+                                          is_first_iteration: bool | None = False, **kwargs):
+            # both names in the signature: generate() validates its model kwargs against it
+            cache = pop_cache({"cache": cache, "cache_params": cache_params})
+            model_inputs = super().prepare_inputs_for_generation(
+                input_ids, inputs_embeds=inputs_embeds, use_cache=use_cache, attention_mask=attention_mask,
+                is_first_iteration=is_first_iteration, **cache_kwargs(cache), **kwargs,
+            )
+            if use_cache and not is_first_iteration:
+                model_inputs["attention_mask"] = None  # after the prompt every token fed is real
+            return model_inputs
+
+    CacheGenerationMixin.__module__, CacheGenerationMixin.__qualname__ = __name__, "CacheGenerationMixin"
+    return CacheGenerationMixin
+
+
+_LAZY = {
+    "CACHE_ARG": _cache_arg,
+    "SSMLayerBase": _make_ssm_layer_base,
+    "CacheGenerationMixin": _make_generation_mixin,
+    "Cache": lambda: importlib.import_module("transformers.cache_utils").Cache,
+    "DynamicCache": lambda: importlib.import_module("transformers.cache_utils").DynamicCache,
+    "LinearAttentionLayer": lambda: importlib.import_module("transformers.cache_utils").LinearAttentionLayer,
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _LAZY[name]()
+    globals()[name] = value
+    return value

@@ -1,0 +1,78 @@
+"""The cache layer is the unit of state: one object per state layer holds every per-layer tensor of a state.
+
+:class:`ComposableSSMLayer` is transformers' ``LinearAttentionLayer`` (through
+:class:`hf_statecompose.compat.SSMLayerBase`, which hides its internals) that also owns the context's ΣΔ
+(``delta_sum``, ``[B, D]`` for Mamba-1 / ``[B, H]`` for Mamba-2, one row per batch row) and the layer's ``A``
+(no batch dimension). Because ΣΔ lives on the layer, transformers' own batch operations on the layer
+(``reorder_cache`` for beams, ``batch_select_indices``, ``batch_repeat_interleave``, ``offload`` /
+``prefetch``, ``reset``) keep it consistent with the SSM state by construction: there is no parallel list on
+the cache to forget. :class:`SeRpEntSSMLayer` adds SeRpEnt's resampling tensors the same way.
+
+A hybrid model's attention layers will be a second layer type of the same state (keys and values with their
+positions); a state is a list of layers, each composed by its own rule.
+
+The cache keeps list-like per-layer views (``cache.ssm_states[l]``, ``cache.delta_sums[l]``, ``cache.A[l]``,
+SeRpEnt's ``cache.clocks[v]``, ...) for the documented API: reading and assigning an item reads and assigns
+the layer's attribute (:class:`LayerView`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .. import compat
+from .architectures import SERPENT_MAMBA
+
+
+class ComposableSSMLayer(compat.SSMLayerBase):
+    """An SSM layer's state: SSM state, conv window, ΣΔ (``delta_sum``) and ``A``."""
+
+    _row_tensors = ("delta_sum",)
+    _fixed_tensors = ("A",)
+
+
+class SeRpEntSSMLayer(ComposableSSMLayer):
+    """A SeRpEnt (layer, branch) state: a Mamba-1 layer's plus the resampling tensors (clock, the last K
+    inputs with their times and valid mask, the last branch output), each ``[B, ...]``."""
+
+    _row_tensors = ComposableSSMLayer._row_tensors + tuple(extra.attribute for extra in SERPENT_MAMBA.extras)
+
+
+class LayerView(Sequence):
+    """``cache.<name>[l]`` reads (and ``cache.<name>[l] = x`` sets) attribute ``attribute`` of layer ``l``."""
+
+    __slots__ = ("_layers", "_attribute")
+
+    def __init__(self, layers, attribute: str):
+        self._layers = layers
+        self._attribute = attribute
+
+    def __len__(self):
+        return len(self._layers)
+
+    def __getitem__(self, layer_idx):
+        if isinstance(layer_idx, slice):
+            return [self[i] for i in range(*layer_idx.indices(len(self)))]
+        return getattr(self._layers[layer_idx], self._attribute)
+
+    def __setitem__(self, layer_idx, value):
+        setattr(self._layers[layer_idx], self._attribute, value)
+
+    def __repr__(self):
+        return f"LayerView({self._attribute!r}, {len(self)} layers)"
+
+
+def layer_attribute(attribute: str, doc: str) -> property:
+    """A cache property: a :class:`LayerView` of ``attribute`` over the cache's layers; assigning a list sets
+    the attribute of every layer."""
+
+    def get(cache):
+        return LayerView(cache.layers, attribute)
+
+    def set_(cache, values):
+        values = list(values)
+        if len(values) != len(cache.layers):
+            raise ValueError(f"{attribute}: {len(values)} values for {len(cache.layers)} layers")
+        for layer, value in zip(cache.layers, values):
+            setattr(layer, attribute, value)
+
+    return property(get, set_, doc=doc)
