@@ -98,7 +98,7 @@ def encode_rows(arch, lengths, repeats, seed, fp64_max_tokens, cpu_clock=False):
                 return hsc.ComposableMambaCache.encode(model, ids, backend="torch")
 
             # correctness first (also the warm-up: compiles the fused scan once)
-            reference = stock().cache_params
+            reference = hsc.compat.output_cache(stock())
             state = encode()
             layers = range(state.num_layers)
             errors = [rel_err(state.ssm_states[i], reference.layers[i].recurrent_states[0]) for i in layers]

@@ -12,7 +12,7 @@ figure is the median over ``--rounds``. Two Mamba-1 baselines:
 
 Forward: ``model(input_ids)`` on ``B × L`` tokens under ``torch.no_grad()`` (full logits, no cache),
 tokens/s = B·L / time. Decode: after a prefill of ``L`` tokens with ``use_cache=True``, one step
-``model(input_ids=next_token, cache_params=cache, use_cache=True)``. Ratios: SeRpEnt tokens/s ÷ baseline
+``model(input_ids=next_token, cache=cache, use_cache=True)``. Ratios: SeRpEnt tokens/s ÷ baseline
 tokens/s (> 1: SeRpEnt faster) and SeRpEnt decode time ÷ baseline decode time (< 1: SeRpEnt faster).
 
     python benchmarks/serpent_speed.py [--lengths 128 512 2048] [--batch 4] [--rounds 3] [--repeats 3] [--threads 2]
@@ -71,11 +71,13 @@ def call_kwargs(name: str, model):
     import hf_statecompose as hsc
 
     if name == "mamba (hsc path)":
-        return dict(cache_params=hsc.ComposableMambaCache.empty_for(model), use_cache=True)
+        return dict(use_cache=True, **hsc.compat.cache_kwargs(hsc.ComposableMambaCache.empty_for(model)))
     return {}
 
 
 def measure(models, lengths, batch, rounds, repeats, warmup=1):
+    import hf_statecompose as hsc
+
     import torch
 
     from hf_statecompose.benchmarking import median_time
@@ -93,10 +95,10 @@ def measure(models, lengths, batch, rounds, repeats, warmup=1):
 
                     per_round[(name, "forward", length)].append(median_time(prefill, repeats, warmup=warmup if round_index == 0 else 0))
                     out = model(input_ids=ids, **{**call_kwargs(name, model), "use_cache": True})
-                    cache, next_token = out.cache_params, out.logits[:, -1:].argmax(-1)
+                    cache, next_token = hsc.compat.output_cache(out), out.logits[:, -1:].argmax(-1)
 
                     def decode(model=model, cache=cache, next_token=next_token):
-                        return model(input_ids=next_token, cache_params=cache, use_cache=True)
+                        return model(input_ids=next_token, use_cache=True, **hsc.compat.cache_kwargs(cache))
 
                     per_round[(name, "decode", length)].append(median_time(decode, max(repeats, 5), warmup=1))
     return {key: statistics.median(times) for key, times in per_round.items()}, per_round

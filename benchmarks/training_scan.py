@@ -6,7 +6,7 @@
    (``selective_scan`` under autograd: sequential scan + adjoint backward) against autograd through the
    plain reference loop (``selective_scan_ref``), same inputs, same run; gradients compared too.
 2. One AdamW training step of the demo-sized models (hidden 256, 6 layers, batch 8 × 256 tokens):
-   through hf_statecompose's path (``cache_params=ComposableMambaCache.empty_for(model)``, what
+   through hf_statecompose's path (``cache=ComposableMambaCache.empty_for(model)``, what
    ``recipes/train_demo.py`` does) against stock transformers' forward, same run.
 Medians of ``--repeats`` after one warm-up. Writes benchmarks/results/training_scan.json.
 """
@@ -59,7 +59,7 @@ def step_case(arch, repeats):
 
     def step(ours):
         def run():
-            extra = dict(cache_params=hsc.ComposableMambaCache.empty_for(model), use_cache=True) if ours else {}
+            extra = dict(use_cache=True, **hsc.compat.cache_kwargs(hsc.ComposableMambaCache.empty_for(model))) if ours else {}
             model(input_ids=ids, labels=ids, **extra).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -111,7 +111,7 @@ def forward(model, input_ids, attention_mask=None, labels=None):
 
     kwargs = {}
     if is_stock_mamba(model):
-        kwargs = dict(cache_params=hsc.ComposableMambaCache.empty_for(model), use_cache=True)
+        kwargs = dict(use_cache=True, **hsc.compat.cache_kwargs(hsc.ComposableMambaCache.empty_for(model)))
     return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
 
 

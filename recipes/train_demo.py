@@ -215,7 +215,7 @@ def main(argv=None):
     def step_fn(batch):
         batch, labels = batch[0].to(device), batch[1].to(device)
         cache = hsc.ComposableMambaCache.empty_for(model)
-        loss = model(input_ids=batch, labels=labels, cache_params=cache, use_cache=True).loss
+        loss = model(input_ids=batch, labels=labels, use_cache=True, **hsc.compat.cache_kwargs(cache)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

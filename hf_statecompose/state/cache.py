@@ -1,8 +1,10 @@
 """``ComposableMambaCache``: a transformers Mamba/Mamba-2 cache that also knows its context's decay.
 
-It *is* a ``DynamicCache`` of ``LinearAttentionLayer``s (what transformers 5.23 passes as
-``cache_params``), so it can be handed to any Mamba / Mamba-2 forward or ``generate``. Per layer it
-holds:
+It *is* a ``DynamicCache`` (what transformers passes as ``cache``, ``cache_params`` before 5.24), so it can be
+handed to any Mamba / Mamba-2 / FalconMamba forward or ``generate``. Its layers are
+:class:`~.layers.ComposableSSMLayer` objects (transformers' ``LinearAttentionLayer`` through the adapter), each
+owning every tensor of its state, so that transformers' batch operations on layers keep them together. Per
+layer it holds:
 
 * the SSM state ``ssm_states[l]``: Mamba-1 ``[B, D, N]``, Mamba-2 ``[B, H, P, N]`` (float32);
 * the conv window ``conv_states[l]``: ``[B, C, K]`` (the model's dtype);

@@ -40,7 +40,6 @@ list-order concatenation (the rotation that ends with the last state, i.e. what 
 """
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 
