@@ -31,6 +31,7 @@ import torch
 from .. import compat
 from ..composition.composer import StateComposer
 from ..models import disable_state_path, enable_state_path, get_backend, set_backend, using_backend  # noqa: F401
+from ..models.mixers import refuse_layer_checkpointing
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, base_model_of, model_fingerprint
 from ..state.validation import check_against_model, check_is_state, check_left_padded_mask
@@ -137,9 +138,9 @@ def _enabled_class(stock: type) -> type:
         def forward(self, *args, past_states=None, composition="picaso_r", **kwargs):
             if past_states is None:
                 if any(isinstance(kwargs.get(name), ComposableMambaCache) for name in compat.CACHE_NAMES):
-                    _refuse_layer_checkpointing(self)
+                    refuse_layer_checkpointing(self)
                 return stock.forward(self, *args, **kwargs)
-            _refuse_layer_checkpointing(self)
+            refuse_layer_checkpointing(self)
             named = _by_name(forward_signature, self, args, kwargs)
             if compat.cache_given(named):
                 raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
@@ -318,18 +319,3 @@ def _check_inferred_mask(named: dict, config) -> None:
             f"{error} (no attention_mask was given, so generate takes the query's pad_token_id {int(pad)} for padding; "
             "pass attention_mask explicitly)"
         ) from None
-
-
-def _refuse_layer_checkpointing(model):
-    """transformers' layer checkpointing replays each layer in the backward pass with the cache it was
-    given, which our mixers have updated by then: the replay would start from the wrong state and the
-    gradients would be silently wrong. Refuse instead."""
-    if not (model.training and torch.is_grad_enabled()):
-        return
-    if any(getattr(layer, "gradient_checkpointing", False) for layer in base_model_of(model).layers):
-        raise ValueError(
-            "gradient checkpointing of the layers (model.activation_checkpointing_enable()) cannot be combined with "
-            "past_states or a ComposableMambaCache while training: the backward replay would start from the updated "
-            "state. Disable it (model.activation_checkpointing_disable()) and, to save memory on the contexts, use "
-            "hf_statecompose.training.composition_loss(..., checkpoint_contexts=True)"
-        )

@@ -7,7 +7,7 @@ from .. import compat
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import base_model_of
 from ..state.validation import check_left_padded_mask
-from .mixers import enable_state_path, using_backend
+from .mixers import enable_state_path, refuse_layer_checkpointing, using_backend
 
 
 def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, backend: str | None = None,
@@ -22,6 +22,7 @@ def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | No
     """
     with torch.set_grad_enabled(enable_grad and torch.is_grad_enabled()):
         enable_state_path(model)
+        refuse_layer_checkpointing(model)
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:

@@ -154,3 +154,19 @@ def using_backend(model, backend: str | None):
         yield model
     finally:
         set_backend(model, previous or "auto")
+
+
+def refuse_layer_checkpointing(model):
+    """transformers' layer checkpointing replays each layer in the backward pass with the cache it was
+    given, which our mixers have updated by then: the replay would start from the wrong state and the
+    gradients would be silently wrong (and transformers >= 5.24 drops the cache from checkpointed layers, so the
+    state would silently stay empty). Refuse instead."""
+    if not (model.training and torch.is_grad_enabled()):
+        return
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in base_model_of(model).layers):
+        raise ValueError(
+            "gradient checkpointing of the layers (model.activation_checkpointing_enable()) cannot be combined with "
+            "past_states or a ComposableMambaCache while training: the backward replay would start from the updated "
+            "state. Disable it (model.activation_checkpointing_disable()) and, to save memory on the contexts, use "
+            "hf_statecompose.training.composition_loss(..., checkpoint_contexts=True)"
+        )
