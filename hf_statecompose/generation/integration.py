@@ -33,7 +33,7 @@ from ..composition.composer import StateComposer
 from ..models import disable_state_path, enable_state_path, get_backend, set_backend, using_backend  # noqa: F401
 from ..models.mixers import refuse_layer_checkpointing
 from ..state.cache import ComposableMambaCache
-from ..state.fingerprint import architecture_of, base_model_of, model_fingerprint
+from ..state.fingerprint import architecture_of, model_fingerprint
 from ..state.validation import check_against_model, check_is_state, check_left_padded_mask
 
 _ENABLED_CLASSES: dict[type, type] = {}
