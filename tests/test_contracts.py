@@ -51,6 +51,8 @@ def test_delta_sum_of_each_method(model, path, monkeypatch):
     would claim a context n times as long). The order-based methods stand for a concatenation: the total.
     On every composition path, each checked to be the one that ran."""
     states = _encode_all(model, (5, 9, 3), batch=2)
+    if path == "triton" and torch.cuda.is_available():  # compiled kernels (the interpreter runs CPU tensors)
+        states = [s.to("cuda") for s in states]
     ran = []
     if path == "native":
         monkeypatch.setattr(compose_native, "compose_native", _spy(compose_native.compose_native, ran))
