@@ -173,6 +173,26 @@ def test_image_classifier_counts_runs_and_learns():
     torch.testing.assert_close(out.logits.detach(), expected)
     with pytest.raises(ValueError, match="image_size=25"):
         model(pixel_values=torch.rand(2, 24, 25))
+    # the loss is the cross-entropy of these logits with these labels, and it learns: 5 Adam steps (seeded above,
+    # deterministic) lower it at every step, to 2/3 of where it started (measured 2.31 -> 1.29), moving every
+    # parameter
+    torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits, labels))
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = model(pixel_values=images, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        losses.append(model(pixel_values=images, labels=labels).loss.item())
+    assert losses[0] == pytest.approx(out.loss.item())
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert losses[-1] < 2 / 3 * losses[0], losses
+    for name, parameter in model.named_parameters():
+        assert not torch.equal(parameter, before[name]), name
 
 
 # ------------------------------------------------------------------------------------------ causality

@@ -7,6 +7,7 @@ the input gate (no feedback) CASO of two states is the state of the concatenatio
 gate it is not; states files, refusals, copies and the store work as for Mamba."""
 import copy
 import io
+import itertools
 import json
 import pickle
 
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save
 
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache, StateComposer
-from hf_statecompose.composition.composer import MODEL_FREE_METHODS
+from hf_statecompose.composition.composer import METHODS, MODEL_FREE_METHODS
 from hf_statecompose.ops.compose import native as compose_native
 from hf_statecompose.ops.compose.reference import compose_ssm_ref
 from hf_statecompose.state import serialization
@@ -27,6 +28,10 @@ from helpers import load_saved, pickle_round_trip, tiny_model, trusted_loads
 
 VOCAB = 40
 NEW = 8
+# With the default init (0.02) the state moves the next-token logits by 3-8% and changes no greedy token; a
+# larger init makes it matter (65-180%, other tokens), so that a lost or wrong state cannot pass.
+STATE_MATTERS = dict(initializer_range=0.1)
+MATTERS = 2e-2  # smallest relative change of the next-token logits that counts as "the state changes the output"
 
 
 def tiny(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
@@ -51,6 +56,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+def composer_of(method: str, n: int) -> StateComposer:
+    return StateComposer(method, weights=[0.2, 0.5, 0.3][:n] if n == 3 else [1.0]) if method == "weighted" \
+        else StateComposer(method)
+
+
 def assert_states_equal(actual, expected, rtol=1e-5, atol=1e-6):
     assert type(actual) is type(expected) and actual.num_layers == expected.num_layers
     for v in range(expected.num_layers):
@@ -60,7 +70,7 @@ def assert_states_equal(actual, expected, rtol=1e-5, atol=1e-6):
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny()
+    return tiny(**STATE_MATTERS)
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +147,18 @@ def test_backend_and_disable(model):
 @pytest.mark.parametrize("query_length", [1, 2, 9, 40])
 @torch.no_grad()
 def test_one_state_reproduces_context_plus_query(model, state, context, query_length):
+    """One state composes to itself under every method (the model-based ones re-encode its tokens): forward and
+    greedy generate equal context + query, after showing that the state changes the logits and the tokens."""
     query = ids_of(query_length, seed=30 + query_length)
     whole = torch.cat([context, query], 1)
     full = model(whole).logits[:, -query_length:]
     expected = model.generate(whole, max_new_tokens=NEW, do_sample=False, output_scores=True,
                               return_dict_in_generate=True)
-    for method in MODEL_FREE_METHODS:
-        kwargs = dict(composition=StateComposer(method, weights=[1.0]) if method == "weighted" else method)
+    assert rel(model(query).logits[:, -1], full[:, -1]) > MATTERS  # no context
+    assert not torch.equal(model.generate(query, max_new_tokens=NEW, do_sample=False),
+                           expected.sequences[:, context.shape[1]:])
+    for method in METHODS:
+        kwargs = dict(composition=composer_of(method, 1))
         assert rel(model(query, past_states=[state], **kwargs).logits, full) < 1e-4, method
         out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False, output_scores=True,
                              return_dict_in_generate=True, **kwargs)
@@ -214,17 +229,41 @@ def test_generate_does_not_mutate_the_states(model, state):
 
 # ------------------------------------------------------------------------------------------ n > 1
 @torch.no_grad()
-def test_every_method_generates_from_several_states(model, states):
+def test_every_method_generates_from_its_composed_state(model, states):
+    """forward / generate(past_states=states, composition=method) run from exactly the state that
+    StateComposer(method).compose(states, model=model) gives, fed as cache_params (logits equal, same tokens),
+    for every method; that state changes the logits and the tokens (vs no context: a COFFEE state is all SSM
+    state, so this is also the zeroed state) and each method's differs from every other's, so an ignored
+    method or a lost state fails."""
     query = ids_of(5, seed=80)
-    for method in (*MODEL_FREE_METHODS, "concat", "piconcat_r"):
-        composition = StateComposer(method, weights=[0.2, 0.5, 0.3]) if method == "weighted" else method
-        logits = model(query, past_states=states, composition=composition).logits
-        assert torch.isfinite(logits).all(), method
-        out = model.generate(query, past_states=states, composition=composition, max_new_tokens=4, do_sample=False)
+    plain = model(query).logits[:, -1]
+    plain_tokens = model.generate(query, max_new_tokens=4, do_sample=False)
+    next_logits = {}
+    for method in METHODS:
+        composer = composer_of(method, 3)
+        composed = composer.compose(states, model=model)
+        expected = model(query, cache_params=composed.clone(), use_cache=True).logits
+        logits = model(query, past_states=states, composition=composer).logits
+        assert torch.equal(logits, expected), method
+        assert rel(plain, expected[:, -1]) > MATTERS, method
+        out = model.generate(query, past_states=states, composition=composer, max_new_tokens=4, do_sample=False)
         assert out.shape == (1, 9) and torch.equal(out[:, :5], query), method
-    rows = model.generate(ids_of(3, batch=2, seed=81), past_states=[states[:2], states[1:]], composition="caso",
-                          max_new_tokens=3, do_sample=False)
-    assert rows.shape == (2, 6)
+        assert torch.equal(out, model.generate(query, cache_params=composed.clone(), max_new_tokens=4,
+                                               do_sample=False)), method
+        assert not torch.equal(out, plain_tokens), method
+        next_logits[method] = logits[:, -1]
+    for a, b in itertools.combinations(METHODS, 2):
+        assert rel(next_logits[a], next_logits[b]) > 1e-3, (a, b)
+    # one list of states per query row: each row its own composition
+    queries = ids_of(3, batch=2, seed=81)
+    rows = model(queries, past_states=[states[:2], states[1:]], composition="caso").logits
+    for r, row_states in enumerate((states[:2], states[1:])):
+        alone = model(queries[r:r + 1], cache_params=StateComposer("caso").compose(row_states), use_cache=True).logits
+        assert rel(rows[r:r + 1], alone) < 1e-5, r
+    assert rel(rows[0, -1], rows[1, -1]) > MATTERS
+    out = model.generate(queries, past_states=[states[:2], states[1:]], composition="caso", max_new_tokens=3,
+                         do_sample=False)
+    assert out.shape == (2, 6)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
@@ -285,9 +324,7 @@ def test_caso_is_the_concatenation_without_feedback_and_not_with_it():
             torch.testing.assert_close(caso.ssm_states[0], whole.ssm_states[0], rtol=1e-5, atol=1e-6)
             expected = model(torch.cat([c1, c2, query], 1)).logits[:, -3:]
             assert rel(model(query, past_states=[s1, s2], composition="caso").logits, expected) < 1e-4
-    print(f"CASO vs concat, relative state difference: input gate {differences['input']:.2e}, "
-          f"state feedback gate {differences['state']:.2e}")
-    assert differences["input"] < 1e-5 and differences["state"] > 1e-3
+    assert differences["input"] < 1e-5 and differences["state"] > 1e-3, differences  # CASO vs concat, relative
 
 
 @torch.no_grad()

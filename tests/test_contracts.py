@@ -2,10 +2,14 @@
 implementations fail: ΣΔ of a convex combination is the same combination (not a sum), ΣΔ accumulates over
 forwards, generate's in-place batch operations carry ΣΔ and token counts, nested compositions agree with
 one flat composition where the algebra says so, and the model-based baselines refuse foreign states."""
+import importlib.util
+
 import pytest
 import torch
 
 from hf_statecompose import ComposableMambaCache, StateComposer
+from hf_statecompose.ops import backends
+from hf_statecompose.ops.compose import native as compose_native
 
 from helpers import random_ids, tiny_model
 
@@ -29,15 +33,39 @@ def _assert_states_close(actual, expected, rtol=1e-5, atol=1e-6, conv_exact=Fals
 
 
 # ------------------------------------------------------------------ ΣΔ of each method
-def test_delta_sum_of_each_method(model):
+def _composition_paths():
+    """Every path StateComposer can take on this machine: the native C kernel (all layers in one pass), the
+    blockwise torch path with native kernels off, and Triton (its CPU interpreter without a GPU, see
+    conftest.py) where it is installed."""
+    paths = [pytest.param("native", marks=pytest.mark.skipif(not compose_native.available(),
+                                                             reason="no C compiler for the native kernel")),
+             "torch"]
+    if importlib.util.find_spec("triton") is not None:
+        paths.append("triton")
+    return paths
+
+
+@pytest.mark.parametrize("path", _composition_paths())
+def test_delta_sum_of_each_method(model, path, monkeypatch):
     """soup / weighted are convex combinations: their ΣΔ is the same combination of the inputs' ΣΔ (a sum
-    would claim a context n times as long). The order-based methods stand for a concatenation: the total."""
+    would claim a context n times as long). The order-based methods stand for a concatenation: the total.
+    On every composition path, each checked to be the one that ran."""
     states = _encode_all(model, (5, 9, 3), batch=2)
+    if path == "triton" and torch.cuda.is_available():  # compiled kernels (the interpreter runs CPU tensors)
+        states = [s.to("cuda") for s in states]
+    ran = []
+    if path == "native":
+        monkeypatch.setattr(compose_native, "compose_native", _spy(compose_native.compose_native, ran))
+    else:
+        monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "0")  # the native kernel would take precedence
+        for name, runs_on in (("compose_ssm_torch", "torch"), ("_triton_op", "triton")):
+            monkeypatch.setattr(backends, name, _spy(getattr(backends, name), ran if path == runs_on else []))
+    backend = "triton" if path == "triton" else "torch"
     w = [0.5, 0.3, 0.2]
-    soup = StateComposer("soup").compose(states)
-    weighted = StateComposer("weighted", weights=w).compose(states)
+    soup = StateComposer("soup", backend=backend).compose(states)
+    weighted = StateComposer("weighted", weights=w, backend=backend).compose(states)
     for method in ("caso", "picaso_s", "picaso_r"):
-        total = StateComposer(method).compose(states)
+        total = StateComposer(method, backend=backend).compose(states)
         for i in range(model.config.num_hidden_layers):
             torch.testing.assert_close(total.delta_sums[i], sum(s.delta_sums[i] for s in states))
         assert total.num_tokens.tolist() == [17, 17]
@@ -46,6 +74,15 @@ def test_delta_sum_of_each_method(model):
         torch.testing.assert_close(weighted.delta_sums[i], sum(wk * s.delta_sums[i] for wk, s in zip(w, states)))
         # and visibly not the total: every ΣΔ is positive, so the mean is strictly below the sum
         assert (soup.delta_sums[i] < sum(s.delta_sums[i] for s in states)).all()
+    # the path under test composed every one of the 5 methods (native: once for all layers; else per layer)
+    assert len(ran) == 5 * (1 if path == "native" else model.config.num_hidden_layers), path
+
+
+def _spy(function, calls):
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+    return spy
 
 
 # ------------------------------------------------------------------ forwards accumulate the state
