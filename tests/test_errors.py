@@ -144,7 +144,7 @@ def test_bad_weights_and_methods(model, state):
 def test_bad_generate_arguments(model, state):
     with pytest.raises(ValueError, match="unknown composition method 'mean'; choose one of soup, weighted, caso"):
         _generate(model, [state], composition="mean")
-    with pytest.raises(ValueError, match="pass either past_states or cache_params, not both"):
+    with pytest.raises(ValueError, match=r"pass either past_states or a cache \(cache / cache_params\), not both"):
         _generate(model, [state], cache_params=state.clone())
 
 
@@ -162,7 +162,7 @@ def test_bad_encode_input(model):
 
 def test_other_architectures_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(TypeError, match=r"supports transformers' Mamba and Mamba-2 models .*got model_type 'gpt2'"):
+    with pytest.raises(TypeError, match=r"supports transformers' Mamba, Mamba-2 and FalconMamba models .*got model_type 'gpt2'"):
         hsc.enable(gpt2)
 
 
