@@ -36,11 +36,11 @@ def test_a_0_1_0_state_file_loads_and_equals_a_fresh_encoding(arch):
     assert torch.equal(loaded.token_ids, fresh.token_ids)
     for i in range(fresh.num_layers):
         for name in ("ssm_states", "conv_states", "delta_sums", "A"):
-            torch.testing.assert_close(getattr(loaded, name)[i], getattr(fresh, name)[i], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(getattr(loaded, name)[i], getattr(fresh, name)[i], rtol=1e-5, atol=1e-6)
     if arch == "serpent_mamba":
         for name in ("clocks", "window_inputs", "window_times", "window_valid", "last_outputs"):
             for v in range(fresh.num_layers):
-                torch.testing.assert_close(getattr(loaded, name)[v], getattr(fresh, name)[v], rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(getattr(loaded, name)[v], getattr(fresh, name)[v], rtol=1e-5, atol=1e-6)
     # and it generates as the fresh one does
     query = torch.tensor([[5, 6, 7]])
     torch.testing.assert_close(model(query, past_states=[loaded]).logits, model(query, past_states=[fresh]).logits)
