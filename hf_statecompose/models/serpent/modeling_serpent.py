@@ -317,7 +317,8 @@ class SeRpEntMambaBlock(nn.Module):
 @compat.cache_output
 class SeRpEntMambaOutput(ModelOutput):
     """Output of :class:`SeRpEntMambaModel`: the final hidden states (after the last norm), the cache
-    (when ``use_cache``) and, on request, the hidden states after the embeddings' every layer."""
+    (when ``use_cache``) and, on request, the hidden states (as Mamba's: the embeddings, each later layer's input and the
+    final output: ``num_hidden_layers + 1``)."""
 
     last_hidden_state: torch.Tensor | None = None
     cache: ComposableSeRpEntCache | None = None
@@ -430,12 +431,14 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
         else:
             real = torch.ones((batch, length), dtype=torch.bool, device=inputs_embeds.device)
 
+        # as transformers' MambaModel: each layer's input (the embeddings first), then the final output (after the
+        # last norm): num_hidden_layers + 1 tensors
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None
         for block in self.layers:
-            hidden_states = block(hidden_states, cache, real)
             if output_hidden_states:
                 all_hidden_states = all_hidden_states + (hidden_states,)
+            hidden_states = block(hidden_states, cache, real)
         cache.add_tokens(real.sum(-1))
         hidden_states = self.norm_f(hidden_states)
         if output_hidden_states:

@@ -1,0 +1,93 @@
+"""transformers' own Mamba, Mamba-2 and FalconMamba test modules give the same outcomes with every model they
+build ``hf_statecompose.enable``d (``enable_plugin.py``) as without: same tests passed, failed and skipped.
+
+Both runs are pytest subprocesses on ``$HSC_TRANSFORMERS_TESTS/models/<model>/test_modeling_<model>.py`` (see
+``transformers_testsuite.py``), each reporting its outcomes as JUnit XML. A test that fails stock must fail
+enabled too (it is not hidden), and one that passes stock must pass enabled.
+"""
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from transformers_testsuite import COMMON_FILES, MODEL_SUITE_FILES, missing_reason, transformers_tests_dir
+
+MODULES = (
+    "models/mamba/test_modeling_mamba.py",
+    "models/mamba2/test_modeling_mamba2.py",
+    "models/falcon_mamba/test_modeling_falcon_mamba.py",
+)
+TESTS_DIR = Path(__file__).resolve().parent
+
+_reason = missing_reason(*COMMON_FILES, *MODEL_SUITE_FILES, *MODULES)
+if _reason:
+    pytest.skip(_reason, allow_module_level=True)
+
+
+def outcomes(junit_xml: Path) -> dict[str, list[str]]:
+    """test id -> its outcomes (one, or one per failed subtest plus the test's own)."""
+    found = defaultdict(list)
+    for case in ElementTree.parse(junit_xml).getroot().iter("testcase"):
+        tags = {child.tag for child in case}
+        outcome = next((tag for tag in ("error", "failure", "skipped") if tag in tags), "passed")
+        found[f"{case.get('classname')}::{case.get('name')}"].append(outcome)
+    return {test_id: sorted(found_outcomes) for test_id, found_outcomes in found.items()}
+
+
+def start_suite(tmp_path: Path, enabled: bool) -> subprocess.Popen:
+    """Start transformers' test modules (stock, or with every model enabled) in a pytest subprocess."""
+    mode = "enabled" if enabled else "stock"
+    folder = transformers_tests_dir()
+    env = {
+        **os.environ,
+        # enable_plugin.py is imported from this folder, hf_statecompose as the outer run imports it
+        "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(TESTS_DIR.parent), os.environ.get("PYTHONPATH", "")]),
+        "HSC_ENABLED_COUNT_FILE": str(tmp_path / f"{mode}.count"),
+        "HF_HUB_OFFLINE": "1",
+        # the two runs go side by side, one thread each (tiny models: threads buy little)
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+        *(["-p", "enable_plugin"] if enabled else []),
+        f"--junitxml={tmp_path / f'{mode}.xml'}", "-o", "junit_family=xunit2",
+        *(str(folder / module) for module in MODULES),
+    ]
+    log = open(tmp_path / f"{mode}.log", "w")
+    return subprocess.Popen(command, cwd=folder.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish_suite(tmp_path: Path, run: subprocess.Popen, enabled: bool) -> tuple[dict[str, list[str]], int]:
+    """The outcomes of a run started by :func:`start_suite` and how many models its plugin enabled."""
+    mode = "enabled" if enabled else "stock"
+    try:
+        returncode = run.wait(timeout=900)
+    finally:
+        run.kill()
+    # 0: all passed, 1: some failed (stock transformers has failing tests too); anything else: the run broke
+    log = (tmp_path / f"{mode}.log").read_text()
+    assert returncode in (0, 1), f"{mode} run exited {returncode}:\n{log[-6000:]}"
+    count_file = tmp_path / f"{mode}.count"
+    enabled_models = int(count_file.read_text()) if count_file.exists() else 0
+    return outcomes(tmp_path / f"{mode}.xml"), enabled_models
+
+
+def test_transformers_suites_same_outcomes_enabled(tmp_path):
+    runs = {enabled: start_suite(tmp_path, enabled) for enabled in (False, True)}
+    stock, stock_enabled = finish_suite(tmp_path, runs[False], enabled=False)
+    enabled, enabled_models = finish_suite(tmp_path, runs[True], enabled=True)
+
+    assert stock_enabled == 0
+    assert enabled_models > 0, "the plugin enabled no model: the enabled run tested stock models"
+    passed = sum(found.count("passed") for found in stock.values())
+    assert passed >= 50, f"only {passed} of transformers' tests passed stock: the suites did not run"
+    differences = [
+        f"{test_id}: stock {stock.get(test_id)}, enabled {enabled.get(test_id)}"
+        for test_id in sorted(set(stock) | set(enabled))
+        if stock.get(test_id) != enabled.get(test_id)
+    ]
+    assert not differences, "outcomes differ with hsc.enable:\n" + "\n".join(differences)
