@@ -80,7 +80,9 @@ def _install(session: nox.Session, *resolution: str) -> None:
     # pip, not uv, installs torch: it reads the machine's pip configuration (the local CPU wheel)
     session.run("python", "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "torch", silent=True)
     torch = _versions(session, ["torch"])["torch"]
-    pin = Path(session.create_tmp()) / "torch-pin.txt"
+    # in the venv folder, not session.create_tmp(): that points TMPDIR into the venv, where Ray refuses
+    # its temp dir ("temp_dir must not be child directory of virtualenv root") and its workers die
+    pin = Path(session.virtualenv.location) / "torch-pin.txt"
     pin.write_text(f"torch=={torch}\n")
     session.install(*resolution, "-c", str(CONSTRAINTS), "-c", str(pin), "-e", f".[{TESTED_EXTRAS}]")
 
