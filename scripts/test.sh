@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Fresh machine -> installed package -> the whole test suite, offline (CPU; ~5 min on 2 cores).
+# Fresh machine -> the whole test suite, offline on CPU, twice, each time in a virtual environment built
+# afresh (noxfile.py): tests-lowest on the lowest versions pyproject.toml allows (transformers 5.23.x),
+# tests-newest on the newest (transformers 5.24.x). Arguments go to pytest in both sessions, e.g.
+#   bash scripts/test.sh -k compose -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q torch==2.13.0
-python -m pip install -q -c constraints.txt -e ".[dev]"
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# the layers contract (.importlinter): each module imports only the layers below it
-lint-imports
-python -m pytest -q tests "$@"
+python -c "import nox, uv" 2>/dev/null || python -m pip install -q nox uv
+exec python -m nox -- "$@"

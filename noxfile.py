@@ -1,0 +1,166 @@
+"""The test sessions behind `bash scripts/test.sh`: each run builds fresh virtual environments, so a
+green run never rests on packages left over from an earlier one.
+
+    python -m nox                          # both sessions, the whole suite in each
+    python -m nox -s tests-lowest          # one session
+    python -m nox -- -k compose -x         # arguments after `--` go to pytest, in every session
+
+tests-lowest installs the lowest version that pyproject.toml allows of every direct dependency (uv's
+lowest-direct resolution: transformers 5.23.x) and checks that each one really is at its declared lower
+bound; tests-newest installs the newest allowed (transformers 5.24.x). Both run `lint-imports`, then
+pytest on the whole suite, offline on CPU.
+
+torch comes first, from the venv's own pip: pip reads the machine's pip configuration (here a local
+CPU wheel in /opt/wheels) and the pin in constraints.txt. uv then installs everything else with torch
+pinned to the exact build that pip installed (e.g. 2.13.0+cpu), so uv never resolves torch from an
+index (where torch==2.13.0 is the CUDA build with GBs of nvidia wheels). uv's wheel cache (~/.cache/uv)
+is kept between runs; the environments are not.
+
+Each session also fetches the source distribution of the transformers version it installed (cached in
+~/.cache/hf_statecompose/transformers-src/<version>/) and exports HSC_TRANSFORMERS_TESTS, the sdist's
+tests folder, for tests that reuse transformers' own test mixins; it is left unset, with a message, when
+that folder lacks any of TRANSFORMERS_TEST_FILES (tests that need it then skip with a reason). The sdist
+holds only the top-level test files: ModelTesterMixin runs from it; the generation mixin and transformers'
+Mamba suites need the repository's tree at the release tag (not reachable from these machines).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import tomllib
+from pathlib import Path
+
+import nox
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent
+CONSTRAINTS = ROOT / "constraints.txt"
+# the extras a test run installs (`cuda` is CUDA-only source builds, never installed on CPU)
+TESTED_EXTRAS = "dev"
+# what the tests importing transformers' own test mixins need from its source tree: the sdist has
+# test_modeling_common.py (ModelTesterMixin, which tests/test_transformers_common.py runs); the rest of the tree
+# (generation/, models/) is not in the sdist, so the generation mixin and transformers' Mamba suites skip, naming it
+TRANSFORMERS_TEST_FILES = ("test_modeling_common.py",)
+FULL_TREE_FILES = ("generation/test_utils.py", "models/mamba/test_modeling_mamba.py")
+SOURCE_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_statecompose" / "transformers-src"
+TEST_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_venv = "no"  # a fresh venv every run (the default, stated; `-r` would reuse)
+nox.options.sessions = ["tests-lowest", "tests-newest"]
+
+
+@nox.session(name="tests-lowest", venv_params=["--seed"])
+def tests_lowest(session: nox.Session) -> None:
+    """Every direct dependency at its declared lower bound (transformers 5.23.x); the whole suite."""
+    _install(session, "--resolution", "lowest-direct")
+    versions = _direct_versions(session)
+    wrong = {name: (installed, lower) for name, (installed, lower) in versions.items()
+             if lower is not None and Version(Version(installed).public) != Version(lower)}
+    if wrong:
+        lines = ", ".join(f"{name} {installed} (declared >={lower})" for name, (installed, lower) in wrong.items())
+        session.error(f"the lowest resolution did not install the declared lower bounds: {lines}; raise each "
+                      "bound in pyproject.toml to the version that gets installed, so that it is the one tested")
+    _test(session)
+
+
+@nox.session(name="tests-newest", venv_params=["--seed"])
+def tests_newest(session: nox.Session) -> None:
+    """The newest versions pyproject.toml allows (transformers 5.24.x); the whole suite."""
+    _install(session, "--upgrade")
+    _direct_versions(session)
+    _test(session)
+
+
+def _install(session: nox.Session, *resolution: str) -> None:
+    # pip, not uv, installs torch: it reads the machine's pip configuration (the local CPU wheel)
+    session.run("python", "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "torch", silent=True)
+    torch = _versions(session, ["torch"])["torch"]
+    # in the venv folder, not session.create_tmp(): that points TMPDIR into the venv, where Ray refuses
+    # its temp dir ("temp_dir must not be child directory of virtualenv root") and its workers die
+    pin = Path(session.virtualenv.location) / "torch-pin.txt"
+    pin.write_text(f"torch=={torch}\n")
+    session.install(*resolution, "-c", str(CONSTRAINTS), "-c", str(pin), "-e", f".[{TESTED_EXTRAS}]")
+
+
+def _test(session: nox.Session) -> None:
+    session.env.update(TEST_ENV)
+    transformers = _versions(session, ["transformers"])["transformers"]
+    tests = _transformers_tests(session, transformers)
+    if tests is not None:
+        session.env["HSC_TRANSFORMERS_TESTS"] = str(tests)
+    # the layers contract (.importlinter): each module imports only the layers below it
+    session.run("lint-imports")
+    session.run("python", "-c", "import transformers; print('transformers', transformers.__version__)")
+    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs)
+
+
+def _requirements() -> list[Requirement]:
+    """The direct dependencies a test run installs: the core ones and those of TESTED_EXTRAS, followed
+    through self-references such as hf_statecompose[retrieval,recipes]."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras, todo, found = set(), [TESTED_EXTRAS], [Requirement(r) for r in project["dependencies"]]
+    while todo:
+        extra = todo.pop()
+        if extra in extras:
+            continue
+        extras.add(extra)
+        for text in project["optional-dependencies"][extra]:
+            requirement = Requirement(text)
+            if requirement.name.replace("_", "-") == project["name"].replace("_", "-"):
+                todo.extend(sorted(requirement.extras))
+            elif requirement.marker is None or requirement.marker.evaluate(default_environment()):
+                found.append(requirement)
+    return found
+
+
+def _direct_versions(session: nox.Session) -> dict[str, tuple[str, str | None]]:
+    """Print and return {name: (installed version, declared lower bound or None)}."""
+    requirements = _requirements()
+    installed = _versions(session, [r.name for r in requirements])
+    result = {}
+    for requirement in requirements:
+        lower = [s.version for s in requirement.specifier if s.operator == ">="]
+        result[requirement.name] = (installed[requirement.name], lower[0] if lower else None)
+    session.log("direct dependencies: " + ", ".join(f"{name} {v}" for name, (v, _) in result.items()))
+    return result
+
+
+def _versions(session: nox.Session, names: list[str]) -> dict[str, str]:
+    code = ("import importlib.metadata as m, json, sys; "
+            "print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))")
+    out = session.run("python", "-c", code, *names, silent=True)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _transformers_tests(session: nox.Session, version: str) -> Path | None:
+    """transformers' sdist for `version`, downloaded once and extracted under SOURCE_CACHE; its tests
+    folder when that holds TRANSFORMERS_TEST_FILES, else None (and a message naming what is missing)."""
+    folder = SOURCE_CACHE / version
+    source = folder / f"transformers-{version}"
+    if not source.is_dir():
+        folder.mkdir(parents=True, exist_ok=True)
+        session.run("python", "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
+                    "-d", str(folder), f"transformers=={version}", silent=True)
+        # extract beside, then rename: an interrupted run leaves no half tree that looks complete
+        scratch = Path(tempfile.mkdtemp(dir=folder))
+        with tarfile.open(folder / f"transformers-{version}.tar.gz") as archive:
+            archive.extractall(scratch, filter="data")
+        (scratch / source.name).rename(source)
+        shutil.rmtree(scratch)
+    tests = source / "tests"
+    partial = [name for name in FULL_TREE_FILES if not (tests / name).is_file()]
+    if partial:
+        session.log(f"transformers {version}'s sdist lacks {', '.join('tests/' + m for m in partial)}: "
+                    "transformers' model mixin runs, its generation mixin and Mamba suites skip")
+    missing = [name for name in TRANSFORMERS_TEST_FILES if not (tests / name).is_file()]
+    if missing:
+        session.warn(f"transformers {version}'s sdist ({tests}) lacks {', '.join('tests/' + m for m in missing)}: "
+                     "HSC_TRANSFORMERS_TESTS stays unset and the tests that need it skip")
+        return None
+    return tests
