@@ -169,8 +169,8 @@ class CoffeeBlock(nn.Module):
 @compat.cache_output
 class CoffeeOutput(ModelOutput):
     """Output of :class:`CoffeeModel`: the final hidden states (``"lm"``: after the last norm; ``"core"``: the
-    mixer's outputs), the cache (when ``use_cache``) and, on request, the hidden states after the embeddings
-    and every layer."""
+    mixer's outputs), the cache (when ``use_cache``) and, on request, ``num_hidden_layers + 1`` hidden states
+    as transformers' ``MambaModel`` gives them: each layer's output, then the final hidden state."""
 
     last_hidden_state: torch.Tensor | None = None
     cache: ComposableMambaCache | None = None
@@ -320,8 +320,10 @@ class CoffeeModel(CoffeePreTrainedModel):
             mask = attention_mask[:, -length:].to(device=inputs_embeds.device)
             mask = None if bool((mask != 0).all()) else (mask != 0).to(inputs_embeds.dtype)
 
+        # hidden_states as transformers' MambaModel returns them: each layer's output, then the final hidden
+        # state (num_hidden_layers + 1 tensors, the last one is last_hidden_state; the embeddings are not in it)
         hidden_states = inputs_embeds
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_hidden_states = () if output_hidden_states else None
         for block in self.layers:
             hidden_states = block(hidden_states, cache, mask)
             if output_hidden_states:
@@ -331,8 +333,8 @@ class CoffeeModel(CoffeePreTrainedModel):
             cache.add_tokens(count)
         if self.norm_f is not None:
             hidden_states = self.norm_f(hidden_states)
-            if output_hidden_states:
-                all_hidden_states = all_hidden_states + (hidden_states,)
+        if output_hidden_states:  # "core" has no final norm: its final hidden state is the last layer's output
+            all_hidden_states = all_hidden_states + (hidden_states,)
 
         returned_cache = cache if use_cache else None
         if not return_dict:
