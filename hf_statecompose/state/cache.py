@@ -27,7 +27,7 @@ import torch
 
 from .. import compat
 from .architectures import architecture
-from .fingerprint import architecture_of, base_model_of, model_fingerprint
+from .fingerprint import architecture_of, base_model_of, new_state_fingerprint
 from .layers import ComposableSSMLayer, layer_attribute
 
 
@@ -76,8 +76,9 @@ class ComposableMambaCache(compat.DynamicCache):
         gives the cache class of the model's architecture (a :class:`ComposableSeRpEntCache` for a SeRpEnt
         model, with the same public contract)."""
         name = architecture_of(model)
-        target = architecture(name).cache_class()
-        if target is not cls:
+        layout = architecture(name)
+        if not layout.is_cache_class(cls):
+            target = layout.cache_class()
             if not issubclass(target, cls):
                 raise TypeError(f"{cls.__name__} cannot hold the states of a {name!r} model; use {target.__name__}")
             return target.empty_for(model)
@@ -91,7 +92,7 @@ class ComposableMambaCache(compat.DynamicCache):
         return cls(
             model.config,
             architecture=name,
-            fingerprint=model_fingerprint(model),
+            fingerprint=new_state_fingerprint(model),
             model_dtype=parameter.dtype,
             model_info=info,
         )

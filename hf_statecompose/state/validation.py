@@ -288,7 +288,7 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
     ``A`` is the model's ``-exp(A_log)`` (to :data:`A_RTOL`). ``fingerprint`` is ``model_fingerprint(model)``
     (passed in so that checking many states hashes the model once). The extra tensors of the architecture
     (SeRpEnt's resampling state) are checked too (:func:`check_extras`)."""
-    from .fingerprint import architecture_of
+    from .fingerprint import TRACED_FINGERPRINT, architecture_of
 
     model_architecture = architecture_of(model)
     if state.architecture != model_architecture:
@@ -320,6 +320,11 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
                     f"{where} layer {i} {name} has per-row shape {tuple(tensor.shape[1:])}, this model expects {shape}; "
                     "the state belongs to another model: re-encode the contexts with this model"
                 )
+    if state.fingerprint == TRACED_FINGERPRINT:
+        raise ValueError(
+            f"{where} was made inside torch.compile / torch.export, where the weights cannot be read, so it names "
+            "no model; encode the contexts eagerly (hsc.encode(model, ids)) to use them as past_states"
+        )
     if state.fingerprint != fingerprint:
         raise ValueError(
             f"{where} was encoded by {_describe(state)}, but this model has fingerprint {fingerprint[:12]} "

@@ -318,7 +318,10 @@ class CoffeeModel(CoffeePreTrainedModel):
         mask = None
         if attention_mask is not None and attention_mask.dim() == 2:
             mask = attention_mask[:, -length:].to(device=inputs_embeds.device)
-            mask = None if bool((mask != 0).all()) else (mask != 0).to(inputs_embeds.dtype)
+            # an all-ones mask runs as no mask (the mixer's unmasked path); a traced graph keeps it (no branch
+            # on the data, so torch.compile / torch.export see one graph)
+            keep = compat.is_tracing(inputs_embeds) or not bool((mask != 0).all())
+            mask = (mask != 0).to(inputs_embeds.dtype) if keep else None
 
         # hidden_states as transformers' MambaModel returns them: each layer's output, then the final hidden
         # state (num_hidden_layers + 1 tensors, the last one is last_hidden_state; the embeddings are not in it)
