@@ -3,13 +3,19 @@
 Stock transformers 5.23 runs its full-sequence scan from a zero state, so a multi-token input after a
 cached state silently ignores the SSM state. This forward continues from the cached state for any
 input length, keeps left padding inert (Δ = 0 and the conv window continued per row) and accumulates
-ΣΔ. It computes Δ exactly as the mixer does: ``softplus(dt_proj(x) + bias)``.
+ΣΔ. It computes Δ exactly as the mixer does: ``softplus(dt_proj(x) + bias)``; an adapter on ``dt_proj`` (PEFT's
+LoRA) takes part and trains (:func:`time_step_projection`).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
+from torch import nn
 
 from ..ops import backends
+
+_warned_adapted_dt_proj = False
 
 
 def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.Tensor | None):
@@ -20,6 +26,8 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     layer = cache.layers[layer_idx]
     has_state = layer.filled
     backend = getattr(mixer, "_hsc_backend", "auto")
+    if not _is_plain_linear(mixer.dt_proj):
+        _warn_adapted_dt_proj(mixer.dt_proj)
     if mask is not None:
         hidden_states = hidden_states * mask[:, :, None].to(dtype)
 
@@ -57,7 +65,7 @@ def selective_ssm(mixer, x: torch.Tensor, gate: torch.Tensor, initial_state, mas
         # FalconMamba: weightless RMS norms on the time step, B and C (as its mixer applies them)
         time_step, B, C = mixer.dt_layernorm(time_step), mixer.b_layernorm(B), mixer.c_layernorm(C)
     # tokens-first [B, T, D] seen as [B, D, T]; the bias is added in the scan
-    dt = torch.nn.functional.linear(time_step, mixer.dt_proj.weight).transpose(1, 2)
+    dt = time_step_projection(mixer.dt_proj, time_step).transpose(1, 2)
     A = -torch.exp(mixer.A_log.float())  # [D, N]
     y, ssm_state, delta_sum = backends.selective_scan(
         x,
@@ -74,3 +82,37 @@ def selective_ssm(mixer, x: torch.Tensor, gate: torch.Tensor, initial_state, mas
         backend=backend,
     )
     return y, ssm_state, delta_sum, A
+
+
+def time_step_projection(dt_proj: nn.Module, time_step: torch.Tensor) -> torch.Tensor:
+    """``dt_proj(time_step)`` without its bias, ``[B, T, R] -> [B, T, D]``: the scan adds the bias (in float32, as
+    the mixer's kernels do). A plain ``nn.Linear`` is read as its weight. Any other module (PEFT's LoRA ``Linear``
+    wrapping the projection, a module with hooks) is *called*, so that what it adds to its base projection (LoRA's
+    ``B A x · scaling``) takes part in Δ and trains: Δ gets ``module(x) - linear(x, weight, bias)`` added, which is
+    exactly zero where the adapter adds zero (a fresh LoRA, ``B = 0``, gives the base model's results bit for bit)."""
+    dt = torch.nn.functional.linear(time_step, dt_proj.weight)
+    if _is_plain_linear(dt_proj):
+        return dt
+    base = torch.nn.functional.linear(time_step, dt_proj.weight, dt_proj.bias)
+    return dt + (dt_proj(time_step) - base)
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _warn_adapted_dt_proj(dt_proj: nn.Module) -> None:
+    """Once per process: transformers' own Mamba-1 / FalconMamba forward (a call without states) reads
+    ``dt_proj.weight`` and so ignores an adapter on ``dt_proj``, which this path applies."""
+    global _warned_adapted_dt_proj
+    if _warned_adapted_dt_proj:
+        return
+    _warned_adapted_dt_proj = True
+    warnings.warn(
+        f"dt_proj is wrapped ({type(dt_proj).__name__}, e.g. LoRA): hf_statecompose's state path (encode, "
+        "past_states) applies the adapter and trains it, but transformers' own Mamba forward (calls without "
+        "states) reads dt_proj.weight and ignores it, so the two disagree; merge the adapter "
+        "(peft: merge_and_unload()) for plain inference, or target x_proj / in_proj for identical results",
+        UserWarning,
+        stacklevel=3,
+    )
