@@ -33,7 +33,7 @@ from ..composition.composer import StateComposer
 from ..models import disable_state_path, enable_state_path, get_backend, set_backend, using_backend  # noqa: F401
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, base_model_of, model_fingerprint
-from ..state.validation import check_against_model, check_is_state, check_left_padded_mask
+from ..state.validation import check_against_model, check_is_state, check_left_padded_mask, pad_runs
 
 _ENABLED_CLASSES: dict[type, type] = {}
 
@@ -306,7 +306,10 @@ def _check_inferred_mask(named: dict, config) -> None:
         return
     pad = named.get("pad_token_id", getattr(config, "pad_token_id", None))
     eos = named.get("eos_token_id", getattr(config, "eos_token_id", None))
-    if pad is None or (pad in eos if isinstance(eos, (list, tuple)) else pad == eos):
+    if pad is None or not torch.is_tensor(ids) or ids.dim() != 2:
+        return
+    if pad in eos if isinstance(eos, (list, tuple)) else pad == eos:
+        _check_padding_shared_with_eos(ids, int(pad))
         return
     inferred = ids.ne(int(pad))
     if bool(inferred.all()):
@@ -318,6 +321,30 @@ def _check_inferred_mask(named: dict, config) -> None:
             f"{error} (no attention_mask was given, so generate takes the query's pad_token_id {int(pad)} for padding; "
             "pass attention_mask explicitly)"
         ) from None
+
+
+def _check_padding_shared_with_eos(ids: torch.Tensor, pad: int) -> None:
+    """When pad is also eos, stock ``generate`` infers no mask and runs every token: padding would go through the
+    composed state as if it were query. A row that ends with pad / eos after its tokens is right padded (or
+    asks to continue after an eos); rows that start with different numbers of it are left padded. Refuse both:
+    only a mask says which tokens are padding."""
+    leading, trailing = pad_runs(ids, pad)
+    length = ids.shape[1]
+    ends = (trailing > 0) & (trailing < length)
+    if bool(ends.any()):
+        row = int(ends.nonzero()[0, 0])
+        raise ValueError(
+            f"query row {row} ends with token {pad}, which is both pad_token_id and eos_token_id, and no "
+            "attention_mask was given: generate cannot tell right padding from an eos, and would run it after the "
+            "state as query. Pass attention_mask (left padded: tokenizer.padding_side = 'left'), or drop the "
+            "trailing token"
+        )
+    if int(leading.min()) != int(leading.max()):
+        raise ValueError(
+            f"the query looks left padded (rows start with {int(leading.min())} to {int(leading.max())} of token "
+            f"{pad}, which is both pad_token_id and eos_token_id) and no attention_mask was given: generate infers "
+            "no mask when pad is eos, so the padding would run after the state as query. Pass attention_mask"
+        )
 
 
 def _refuse_layer_checkpointing(model):

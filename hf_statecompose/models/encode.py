@@ -6,7 +6,7 @@ import torch
 from .. import compat
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import base_model_of
-from ..state.validation import check_left_padded_mask
+from ..state.validation import check_left_padded_mask, check_unmasked_context_padding
 from .mixers import enable_state_path, using_backend
 
 
@@ -28,6 +28,8 @@ def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | No
             raise ValueError(f"input_ids must be a non-empty [B, T] tensor of token ids, got shape {tuple(input_ids.shape)}")
         if attention_mask is not None:
             attention_mask = check_left_padded_mask(attention_mask, input_ids)
+        else:
+            check_unmasked_context_padding(input_ids, model.config)
         cache = ComposableMambaCache.empty_for(model)
         backbone = base_model_of(model)
         device = next(backbone.parameters()).device
