@@ -1,10 +1,12 @@
 """Input checks at the boundary: contexts and queries whose padding cannot be told from tokens without a mask are
-refused (never a silently wrong state)."""
+refused (never a silently wrong state); tokenizer outputs are taken whole; bad ids, types and shapes are refused
+with one clear error; never-enabled SeRpEnt / COFFEE refuse past_states in generate as stock Mamba does."""
 import pytest
 import torch
+from transformers import BatchEncoding
 
 import hf_statecompose as hsc
-from helpers import random_ids, tiny_model
+from helpers import VOCAB, random_ids, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +105,90 @@ def test_generate_keeps_legitimate_queries_when_pad_is_eos(shared_pad_model):
     bos_only = torch.zeros(1, 1, dtype=torch.long)  # a query of just the bos / eos token (= pad)
     out = model.generate(bos_only, past_states=[state], max_new_tokens=2, min_new_tokens=2, do_sample=False)
     assert out.shape == (1, 3)
+
+
+# ------------------------------------------------------------------------------------------ encode: what it takes
+def test_encode_takes_a_tokenizer_output_with_its_mask(model):
+    ids, mask = left_padded([random_ids(6)[0], random_ids(3)[0]])
+    expected = hsc.encode(model, ids, attention_mask=mask)
+    batch = BatchEncoding({"input_ids": ids, "attention_mask": mask})
+    for state in (hsc.encode(model, batch), hsc.encode(model, **batch), hsc.encode(model, dict(batch))):
+        assert same_state(state, expected) and torch.equal(state.token_ids, expected.token_ids)
+    with pytest.raises(ValueError, match="attention_mask came twice"):
+        hsc.encode(model, batch, attention_mask=mask)
+    with pytest.raises(TypeError, match=r"without 'input_ids'"):
+        hsc.encode(model, {"attention_mask": mask})
+    with pytest.raises(TypeError, match=r"got list \(return_tensors='pt' makes the tokenizer give tensors\)"):
+        hsc.encode(model, BatchEncoding({"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]}))
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ("Velmo founded 1880.", TypeError, r"got str; tokenize first: hsc\.encode\(model, tok\(texts, return_tensors='pt'\)\)"),
+    ([[5, 6, 7]], TypeError, r"got list \(return_tensors='pt'"),
+    (None, TypeError, r"got NoneType; tokenize first"),
+    (torch.tensor([[5.0, 6.0]]), TypeError, r"integer token ids \(torch\.long\), got a torch\.float32 tensor"),
+    (torch.tensor([[5, -1, 6]]), ValueError, r"id -1, outside the model's vocabulary \[0, 99\)"),
+    (torch.tensor([[5, VOCAB, 6]]), ValueError, r"id 99, outside the model's vocabulary \[0, 99\)"),
+    (torch.zeros((0, 4), dtype=torch.long), ValueError, r"no rows \(shape \(0, 4\)\): pass at least one context"),
+])
+def test_encode_refuses_what_is_not_token_ids(model, bad, error, match):
+    with pytest.raises(error, match=match):
+        hsc.encode(model, bad)
+    with pytest.raises(error, match=match):
+        hsc.ComposableMambaCache.encode(model, bad)
+
+
+# ------------------------------------------------------------------------------------------ never-enabled own models
+def _serpent():
+    torch.manual_seed(0)
+    config = hsc.SeRpEntMambaConfig(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=1, state_size=4,
+                                    resample_window=2, num_gaussians=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return hsc.SeRpEntMambaForCausalLM(config).eval()
+
+
+def _coffee():
+    torch.manual_seed(0)
+    config = hsc.CoffeeConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, state_size=4, pad_token_id=0,
+                              eos_token_id=1, bos_token_id=2)
+    return hsc.CoffeeForCausalLM(config).eval()
+
+
+def _stock_refusal(method):
+    """The message a never-enabled stock Mamba gives, with its class name."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    stock = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1)).eval()
+    state = hsc.encode(tiny_model("mamba"), random_ids(3))
+    with pytest.raises(ValueError) as caught:
+        getattr(stock, method)(random_ids(2), past_states=[state], **({"max_new_tokens": 1} if method == "generate" else {}))
+    return str(caught.value).replace("MambaForCausalLM", "{cls}")
+
+
+@pytest.mark.parametrize("make", [_serpent, _coffee], ids=["serpent", "coffee"])
+@pytest.mark.parametrize("method", ["generate", "forward"])
+def test_never_enabled_own_models_refuse_past_states_as_stock_mamba_does(make, method):
+    model = make()
+    state = hsc.encode(model, random_ids(4))
+    assert not hsc.is_enabled(model)
+    kwargs = {"max_new_tokens": 1, "do_sample": False} if method == "generate" else {}
+    with pytest.raises(ValueError, match=r"past_states needs hf_statecompose\.enable\(model\) first") as caught:
+        getattr(model, method)(random_ids(2), past_states=[state], **kwargs)
+    assert str(caught.value) == _stock_refusal(method).format(cls=type(model).__name__)
+    hsc.enable(model)
+    assert getattr(model, method)(random_ids(2), past_states=[state], **kwargs) is not None
+
+
+# ------------------------------------------------------------------------------------------ inputs_embeds width
+@pytest.mark.parametrize("method", ["forward", "generate"])
+def test_inputs_embeds_of_the_wrong_width_are_refused_with_past_states(model, method):
+    state = hsc.encode(model, random_ids(5))
+    embeds = torch.randn(1, 3, 31)  # the model's hidden size is 32
+    kwargs = {"max_new_tokens": 1} if method == "generate" else {}
+    with pytest.raises(ValueError, match=r"inputs_embeds have width 31, the model's embeddings 32"):
+        getattr(model, method)(inputs_embeds=embeds, past_states=[state], **kwargs)
+    ids = random_ids(3)
+    with pytest.raises(ValueError, match=r"width 31"):
+        getattr(model, method)(input_ids=ids, inputs_embeds=embeds, past_states=[state], **kwargs)
+    right = model.get_input_embeddings()(ids)
+    with torch.no_grad():
+        assert getattr(model, method)(inputs_embeds=right, past_states=[state], **kwargs) is not None

@@ -143,7 +143,7 @@ def _enabled_class(stock: type) -> type:
             named = _by_name(forward_signature, self, args, kwargs)
             if compat.cache_given(named):
                 raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
-            batch = _check_query(named, ("input_ids",))
+            batch = _check_query(named, ("input_ids",), _embedding_width(self))
             compat.pop_cache(named)
             named.update(compat.cache_kwargs(compose_for_batch(self, past_states, composition, batch)))
             named["use_cache"] = True
@@ -165,7 +165,7 @@ def _enabled_class(stock: type) -> type:
                 named = _by_name(generate_signature, self, args, kwargs)
                 if compat.cache_given(named):
                     raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
-                batch = _check_query(named, ("inputs", "input_ids"))
+                batch = _check_query(named, ("inputs", "input_ids"), _embedding_width(self))
                 config = named.get("generation_config") or self.generation_config
                 _check_inferred_mask(named, config)
                 expand = max(
@@ -253,7 +253,13 @@ def _by_name(signature, model, args, kwargs) -> dict:
     return named
 
 
-def _check_query(named: dict, id_names: tuple[str, ...]) -> int:
+def _embedding_width(model) -> int | None:
+    """The width of the model's input embeddings (what ``inputs_embeds`` must have), None if unknown."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "embedding_dim", None) or getattr(model.config, "hidden_size", None)
+
+
+def _check_query(named: dict, id_names: tuple[str, ...], width: int | None = None) -> int:
     """Check the query of a ``past_states`` call and its mask (replaced by the checked int64 mask); the batch size.
 
     The states are composed per row and the query continues from them, so a right-padded row would run
@@ -281,6 +287,11 @@ def _check_query(named: dict, id_names: tuple[str, ...]) -> int:
             found = f"shape {tuple(embeds.shape)}" if torch.is_tensor(embeds) else type(embeds).__name__
             raise ValueError(f"inputs_embeds must have shape [batch, length, hidden] with past_states, got {found}")
         shape = tuple(embeds.shape[:2])
+    if embeds is not None and torch.is_tensor(embeds) and width is not None and embeds.shape[-1] != width:
+        raise ValueError(
+            f"inputs_embeds have width {embeds.shape[-1]}, the model's embeddings {width}: pass "
+            "model.get_input_embeddings()(input_ids) (shape [batch, length, hidden_size]) or input_ids"
+        )
     if shape[0] == 0:
         raise ValueError("the query batch is empty (0 rows): pass at least one query row with past_states")
     if shape[1] == 0:
