@@ -79,6 +79,10 @@ def _triton_op(op: str):
 def _dispatch(op: str, torch_fn, first_name: str, args, kwargs, backend: str):
     """Run ``op`` on the backend chosen for the device of its first tensor argument."""
     first = args[0] if args else kwargs[first_name]
+    if backend == "auto" and compat.is_tracing(first):
+        # torch.compile / torch.export: the torch paths trace on every device (as stock Mamba's slow path does);
+        # an explicitly requested backend is still honoured or refused
+        return torch_fn(*args, **kwargs)
     fn = _triton_op(op) if resolve(backend, first.device, op) == "triton" else torch_fn
     return fn(*args, **kwargs)
 
