@@ -192,3 +192,15 @@ def test_inputs_embeds_of_the_wrong_width_are_refused_with_past_states(model, me
     right = model.get_input_embeddings()(ids)
     with torch.no_grad():
         assert getattr(model, method)(inputs_embeds=right, past_states=[state], **kwargs) is not None
+
+
+def test_training_encodes_contexts_holding_the_pad_id_as_tokens(model):
+    """composition_loss builds its own batch and knows its padding: a context whose real tokens include the pad
+    id is encoded (the mask always goes along), not refused as padding."""
+    from hf_statecompose.training import encode_contexts
+
+    with_pad = torch.cat([random_ids(3)[0], torch.zeros(1, dtype=torch.long), random_ids(2)[0]])
+    other = random_ids(6)[0]
+    states = encode_contexts(model, [with_pad, other], "bp2c")
+    expected = hsc.encode(model, with_pad[None], attention_mask=torch.ones(1, 6, dtype=torch.long))
+    assert same_state(states[0], expected)
