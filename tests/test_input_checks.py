@@ -204,3 +204,11 @@ def test_training_encodes_contexts_holding_the_pad_id_as_tokens(model):
     states = encode_contexts(model, [with_pad, other], "bp2c")
     expected = hsc.encode(model, with_pad[None], attention_mask=torch.ones(1, 6, dtype=torch.long))
     assert same_state(states[0], expected)
+
+
+def test_concat_baselines_encode_contexts_holding_the_pad_id_as_tokens(model):
+    """concat / piconcat_r re-encode the states' own tokens: a pad id among them is a token, not padding."""
+    with_pad = torch.cat([random_ids(3), torch.zeros(1, 1, dtype=torch.long), random_ids(2)], 1)
+    states = [hsc.encode(model, with_pad, attention_mask=torch.ones_like(with_pad)), hsc.encode(model, random_ids(4))]
+    for method in ("concat", "piconcat_r"):
+        assert hsc.StateComposer(method).compose(states, model=model).num_tokens.tolist() == [10]
