@@ -24,8 +24,9 @@ What it covers:
 * **The generation hook** (:class:`CacheGenerationMixin`): the private ``generate()`` methods that this
   package's own causal LMs override to keep their state cache.
 * **Tracing** (:func:`is_tracing`): whether a forward runs under ``torch.compile`` / ``torch.export`` (or on
-  FakeTensors), through transformers' own helper, so that eager-only work (hashing the weights' bytes for a
-  state's fingerprint, host-side checks) is skipped in a traced graph as transformers' models skip theirs.
+  FakeTensors): the torch checks of transformers' own ``is_tracing``, so that eager-only work (hashing the
+  weights' bytes for a state's fingerprint, ctypes kernels, data-dependent shortcuts) stays out of a traced
+  graph, as transformers' models keep theirs out.
 
 Importing this module is light (standard library only): the names that need transformers load on first use.
 """
