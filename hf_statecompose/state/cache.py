@@ -110,7 +110,9 @@ class ComposableMambaCache(compat.DynamicCache):
 
         ``input_ids`` is ``[B, T]`` (or ``[T]``); a batch of contexts of different lengths must be left
         padded, with ``attention_mask`` marking real tokens. Padding neither decays nor feeds the state,
-        so every row equals encoding that context alone. ``backend`` (``"auto"``, ``"torch"``,
+        so every row equals encoding that context alone. A tokenizer's output (``BatchEncoding`` or a dict)
+        may be passed as ``input_ids``: its ``input_ids`` and ``attention_mask`` are taken. Without a mask,
+        ids that look padded (the config's pad token) are refused rather than encoded as context. ``backend`` (``"auto"``, ``"torch"``,
         ``"triton"``) overrides the model's kernels for this call only. ``enable_grad=True`` keeps the
         autograd graph from the model's weights to the state (backpropagation through the context
         encodings, ``hf_statecompose.training``); by default encoding runs under ``torch.no_grad()``.
