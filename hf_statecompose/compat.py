@@ -23,6 +23,10 @@ What it covers:
   ``generate`` must refuse ``past_states`` (:data:`GUARDED`).
 * **The generation hook** (:class:`CacheGenerationMixin`): the private ``generate()`` methods that this
   package's own causal LMs override to keep their state cache.
+* **Tracing** (:func:`is_tracing`): whether a forward runs under ``torch.compile`` / ``torch.export`` (or on
+  FakeTensors): the torch checks of transformers' own ``is_tracing``, so that eager-only work (hashing the
+  weights' bytes for a state's fingerprint, ctypes kernels, data-dependent shortcuts) stays out of a traced
+  graph, as transformers' models keep theirs out.
 
 Importing this module is light (standard library only): the names that need transformers load on first use.
 """
@@ -107,8 +111,15 @@ def cache_is_renamed(text: str | None = None) -> bool:
     return text is not None and _release(text) >= _release("5.24")
 
 
+_cache_arg_name: str | None = None
+
+
 def _cache_arg() -> str:
-    return "cache" if cache_is_renamed() else "cache_params"
+    # kept in a global (not an lru_cache, which torch.compile ignores and traces through) once known
+    global _cache_arg_name
+    if _cache_arg_name is None:
+        _cache_arg_name = "cache" if cache_is_renamed() else "cache_params"
+    return _cache_arg_name
 
 
 def pop_cache(kwargs: dict, default=None):
@@ -177,6 +188,18 @@ def mixer_classes() -> dict:
         except (ImportError, AttributeError):  # a release without that model
             continue
     return out
+
+
+def is_tracing(tensor=None) -> bool:
+    """Whether code runs while a graph is traced: ``torch.compile`` / ``torch.export`` (dynamo, strict or not),
+    ``torch.jit`` tracing, or ``tensor`` is a FakeTensor (a fake-tensor mode without dynamo). What transformers'
+    own ``is_tracing`` checks for torch, in about a tenth of its time (it also polls CUDA stream capture and jax):
+    this runs on every op call, eager decoding included."""
+    import torch
+
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return True
+    return tensor is not None and isinstance(tensor, torch._subclasses.FakeTensor)
 
 
 def _make_ssm_layer_base():

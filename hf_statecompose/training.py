@@ -61,8 +61,9 @@ def encode_contexts(model, contexts: list[torch.Tensor], objective: str = "bptc"
     model = unwrap(model)
     device = next(model.parameters()).device
     ids, mask = _left_pad(list(contexts), pad_id)
-    ids = ids.to(device)
-    mask = mask.to(device) if not bool(mask.all()) else None
+    # the mask always goes along (all ones when nothing is padded): without one, encode would take a context's
+    # real pad-id tokens for padding and refuse them
+    ids, mask = ids.to(device), mask.to(device)
     if objective == "bptc" and checkpoint and torch.is_grad_enabled():
         state = _checkpointed_encode(model, ids, mask)
     else:

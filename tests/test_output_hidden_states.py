@@ -1,5 +1,5 @@
-"""``output_hidden_states`` of this package's models follows transformers' MambaModel: the embeddings, each later
-layer's input, and the final output (after the last norm): ``num_hidden_layers + 1`` tensors."""
+"""``output_hidden_states`` of this package's models follows transformers' MambaModel: each layer's output, then the
+final hidden state (after the last norm, replacing the last layer's output): ``num_hidden_layers + 1`` tensors."""
 import pytest
 import torch
 
@@ -29,7 +29,7 @@ def _coffee_block(model, index, hidden):
 
 @pytest.mark.parametrize("make, block", [(_serpent, _serpent_block), (_coffee, _coffee_block)], ids=["serpent", "coffee"])
 @pytest.mark.parametrize("layers", [1, 3])
-def test_hidden_states_are_each_layer_input_then_the_output(make, block, layers):
+def test_hidden_states_are_each_layer_output_then_the_final_state(make, block, layers):
     torch.manual_seed(0)
     model = make(layers).eval()
     ids = torch.randint(0, 99, (2, 5))
@@ -37,9 +37,9 @@ def test_hidden_states_are_each_layer_input_then_the_output(make, block, layers)
         out = model.backbone(ids, output_hidden_states=True)
         states = out.hidden_states
         assert len(states) == layers + 1
-        assert torch.equal(states[0], model.backbone.embeddings(ids))
-        for index in range(layers - 1):  # layer i's output is layer i + 1's input
-            torch.testing.assert_close(block(model, index, states[index]), states[index + 1])
+        torch.testing.assert_close(states[0], block(model, 0, model.backbone.embeddings(ids)))  # layer 0's output
+        for index in range(layers - 1):  # layer i + 1's output, from layer i's
+            torch.testing.assert_close(block(model, index + 1, states[index]), states[index + 1])
         assert torch.equal(states[-1], out.last_hidden_state)  # the last: after the final norm
         assert len(model.backbone(ids, output_hidden_states=True, return_dict=False)[-1]) == layers + 1
         assert len(model(ids, output_hidden_states=True).hidden_states) == layers + 1

@@ -423,7 +423,8 @@ def _concat(states, model) -> ComposableMambaCache:
     for b in range(states[0].batch_size):
         rows.append(torch.cat([s.context_tokens(b) for s in states]))
     ids, mask = _left_pad(rows)
-    return encode(model, ids, attention_mask=mask if (mask == 0).any() else None)
+    # the mask always goes along: a context's real pad-id tokens are not padding (encode refuses those without one)
+    return encode(model, ids, attention_mask=mask)
 
 
 def _piconcat_r(states, model) -> ComposableMambaCache:
@@ -436,7 +437,7 @@ def _piconcat_r(states, model) -> ComposableMambaCache:
         for k in range(n):
             sequences.append(torch.cat(tokens[k:] + tokens[:k]))
     ids, mask = _left_pad(sequences)
-    encoded = encode(model, ids, attention_mask=mask if (mask == 0).any() else None)
+    encoded = encode(model, ids, attention_mask=mask)
     out = encoded._empty_like()
     for i in range(encoded.num_layers):
         def mean_rows(t):

@@ -34,7 +34,7 @@ from ..models import disable_state_path, enable_state_path, get_backend, set_bac
 from ..models.mixers import refuse_layer_checkpointing
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, model_fingerprint
-from ..state.validation import check_against_model, check_is_state, check_left_padded_mask
+from ..state.validation import check_against_model, check_is_state, check_left_padded_mask, pad_runs
 
 _ENABLED_CLASSES: dict[type, type] = {}
 
@@ -144,7 +144,7 @@ def _enabled_class(stock: type) -> type:
             named = _by_name(forward_signature, self, args, kwargs)
             if compat.cache_given(named):
                 raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
-            batch = _check_query(named, ("input_ids",))
+            batch = _check_query(named, ("input_ids",), _embedding_width(self))
             compat.pop_cache(named)
             named.update(compat.cache_kwargs(compose_for_batch(self, past_states, composition, batch)))
             named["use_cache"] = True
@@ -166,7 +166,7 @@ def _enabled_class(stock: type) -> type:
                 named = _by_name(generate_signature, self, args, kwargs)
                 if compat.cache_given(named):
                     raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
-                batch = _check_query(named, ("inputs", "input_ids"))
+                batch = _check_query(named, ("inputs", "input_ids"), _embedding_width(self))
                 config = named.get("generation_config") or self.generation_config
                 _check_inferred_mask(named, config)
                 expand = max(
@@ -254,7 +254,13 @@ def _by_name(signature, model, args, kwargs) -> dict:
     return named
 
 
-def _check_query(named: dict, id_names: tuple[str, ...]) -> int:
+def _embedding_width(model) -> int | None:
+    """The width of the model's input embeddings (what ``inputs_embeds`` must have), None if unknown."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "embedding_dim", None) or getattr(model.config, "hidden_size", None)
+
+
+def _check_query(named: dict, id_names: tuple[str, ...], width: int | None = None) -> int:
     """Check the query of a ``past_states`` call and its mask (replaced by the checked int64 mask); the batch size.
 
     The states are composed per row and the query continues from them, so a right-padded row would run
@@ -282,6 +288,11 @@ def _check_query(named: dict, id_names: tuple[str, ...]) -> int:
             found = f"shape {tuple(embeds.shape)}" if torch.is_tensor(embeds) else type(embeds).__name__
             raise ValueError(f"inputs_embeds must have shape [batch, length, hidden] with past_states, got {found}")
         shape = tuple(embeds.shape[:2])
+    if embeds is not None and torch.is_tensor(embeds) and width is not None and embeds.shape[-1] != width:
+        raise ValueError(
+            f"inputs_embeds have width {embeds.shape[-1]}, the model's embeddings {width}: pass "
+            "model.get_input_embeddings()(input_ids) (shape [batch, length, hidden_size]) or input_ids"
+        )
     if shape[0] == 0:
         raise ValueError("the query batch is empty (0 rows): pass at least one query row with past_states")
     if shape[1] == 0:
@@ -307,7 +318,10 @@ def _check_inferred_mask(named: dict, config) -> None:
         return
     pad = named.get("pad_token_id", getattr(config, "pad_token_id", None))
     eos = named.get("eos_token_id", getattr(config, "eos_token_id", None))
-    if pad is None or (pad in eos if isinstance(eos, (list, tuple)) else pad == eos):
+    if pad is None or not torch.is_tensor(ids) or ids.dim() != 2:
+        return
+    if pad in eos if isinstance(eos, (list, tuple)) else pad == eos:
+        _check_padding_shared_with_eos(ids, int(pad))
         return
     inferred = ids.ne(int(pad))
     if bool(inferred.all()):
@@ -319,3 +333,27 @@ def _check_inferred_mask(named: dict, config) -> None:
             f"{error} (no attention_mask was given, so generate takes the query's pad_token_id {int(pad)} for padding; "
             "pass attention_mask explicitly)"
         ) from None
+
+
+def _check_padding_shared_with_eos(ids: torch.Tensor, pad: int) -> None:
+    """When pad is also eos, stock ``generate`` infers no mask and runs every token: padding would go through the
+    composed state as if it were query. A row that ends with pad / eos after its tokens is right padded (or
+    asks to continue after an eos); rows that start with different numbers of it are left padded. Refuse both:
+    only a mask says which tokens are padding."""
+    leading, trailing = pad_runs(ids, pad)
+    length = ids.shape[1]
+    ends = (trailing > 0) & (trailing < length)
+    if bool(ends.any()):
+        row = int(ends.nonzero()[0, 0])
+        raise ValueError(
+            f"query row {row} ends with token {pad}, which is both pad_token_id and eos_token_id, and no "
+            "attention_mask was given: generate cannot tell right padding from an eos, and would run it after the "
+            "state as query. Pass attention_mask (left padded: tokenizer.padding_side = 'left'), or drop the "
+            "trailing token"
+        )
+    if int(leading.min()) != int(leading.max()):
+        raise ValueError(
+            f"the query looks left padded (rows start with {int(leading.min())} to {int(leading.max())} of token "
+            f"{pad}, which is both pad_token_id and eos_token_id) and no attention_mask was given: generate infers "
+            "no mask when pad is eos, so the padding would run after the state as query. Pass attention_mask"
+        )

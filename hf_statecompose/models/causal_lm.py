@@ -7,19 +7,19 @@ Their modeling files import this module absolutely (``hf_statecompose.models.cau
 """
 from __future__ import annotations
 
+import functools
+
 from .. import compat
+from .._guard import refusal
 from ..state.cache import ComposableMambaCache
 
 
-def refuse_past_states(model, kwargs) -> None:
-    """``forward(**kwargs)`` would swallow ``past_states``: a model that was not given ``hf_statecompose.enable``
-    would silently run without its contexts (as the guard on transformers' Mamba classes refuses them)."""
+def refuse_past_states(model, kwargs, method: str = "forward") -> None:
+    """``forward(**kwargs)`` (and ``generate``, whose model-kwargs check would only say "not used") would take
+    ``past_states`` for something else: a model that was not given ``hf_statecompose.enable`` refuses them with
+    the message of the guard on transformers' Mamba classes."""
     if kwargs.get("past_states") is not None:
-        raise ValueError(
-            f"{type(model).__name__}.forward() got past_states, but past_states needs hf_statecompose.enable(model) "
-            "first: this model was never enabled (or was disabled), so it would ignore the states and silently run "
-            "without any context. Call `model = hf_statecompose.enable(model)` once after loading it"
-        )
+        raise ValueError(refusal(type(model).__name__, method))
 
 
 class StateCacheGenerationMixin(compat.CacheGenerationMixin):
@@ -30,6 +30,12 @@ class StateCacheGenerationMixin(compat.CacheGenerationMixin):
 
     def _hsc_empty_cache(self):
         return ComposableMambaCache.empty_for(self)
+
+    @functools.wraps(compat.CacheGenerationMixin.generate)
+    def generate(self, *args, **kwargs):
+        # hsc.enable's generate consumes past_states before it calls this one: here they mean "never enabled"
+        refuse_past_states(self, kwargs, "generate")
+        return super().generate(*args, **kwargs)
 
     def _lm_outputs(self, outputs, logits, labels, return_dict, output_class, **kwargs):
         """Loss (next-token, shifted inside; -100 ignored) and the output of ``forward``, as transformers'

@@ -1,12 +1,14 @@
 """Encode contexts into a :class:`ComposableMambaCache`: one prefill of the backbone, no logits."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .. import compat
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import base_model_of
-from ..state.validation import check_left_padded_mask
+from ..state.validation import check_left_padded_mask, check_unmasked_context_padding
 from .mixers import enable_state_path, refuse_layer_checkpointing, using_backend
 
 
@@ -20,6 +22,7 @@ def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | No
     ``hsc.is_enabled(model)`` stays False, and ``model.generate(..., past_states=...)`` is refused until
     ``hsc.enable(model)`` (which cannot live here: it composes states, a layer above this one).
     """
+    input_ids, attention_mask = _ids_and_mask(input_ids, attention_mask)
     with torch.set_grad_enabled(enable_grad and torch.is_grad_enabled()):
         enable_state_path(model)
         refuse_layer_checkpointing(model)
@@ -27,8 +30,13 @@ def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | No
             input_ids = input_ids[None]
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be a non-empty [B, T] tensor of token ids, got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[0] == 0:
+            raise ValueError(f"input_ids has no rows (shape {tuple(input_ids.shape)}): pass at least one context")
+        _check_vocabulary(model, input_ids)
         if attention_mask is not None:
             attention_mask = check_left_padded_mask(attention_mask, input_ids)
+        else:
+            check_unmasked_context_padding(input_ids, model.config)
         cache = ComposableMambaCache.empty_for(model)
         backbone = base_model_of(model)
         device = next(backbone.parameters()).device
@@ -41,3 +49,47 @@ def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | No
             token_ids = token_ids.masked_fill(mask == 0, -1)
         cache.token_ids = token_ids
         return cache
+
+
+_TOKENIZE = "tokenize first: hsc.encode(model, tok(texts, return_tensors='pt'))"
+
+
+def _ids_and_mask(input_ids, attention_mask):
+    """The token ids and the mask, from tensors or from a tokenizer's output (a ``BatchEncoding`` or a dict with
+    ``input_ids`` and, for a padded batch, ``attention_mask``: both are taken). Anything else is refused."""
+    if isinstance(input_ids, Mapping):
+        if "input_ids" not in input_ids:
+            raise TypeError(f"input_ids was a {type(input_ids).__name__} without 'input_ids' (keys {sorted(input_ids)}); "
+                            f"{_TOKENIZE}")
+        given = input_ids.get("attention_mask")
+        if given is not None and attention_mask is not None:
+            raise ValueError("the attention_mask came twice (in the tokenizer's output and as attention_mask=): pass it once")
+        attention_mask = given if attention_mask is None else attention_mask
+        input_ids = input_ids["input_ids"]
+    if not torch.is_tensor(input_ids):
+        hint = " (return_tensors='pt' makes the tokenizer give tensors)" if isinstance(input_ids, (list, tuple)) else ""
+        raise TypeError(
+            f"input_ids must be a tensor of token ids of shape [batch, length], got {type(input_ids).__name__}{hint}; "
+            f"{_TOKENIZE}"
+        )
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids (torch.long), got a {input_ids.dtype} tensor")
+    if attention_mask is not None and not torch.is_tensor(attention_mask):
+        raise TypeError(f"attention_mask must be a tensor of 0/1 of the shape of input_ids, got "
+                        f"{type(attention_mask).__name__}")
+    return input_ids, attention_mask
+
+
+def _check_vocabulary(model, input_ids: torch.Tensor) -> None:
+    """Every id in ``[0, vocabulary size)`` (the embedding's rows), one host sync."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    size = getattr(embeddings, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+    if size is None or input_ids.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(input_ids))
+    if low < 0 or high >= size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"input_ids hold id {bad}, outside the model's vocabulary [0, {size}): tokenize with the model's own "
+            "tokenizer (and do not pass -100 labels or -1 padding as ids)"
+        )

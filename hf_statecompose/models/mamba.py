@@ -3,11 +3,14 @@
 Stock transformers 5.23 runs its full-sequence scan from a zero state, so a multi-token input after a
 cached state silently ignores the SSM state. This forward continues from the cached state for any
 input length, keeps left padding inert (Δ = 0 and the conv window continued per row) and accumulates
-ΣΔ. It computes Δ exactly as the mixer does: ``softplus(dt_proj(x) + bias)``.
+ΣΔ. It computes Δ exactly as the mixer does: ``softplus(dt_proj(x) + bias)``; an adapter on ``dt_proj`` (PEFT's
+LoRA) takes part and trains (:func:`time_step_projection`).
 """
 from __future__ import annotations
 
+
 import torch
+from torch import nn
 
 from ..ops import backends
 
@@ -20,6 +23,8 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     layer = cache.layers[layer_idx]
     has_state = layer.filled
     backend = getattr(mixer, "_hsc_backend", "auto")
+    if not _is_plain_linear(mixer.dt_proj):
+        _refuse_adapted_dt_proj(mixer)
     if mask is not None:
         hidden_states = hidden_states * mask[:, :, None].to(dtype)
 
@@ -57,7 +62,7 @@ def selective_ssm(mixer, x: torch.Tensor, gate: torch.Tensor, initial_state, mas
         # FalconMamba: weightless RMS norms on the time step, B and C (as its mixer applies them)
         time_step, B, C = mixer.dt_layernorm(time_step), mixer.b_layernorm(B), mixer.c_layernorm(C)
     # tokens-first [B, T, D] seen as [B, D, T]; the bias is added in the scan
-    dt = torch.nn.functional.linear(time_step, mixer.dt_proj.weight).transpose(1, 2)
+    dt = time_step_projection(mixer.dt_proj, time_step).transpose(1, 2)
     A = -torch.exp(mixer.A_log.float())  # [D, N]
     y, ssm_state, delta_sum = backends.selective_scan(
         x,
@@ -74,3 +79,33 @@ def selective_ssm(mixer, x: torch.Tensor, gate: torch.Tensor, initial_state, mas
         backend=backend,
     )
     return y, ssm_state, delta_sum, A
+
+
+def time_step_projection(dt_proj: nn.Module, time_step: torch.Tensor) -> torch.Tensor:
+    """``dt_proj(time_step)`` without its bias, ``[B, T, R] -> [B, T, D]``: the scan adds the bias (in float32, as
+    the mixer's kernels do). A plain ``nn.Linear`` is read as its weight. Any other module (PEFT's LoRA ``Linear``
+    wrapping the projection, a module with hooks) is *called*, so that what it adds to its base projection (LoRA's
+    ``B A x · scaling``) takes part in Δ and trains: Δ gets ``module(x) - linear(x, weight, bias)`` added, which is
+    exactly zero where the adapter adds zero (a fresh LoRA, ``B = 0``, gives the base model's results bit for bit)."""
+    dt = torch.nn.functional.linear(time_step, dt_proj.weight)
+    if _is_plain_linear(dt_proj):
+        return dt
+    base = torch.nn.functional.linear(time_step, dt_proj.weight, dt_proj.bias)
+    return dt + (dt_proj(time_step) - base)
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _refuse_adapted_dt_proj(mixer) -> None:
+    """transformers' own Mamba-1 / FalconMamba forward (any call without states, e.g. ``model(context + query)``)
+    reads ``dt_proj.weight`` and so ignores an adapter on ``dt_proj``. This path would apply it: the two would
+    disagree, and one state + query would no longer be context + query. Refuse, saying how to go on. (SeRpEnt's
+    branch SSMs run only this path: there an adapter on ``dt_proj`` trains, see :func:`time_step_projection`.)"""
+    raise ValueError(
+        f"layer {mixer.layer_idx}'s dt_proj is wrapped ({type(mixer.dt_proj).__name__}, e.g. a LoRA adapter), but "
+        f"transformers' {type(mixer).__name__.removeprefix('Composable')} ignores an adapter on dt_proj (it reads "
+        "dt_proj.weight), so states would disagree with the model's own forward. Leave dt_proj out of the adapter's "
+        "target_modules (x_proj, in_proj, out_proj train), or merge it first (peft: model.merge_and_unload())"
+    )

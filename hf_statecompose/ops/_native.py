@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .. import compat
+
 logger = logging.getLogger("hf_statecompose")
 
 _lock = threading.Lock()
@@ -197,4 +199,6 @@ def runs_on(name: str, tensors) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
+    if tensors and compat.is_tracing(tensors[0]):
+        return False  # torch.compile / torch.export: FakeTensors have no data for ctypes to read
     return enabled() and failure(name) is None

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from .. import compat
 from ._triton import triton_unavailable_reason
 from .compose import native as _compose_native
 from .compose.vectorized import compose_ssm_torch
@@ -29,6 +30,7 @@ from .conv.vectorized import causal_conv1d as _conv_eager
 from .linear_recurrence import linear_recurrence  # noqa: F401  (dispatches itself: backend="auto" | ... )
 from .selective_scan import compiled
 from .selective_scan import native as _scan_native
+from .selective_scan.reference import selective_scan_ref
 from .selective_scan.vectorized import selective_scan as _selective_scan_eager
 from .ssd import native as _ssd_native
 from .ssd.vectorized import ssd_scan as _ssd_eager
@@ -77,6 +79,10 @@ def _triton_op(op: str):
 def _dispatch(op: str, torch_fn, first_name: str, args, kwargs, backend: str):
     """Run ``op`` on the backend chosen for the device of its first tensor argument."""
     first = args[0] if args else kwargs[first_name]
+    if backend == "auto" and compat.is_tracing(first):
+        # torch.compile / torch.export: the torch paths trace on every device (as stock Mamba's slow path does);
+        # an explicitly requested backend is still honoured or refused
+        return torch_fn(*args, **kwargs)
     fn = _triton_op(op) if resolve(backend, first.device, op) == "triton" else torch_fn
     return fn(*args, **kwargs)
 
@@ -91,6 +97,11 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     """The torch backend: the native C kernel for float32 inference (see ``ops/_native.py``), else compiled
     for long inference inputs, else chunked eager (and always with autograd)."""
     args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, mask)
+    if compat.is_tracing(u):
+        # torch.compile / torch.export trace the plain recurrence (as they trace stock Mamba's slow path): no
+        # ctypes kernel, no nested compile, no preallocated buffers written with out= (which an exported graph
+        # run with autograd refuses)
+        return selective_scan_ref(*args)
     if _scan_native.applicable(u, delta, A, B, C, initial_state, mask):
         out = _scan_native.selective_scan_native(*args)
         if out is not None:

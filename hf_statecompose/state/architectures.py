@@ -52,6 +52,11 @@ class Architecture:
     def cache_class(self) -> type:
         return getattr(importlib.import_module(f"{__package__}.{self.cache_module}"), self.cache_class_name)
 
+    def is_cache_class(self, cls: type) -> bool:
+        """Whether ``cls`` is :meth:`cache_class`, compared by name: no import, so that a forward traced by
+        ``torch.compile(fullgraph=True)`` (which cannot trace ``importlib``) stays one graph."""
+        return cls.__module__ == f"{__package__}.{self.cache_module}" and cls.__qualname__ == self.cache_class_name
+
 
 def _mixer_A_log(backbone, v):
     return getattr(getattr(backbone.layers[v], "mixer", None), "A_log", None)

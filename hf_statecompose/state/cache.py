@@ -29,7 +29,7 @@ import torch
 
 from .. import compat
 from .architectures import architecture
-from .fingerprint import architecture_of, base_model_of, model_fingerprint
+from .fingerprint import architecture_of, base_model_of, new_state_fingerprint
 from .layers import ComposableSSMLayer, layer_attribute
 
 
@@ -78,8 +78,9 @@ class ComposableMambaCache(compat.DynamicCache):
         gives the cache class of the model's architecture (a :class:`ComposableSeRpEntCache` for a SeRpEnt
         model, with the same public contract)."""
         name = architecture_of(model)
-        target = architecture(name).cache_class()
-        if target is not cls:
+        layout = architecture(name)
+        if not layout.is_cache_class(cls):
+            target = layout.cache_class()
             if not issubclass(target, cls):
                 raise TypeError(f"{cls.__name__} cannot hold the states of a {name!r} model; use {target.__name__}")
             return target.empty_for(model)
@@ -93,7 +94,7 @@ class ComposableMambaCache(compat.DynamicCache):
         return cls(
             model.config,
             architecture=name,
-            fingerprint=model_fingerprint(model),
+            fingerprint=new_state_fingerprint(model),
             model_dtype=parameter.dtype,
             model_info=info,
         )
@@ -111,7 +112,9 @@ class ComposableMambaCache(compat.DynamicCache):
 
         ``input_ids`` is ``[B, T]`` (or ``[T]``); a batch of contexts of different lengths must be left
         padded, with ``attention_mask`` marking real tokens. Padding neither decays nor feeds the state,
-        so every row equals encoding that context alone. ``backend`` (``"auto"``, ``"torch"``,
+        so every row equals encoding that context alone. A tokenizer's output (``BatchEncoding`` or a dict)
+        may be passed as ``input_ids``: its ``input_ids`` and ``attention_mask`` are taken. Without a mask,
+        ids that look padded (the config's pad token) are refused rather than encoded as context. ``backend`` (``"auto"``, ``"torch"``,
         ``"triton"``) overrides the model's kernels for this call only. ``enable_grad=True`` keeps the
         autograd graph from the model's weights to the state (backpropagation through the context
         encodings, ``hf_statecompose.training``); by default encoding runs under ``torch.no_grad()``.

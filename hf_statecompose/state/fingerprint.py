@@ -14,7 +14,12 @@ import json
 
 import torch
 
+from .. import compat
 from .architectures import ARCHITECTURES
+
+# the fingerprint of a cache made while a graph is traced (torch.compile / torch.export): the weights are
+# symbolic there (FakeTensors, no bytes to hash), so such a state names no model and no model accepts it
+TRACED_FINGERPRINT = ""
 
 # model_type -> architecture (SeRpEnt-Mamba: hf_statecompose.models.serpent, one Mamba-1 state per layer and
 # branch; COFFEE: hf_statecompose.models.coffee, one flattened state per layer); what each architecture's
@@ -213,3 +218,13 @@ def model_fingerprint(model: torch.nn.Module, *, cache: bool = True) -> str:
     except Exception:  # a frozen wrapper: just do not cache
         pass
     return fingerprint
+
+
+def new_state_fingerprint(model: torch.nn.Module) -> str:
+    """The fingerprint an empty cache of ``model`` carries: :func:`model_fingerprint`, eagerly. While a graph is
+    traced (``torch.compile`` / ``torch.export`` of a forward with ``use_cache``) the weights have no bytes to
+    hash, so the cache gets :data:`TRACED_FINGERPRINT` and the graph holds no hashing, as stock Mamba's cache
+    holds none; states meant for composition are encoded eagerly (``hsc.encode``)."""
+    if compat.is_tracing(next(base_model_of(model).parameters(), None)):
+        return TRACED_FINGERPRINT
+    return model_fingerprint(model)

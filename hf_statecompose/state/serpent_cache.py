@@ -45,7 +45,7 @@ import torch
 
 from .architectures import SERPENT_MAMBA
 from .cache import ComposableMambaCache
-from .fingerprint import architecture_of, base_model_of, model_fingerprint
+from .fingerprint import architecture_of, base_model_of, new_state_fingerprint
 from .layers import SeRpEntSSMLayer, layer_attribute
 
 # fixed-point resolution of the resampling clock: each token advances it by round(δ · 2^20), δ in [κ, 1]
@@ -81,7 +81,7 @@ class ComposableSeRpEntCache(ComposableMambaCache):
         architecture = architecture_of(model)
         if architecture != "serpent_mamba":
             raise TypeError(f"ComposableSeRpEntCache is the state of SeRpEnt models, got a {architecture!r} model")
-        return cls._for_config(model.config, next(base_model_of(model).parameters()).dtype, model_fingerprint(model))
+        return cls._for_config(model.config, next(base_model_of(model).parameters()).dtype, new_state_fingerprint(model))
 
     @classmethod
     def _for_config(cls, config, dtype: torch.dtype, fingerprint: str = "") -> "ComposableSeRpEntCache":

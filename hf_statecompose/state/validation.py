@@ -288,7 +288,7 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
     ``A`` is the model's ``-exp(A_log)`` (to :data:`A_RTOL`). ``fingerprint`` is ``model_fingerprint(model)``
     (passed in so that checking many states hashes the model once). The extra tensors of the architecture
     (SeRpEnt's resampling state) are checked too (:func:`check_extras`)."""
-    from .fingerprint import architecture_of
+    from .fingerprint import TRACED_FINGERPRINT, architecture_of
 
     model_architecture = architecture_of(model)
     if state.architecture != model_architecture:
@@ -320,6 +320,11 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
                     f"{where} layer {i} {name} has per-row shape {tuple(tensor.shape[1:])}, this model expects {shape}; "
                     "the state belongs to another model: re-encode the contexts with this model"
                 )
+    if state.fingerprint == TRACED_FINGERPRINT:
+        raise ValueError(
+            f"{where} was made inside torch.compile / torch.export, where the weights cannot be read, so it names "
+            "no model; encode the contexts eagerly (hsc.encode(model, ids)) to use them as past_states"
+        )
     if state.fingerprint != fingerprint:
         raise ValueError(
             f"{where} was encoded by {_describe(state)}, but this model has fingerprint {fingerprint[:12]} "
@@ -351,4 +356,53 @@ def check_left_padded_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor
     if (mask.sum(-1) == 0).any():
         raise ValueError("a row of attention_mask is all padding: every context needs at least one token")
     return mask
+
+
+def _special_ids(value) -> set:
+    """A config's token id entry (None, an int or a list of ints) as a set."""
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+def pad_runs(input_ids: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, how many ``pad_token_id`` tokens it starts with and how many it ends with (``[B]`` each)."""
+    is_pad = (input_ids == int(pad_token_id)).to(torch.long)
+    return is_pad.cumprod(1).sum(1), is_pad.flip(1).cumprod(1).sum(1)
+
+
+def check_unmasked_context_padding(input_ids: torch.Tensor, config) -> None:
+    """Contexts given without ``attention_mask`` must not look padded: padding read as context changes the
+    state silently. With a pad token of its own (not also eos / bos), any pad token is taken for padding, as
+    transformers' ``generate`` takes it; a pad token shared with eos / bos is padding when the rows start (or
+    end) with different numbers of it. Nothing to check when the config has no pad token."""
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None or input_ids.numel() == 0:
+        return
+    leading, trailing = pad_runs(input_ids, pad)
+    shared = int(pad) in _special_ids(getattr(config, "eos_token_id", None)) | _special_ids(
+        getattr(config, "bos_token_id", None))
+    fix = ("pass the tokenizer's attention_mask (hsc.encode(model, **tok(texts, padding=True, return_tensors='pt')) "
+           "or attention_mask=...)")
+    if not shared:
+        rows = (input_ids == int(pad)).any(1)
+        if bool(rows.any()):
+            row = int(rows.nonzero()[0, 0])
+            raise ValueError(
+                f"input_ids row {row} contains the pad token id {int(pad)} and no attention_mask was given: padding "
+                f"would be encoded as context; {fix}; if {int(pad)} is a real token of these contexts, pass "
+                "attention_mask=torch.ones_like(input_ids)"
+            )
+        return
+    if int(leading.min()) != int(leading.max()):
+        raise ValueError(
+            f"input_ids look left padded (rows start with {int(leading.min())} to {int(leading.max())} of the pad "
+            f"token id {int(pad)}) and no attention_mask was given: padding would be encoded as context; {fix}"
+        )
+    if int(trailing.min()) != int(trailing.max()):
+        raise ValueError(
+            f"input_ids look right padded (rows end with {int(trailing.min())} to {int(trailing.max())} of the pad "
+            f"token id {int(pad)}) and no attention_mask was given: padding would be encoded as context; "
+            f"hf_statecompose needs left padding (tokenizer.padding_side = 'left') and the mask: {fix}"
+        )
 

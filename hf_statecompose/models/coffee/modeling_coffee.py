@@ -169,8 +169,8 @@ class CoffeeBlock(nn.Module):
 @compat.cache_output
 class CoffeeOutput(ModelOutput):
     """Output of :class:`CoffeeModel`: the final hidden states (``"lm"``: after the last norm; ``"core"``: the
-    mixer's outputs), the cache (when ``use_cache``) and, on request, the hidden states (as Mamba's: the embeddings,
-    each later layer's input and the final output: ``num_hidden_layers + 1``)."""
+    mixer's outputs), the cache (when ``use_cache``) and, on request, ``num_hidden_layers + 1`` hidden states
+    as transformers' ``MambaModel`` gives them: each layer's output, then the final hidden state."""
 
     last_hidden_state: torch.Tensor | None = None
     cache: ComposableMambaCache | None = None
@@ -318,22 +318,25 @@ class CoffeeModel(CoffeePreTrainedModel):
         mask = None
         if attention_mask is not None and attention_mask.dim() == 2:
             mask = attention_mask[:, -length:].to(device=inputs_embeds.device)
-            mask = None if bool((mask != 0).all()) else (mask != 0).to(inputs_embeds.dtype)
+            # an all-ones mask runs as no mask (the mixer's unmasked path); a traced graph keeps it (no branch
+            # on the data, so torch.compile / torch.export see one graph)
+            keep = compat.is_tracing(inputs_embeds) or not bool((mask != 0).all())
+            mask = (mask != 0).to(inputs_embeds.dtype) if keep else None
 
-        # as transformers' MambaModel: each layer's input (the embeddings first), then the final output (after the
-        # last norm): num_hidden_layers + 1 tensors
+        # hidden_states as transformers' MambaModel returns them: each layer's output, then the final hidden
+        # state (num_hidden_layers + 1 tensors, the last one is last_hidden_state; the embeddings are not in it)
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None
         for block in self.layers:
+            hidden_states = block(hidden_states, cache, mask)
             if output_hidden_states:
                 all_hidden_states = all_hidden_states + (hidden_states,)
-            hidden_states = block(hidden_states, cache, mask)
         if cache is not None:
             count = mask.sum(-1) if mask is not None else torch.full((batch,), length, device=inputs_embeds.device)
             cache.add_tokens(count)
         if self.norm_f is not None:
             hidden_states = self.norm_f(hidden_states)
-        if output_hidden_states:
+        if output_hidden_states:  # "core" has no final norm: its final hidden state is the last layer's output
             all_hidden_states = all_hidden_states + (hidden_states,)
 
         returned_cache = cache if use_cache else None

@@ -253,12 +253,12 @@ class SeRpEntBranch(nn.Module):
         resampled = self.resample_proj(features.flatten(2).to(weight.dtype))  # x̄: [B, T, h_b]
         resampled = resampled * element_real[:, :, None].to(resampled.dtype)
 
-        # 5. the branch SSM over the new elements (nothing to run when no row created a grid point)
+        # 5. the branch SSM over the new elements. A row without new grid points (count 0) runs as all right
+        # padding: Δ = 0 leaves its SSM state and ΣΔ bit for bit, its conv window is the old one, and no token
+        # reads its outputs (step 6 picks only the cached ȳ for it). No branch on the data: the same graph for
+        # every input, so torch.compile / torch.export trace it
         last = cache.last_outputs[v]  # [B, h_b]: ȳ of the latest grid point before this chunk
-        if bool((count > 0).any()):
-            outputs = branch_ssm_forward(ssm, resampled, cache, count, backend=backend)
-        else:
-            outputs = resampled.new_zeros(batch, length, out_width)
+        outputs = branch_ssm_forward(ssm, resampled, cache, count, backend=backend)
         table = torch.cat([last[:, None].to(outputs.dtype), outputs], dim=1)  # [B, 1 + T, h_b]
 
         # 6. reverse resampling (eq. 14b, causal): token l copies ȳ of grid point g_l = floor(u_l)
@@ -317,8 +317,8 @@ class SeRpEntMambaBlock(nn.Module):
 @compat.cache_output
 class SeRpEntMambaOutput(ModelOutput):
     """Output of :class:`SeRpEntMambaModel`: the final hidden states (after the last norm), the cache
-    (when ``use_cache``) and, on request, the hidden states (as Mamba's: the embeddings, each later layer's input and the
-    final output: ``num_hidden_layers + 1``)."""
+    (when ``use_cache``) and, on request, ``num_hidden_layers + 1`` hidden states as transformers' ``MambaModel``
+    gives them: each layer's output, then the final hidden state (after the last norm)."""
 
     last_hidden_state: torch.Tensor | None = None
     cache: ComposableSeRpEntCache | None = None
@@ -431,14 +431,14 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
         else:
             real = torch.ones((batch, length), dtype=torch.bool, device=inputs_embeds.device)
 
-        # as transformers' MambaModel: each layer's input (the embeddings first), then the final output (after the
-        # last norm): num_hidden_layers + 1 tensors
+        # as transformers' MambaModel: each layer's output, then the final hidden state (after the last norm):
+        # num_hidden_layers + 1 tensors
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None
         for block in self.layers:
+            hidden_states = block(hidden_states, cache, real)
             if output_hidden_states:
                 all_hidden_states = all_hidden_states + (hidden_states,)
-            hidden_states = block(hidden_states, cache, real)
         cache.add_tokens(real.sum(-1))
         hidden_states = self.norm_f(hidden_states)
         if output_hidden_states:

@@ -37,6 +37,7 @@ from array import array
 
 import torch
 
+from ... import compat
 from .. import _native
 from .reference import _check_inputs
 from .weights import MODEL_FREE_METHODS, _gauss_legendre_01
@@ -412,6 +413,8 @@ def applicable(ssm_states, delta_sums, A, weights=None) -> bool:
     if first.device.type != "cpu" or first.dtype != torch.float32:
         return False
     tensors = [*ssm_states, delta_sums, A] + ([weights] if torch.is_tensor(weights) else [])
+    if compat.is_tracing(first):
+        return False  # torch.compile / torch.export: FakeTensors have no data for ctypes to read
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 

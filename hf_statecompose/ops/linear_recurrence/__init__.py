@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from ... import compat
 from .._triton import triton_unavailable_reason as _triton_unavailable_reason
 from .reference import linear_recurrence_reference
 from .vectorized import linear_recurrence_torch
@@ -23,7 +24,9 @@ def _resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        usable = device.type == "cuda" and dtype != torch.float64 and _triton_unavailable_reason(device) is None
+        # not while torch.compile / torch.export trace (the torch scan traces on every device)
+        usable = device.type == "cuda" and dtype != torch.float64 and not compat.is_tracing() \
+            and _triton_unavailable_reason(device) is None
         choice = "triton" if usable else "torch"
         key = (device.type, dtype, choice)
         if key not in _logged:

@@ -25,6 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ... import compat
 from .reference import _check_shapes
 
 logger = logging.getLogger("hf_statecompose")
@@ -57,6 +58,7 @@ def applicable(u, A, initial_state, length: int) -> bool:
     return (
         compile_enabled()
         and not needs_grad
+        and not compat.is_tracing(u)  # inside torch.compile / torch.export the caller's graph holds the scan
         and length >= MIN_TOKENS
         and u.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and A.dtype == torch.float32

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from ... import compat
 from .. import _native
 from .reference import _check_shapes
 
@@ -226,6 +227,8 @@ def gated_rms_norm_native(norm, hidden_states, gate):
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
+    if compat.is_tracing(hidden_states):
+        return None  # torch.compile / torch.export: FakeTensors have no data for ctypes to read
     width = hidden_states.shape[-1]
     if gate.shape != hidden_states.shape or width % group_size or weight.shape != (width,):
         return None
