@@ -103,7 +103,7 @@ def test_a_worker_killed_mid_run_loses_nothing_and_the_rerun_completes(tmp_path,
     _, committed = check_store(path, corpus)  # every committed entry reads back, verified and exact
     assert 4 <= committed < 32  # the batch before the kill, not the one it interrupted
     report = hsc.encode_corpus(corpus, tiny_mamba2, path, retriever=BagOfWords, batch_size=4, num_actors=2, show_progress=False)
-    assert report["entries"] == 32 and report["already_stored"] == committed, (first, report)
+    assert report["entries"] == 32 and report["already_stored"] == committed, report
     assert check_store(path, corpus)[1] == 32
 
 

@@ -4,7 +4,6 @@ Every crafted file below is a valid safetensors file whose digest was recomputed
 ``_digest``: only the schema / model checks can catch it.
 """
 import copy
-import io
 import json
 import pickle
 
