@@ -125,8 +125,7 @@ def _cache_arg() -> str:
 def pop_cache(kwargs: dict, default=None):
     """Remove and return the cache passed in ``kwargs`` under either name (``cache`` or ``cache_params``).
     Both names with different values is refused, as transformers refuses it."""
-    found = [(name, kwargs.pop(name)) for name in CACHE_NAMES if name in kwargs]
-    values = [value for _, value in found if value is not None]
+    values = [value for value in (kwargs.pop(name) for name in CACHE_NAMES if name in kwargs) if value is not None]
     if len(values) > 1 and values[0] is not values[1]:
         raise ValueError("pass the cache once, as `cache` (or the older name `cache_params`), not both")
     return values[0] if values else default
@@ -251,8 +250,9 @@ def _make_ssm_layer_base():
             self.conv_kernel_size[0] = conv_state.shape[-1]
             self.dtype, self.device = conv_state.dtype, conv_state.device
 
-        def _map_row_tensors(self, fn) -> None:
-            for name in self._row_tensors:
+        def _map_row_tensors(self, fn, names=None) -> None:
+            """``fn`` of each per-row tensor (or of ``names``) that is set."""
+            for name in self._row_tensors if names is None else names:
                 value = getattr(self, name)
                 if value is not None:
                     setattr(self, name, fn(value))
@@ -278,21 +278,14 @@ def _make_ssm_layer_base():
 
         def offload(self):
             super().offload()
-            self._map_row_tensors(lambda t: t.to("cpu", non_blocking=True))
-            for name in self._fixed_tensors:
-                value = getattr(self, name)
-                if value is not None:
-                    setattr(self, name, value.to("cpu", non_blocking=True))
+            self._map_row_tensors(lambda t: t.to("cpu", non_blocking=True), self._row_tensors + self._fixed_tensors)
 
         def prefetch(self):
             super().prefetch()
             if self.device is None:
                 return
-            self._map_row_tensors(lambda t: t.to(self.device, non_blocking=True) if t.device != self.device else t)
-            for name in self._fixed_tensors:
-                value = getattr(self, name)
-                if value is not None and value.device != self.device:
-                    setattr(self, name, value.to(self.device, non_blocking=True))
+            self._map_row_tensors(lambda t: t.to(self.device, non_blocking=True) if t.device != self.device else t,
+                                  self._row_tensors + self._fixed_tensors)
 
         def reset(self) -> None:
             """transformers' reset: zero states, no previous state; the per-row extras are forgotten with them."""
