@@ -91,7 +91,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from safetensors.torch import load_file
 
-    from hf_statecompose.store import store as store_module
+    from hf_statecompose.store import folder as store_module
 
     model = state_shaped_like_2p7b()
     texts = [f"passage {i} about topic{i} and the shared word" for i in range(args.k)]

@@ -277,7 +277,7 @@ def _maintain(args) -> None:
 def _store_command(args) -> None:
     if args.store_command == "migrate":
         header = _require_store(args.source)
-        from .store.lance import migrate
+        from .store.migrate import migrate
 
         spec = args.model or header.get("info", {}).get("model", "demo")
         model, tokenizer = load_model(spec)

@@ -20,8 +20,8 @@ import json
 import os
 from typing import Callable, Iterable
 
-from .store.lance import HEADER_TABLE, STATES_TABLE, LanceStateStore, _lancedb
-from .store.store import _check_count, _checked_json
+from .store.lance import HEADER_TABLE, STATES_TABLE, LanceStateStore, import_lancedb
+from .store.format import check_count, checked_json
 
 
 def entry_id_for(passage_id=None, text: str | None = None) -> str:
@@ -78,7 +78,7 @@ def _normalise(passages, text_field: str) -> tuple[list[str], list[str], list[st
     for n, (text, meta) in enumerate(zip(texts, metadata)):
         if not text.strip():
             raise ValueError(f"passage {n} is empty; every entry needs some text to encode")
-        _checked_json(meta, f"metadata of passage {n}")
+        checked_json(meta, f"metadata of passage {n}")
         ids.append(entry_id_for(meta.get("id"), text))
         metas.append(json.dumps(meta, sort_keys=True, ensure_ascii=False))
     if len(set(ids)) != len(ids):
@@ -94,7 +94,7 @@ def _normalise(passages, text_field: str) -> tuple[list[str], list[str], list[st
 
 def stored_ids(store_uri, storage_options: dict | None = None) -> set[str]:
     """Ids in the Lance store at ``store_uri`` (empty if there is no store yet); no model needed."""
-    lancedb, _ = _lancedb()
+    lancedb, _ = import_lancedb()
     db = lancedb.connect(os.fspath(store_uri), storage_options=storage_options)
     listing = db.list_tables() if hasattr(db, "list_tables") else db.table_names()
     names = set(getattr(listing, "tables", listing))
@@ -163,8 +163,8 @@ def encode_corpus(passages, model_path, store_uri, *, retriever: Callable | None
         import ray.data
     except ImportError as error:
         raise ImportError("encode_corpus needs Ray Data: pip install 'hf_statecompose[scale]' (or pip install -c constraints.txt 'ray[data]')") from error
-    batch_size = _check_count(batch_size, "batch_size", 1)
-    cpus_per_actor = _check_count(cpus_per_actor, "cpus_per_actor", 1)
+    batch_size = check_count(batch_size, "batch_size", 1)
+    cpus_per_actor = check_count(cpus_per_actor, "cpus_per_actor", 1)
     if not callable(model_path) and not isinstance(model_path, (str, os.PathLike)):
         raise TypeError(f"model_path must be a demo name, a checkpoint folder or a callable, got {type(model_path).__name__}")
     if retriever is not None and not callable(retriever):
@@ -183,7 +183,7 @@ def encode_corpus(passages, model_path, store_uri, *, retriever: Callable | None
             num_gpus_per_actor = 1 if gpus else 0
         if num_actors is None:
             num_actors = max(1, gpus if num_gpus_per_actor else int(resources.get("CPU", 1)) // cpus_per_actor)
-        num_actors = _check_count(num_actors, "num_actors", 1)
+        num_actors = check_count(num_actors, "num_actors", 1)
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = bool(show_progress)
         # sorted by length: consecutive rows, hence each batch, have similar lengths (little padding)

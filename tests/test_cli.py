@@ -179,15 +179,15 @@ def test_store_errors_are_one_line(built, bag_of_words, capsys):
 
 
 def test_a_failed_build_leaves_nothing_behind(built, bag_of_words, capsys, monkeypatch):
-    from hf_statecompose.store import StateStore
+    from hf_statecompose.store import FolderStateStore
 
-    original = StateStore.add
+    original = FolderStateStore.add
 
     def fails_after_one_batch(self, texts, metadata=None, batch_size=16, show_progress=True):
         original(self, texts[:batch_size], metadata[:batch_size], batch_size=batch_size, show_progress=False)
         raise ValueError("the tokenizer produced no tokens for 'x'")  # as the store reports a bad passage
 
-    monkeypatch.setattr(StateStore, "add", fails_after_one_batch)
+    monkeypatch.setattr(FolderStateStore, "add", fails_after_one_batch)
     target = built / "new" / "store"
     code, _, err = run_main(["build", target, built / "passages.jsonl", "--batch-size", "2"], capsys)
     assert_user_error(code, err, "no tokens")
@@ -196,7 +196,7 @@ def test_a_failed_build_leaves_nothing_behind(built, bag_of_words, capsys, monke
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(StateStore, "add", interrupted)
+    monkeypatch.setattr(FolderStateStore, "add", interrupted)
     (built / "empty").mkdir()
     code, _, err = run_main(["build", built / "empty", built / "passages.jsonl"], capsys)
     assert code == 130 and err == "hf-statecompose: interrupted\n"

@@ -14,7 +14,7 @@ from helpers import tiny_model
 from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
-from hf_statecompose.store import store as store_module
+from hf_statecompose.store import folder as store_module
 
 TESTS = str(Path(__file__).parent)
 
@@ -74,7 +74,7 @@ def reseal(path, edit):
     """Edit a manifest / header *and* recompute its digest, as a forger would."""
     body = {k: v for k, v in json.loads(Path(path).read_text()).items() if k != "digest"}
     edit(body)
-    Path(path).write_bytes(store_module._seal(body))
+    Path(path).write_bytes(store_module.seal(body))
 
 
 def test_a_crafted_manifest_with_a_traversal_id_is_refused(tmp_path):
@@ -247,8 +247,8 @@ def test_reads_verify_each_entry_once_per_shard_file_and_again_when_the_file_cha
     store = make_store(tmp_path / "s", model)
     ids = store.add(TEXTS[:3], show_progress=False)
     hashed = []
-    checksum = store_module._checksum
-    monkeypatch.setattr(store_module, "_checksum", lambda tensors: hashed.append(sorted(tensors)) or checksum(tensors))
+    checksum = store_module.checksum
+    monkeypatch.setattr(store_module, "checksum", lambda tensors: hashed.append(sorted(tensors)) or checksum(tensors))
     first = store.get(ids[:2])
     entry_hashes = len([h for h in hashed if "token_ids" in h])
     assert entry_hashes == 2
@@ -296,7 +296,7 @@ def test_stored_states_that_are_not_states_of_the_model_are_refused(tmp_path, da
 
     def forge(m):
         m["shard_size"] = len(payload)
-        m["entries"][0]["checksum"] = store_module._checksum(entry_tensors)
+        m["entries"][0]["checksum"] = store_module.checksum(entry_tensors)
 
     reseal(next((tmp_path / "s" / "shards").glob("*.json")), forge)
     expected = {"negative ΣΔ": "ΣΔ is negative", "NaN": "ssm holds NaN/inf", "inf": "ssm holds NaN/inf", "shape": "not a fp32 state of this model"}
@@ -311,7 +311,7 @@ sys.path.insert(0, {tests!r})
 from helpers import tiny_model
 from store_helpers import BagOfWords, CharTokenizer
 import hf_statecompose as hsc
-from hf_statecompose.store import store as store_module
+from hf_statecompose.store import folder as store_module
 
 pristine, work = sys.argv[1], sys.argv[2]
 model = tiny_model("mamba2")

@@ -85,7 +85,23 @@ def test_reopen_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="holds a folder store"):
         make_store(tmp_path / "folder", model)
     # a folder store is untouched by the new keyword
-    assert type(hsc.StateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords(), backend="folder")).__name__ == "StateStore"
+    folder = hsc.StateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords(), backend="folder")
+    assert type(folder).__name__ == "FolderStateStore"
+
+
+def test_both_backends_are_state_stores(tmp_path):
+    from hf_statecompose.store import FolderStateStore, LanceStateStore, StateStore
+
+    model = tiny_model("mamba2")
+    folder = hsc.StateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords())
+    lance = make_store(tmp_path / "l", model)
+    assert isinstance(folder, StateStore) and isinstance(folder, FolderStateStore) and not isinstance(folder, LanceStateStore)
+    assert isinstance(lance, StateStore) and isinstance(lance, LanceStateStore) and not isinstance(lance, FolderStateStore)
+    assert hsc.StateStore is StateStore and (folder.backend, lance.backend) == ("folder", "lance")
+    # the subclasses open their own backend directly, and refuse the other one's keyword
+    assert type(FolderStateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords())) is FolderStateStore
+    with pytest.raises(ValueError, match="backend"):
+        FolderStateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords(), backend="lance")
 
 
 def test_retrieve_exclude_and_bad_input(tmp_path):
@@ -229,7 +245,7 @@ def test_a_lost_header_table_is_not_re_adopted(tmp_path):
 
 
 def test_migrate_a_folder_store_and_the_cli(tmp_path):
-    from hf_statecompose.store.lance import migrate
+    from hf_statecompose.store.migrate import migrate
 
     model = tiny_model("mamba")
     folder = hsc.StateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords(), storage_dtype="bf16")

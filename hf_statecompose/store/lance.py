@@ -40,25 +40,23 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..state.architectures import architecture
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of
 from ..state.serialization import FORMAT_VERSION as STATE_FORMAT_VERSION
 from ..state.serialization import _check_metadata, _dense, _digest
 from ..state.validation import check_finite, expected_num_layers
-from .store import (
+from .base import StateStore, progress_bar
+from .format import (
     FORMAT_VERSION,
     STORAGE_DTYPES,
-    StateStore,
     StoreEntry,
-    _canonical,
-    _check_count,
-    _checked_json,
-    _checksum,
-    _progress,
-    _seal,
+    canonical,
+    check_count,
     check_id,
     check_opened_header,
+    checksum,
+    seal,
+    unseal_bytes,
 )
 
 HEADER_TABLE = "store_header"
@@ -70,7 +68,7 @@ DEFAULT_INDEX_THRESHOLD = 10_000
 DIMENSION_PROBE = "an hf_statecompose store"
 
 
-def _lancedb():
+def import_lancedb():
     try:
         import lancedb
         import pyarrow
@@ -82,8 +80,8 @@ def _lancedb():
     return lancedb, pyarrow
 
 
-def _row_seal(entry_id: str, text: str, metadata_json: str, num_tokens: int, vector: bytes, tensor_digest: str) -> str:
-    body = _canonical([entry_id, text, metadata_json, int(num_tokens), hashlib.sha256(vector).hexdigest(), tensor_digest])
+def row_seal(entry_id: str, text: str, metadata_json: str, num_tokens: int, vector: bytes, tensor_digest: str) -> str:
+    body = canonical([entry_id, text, metadata_json, int(num_tokens), hashlib.sha256(vector).hexdigest(), tensor_digest])
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
@@ -103,7 +101,7 @@ def _blob_metadata(blob: bytes, where: str) -> dict:
     return meta
 
 
-class LanceStateStore:
+class LanceStateStore(StateStore):
     """A :class:`~hf_statecompose.StateStore` in LanceDB (see the module docstring); made by
     ``StateStore(uri, model, tokenizer, backend="lance", ...)`` or directly.
 
@@ -118,31 +116,22 @@ class LanceStateStore:
 
     backend = "lance"
 
-    # the row encoding and the model checks are the folder store's own
-    _entry_tensors = StateStore._entry_tensors
-    _state = StateStore._state
-    _check_entry_tensors = StateStore._check_entry_tensors
-    _embed = StateStore._embed
-    _tokenize = StateStore._tokenize
-    _check_ids = StateStore._check_ids
-    _bind = StateStore._bind
-
     def __init__(self, uri, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None,
                  info: dict | None = None, *, storage_options: dict | None = None, index_threshold: int = DEFAULT_INDEX_THRESHOLD,
                  index_type: str = "IVF_PQ", nprobes: int = 32, refine_factor: int | None = 10,
-                 read_consistency_interval: float = 0.0):
-        lancedb, pa = _lancedb()
+                 read_consistency_interval: float = 0.0, backend: str | None = None):
+        lancedb, pa = import_lancedb()
         if uri is None or not isinstance(uri, (str, os.PathLike)):
             raise TypeError(f"uri must be a path or a URI string, got {type(uri).__name__}")
         self.uri = os.fspath(uri)
         self.path = self.uri  # named in messages, as a folder store's path
         tokenizer_info, info = self._bind(model, tokenizer, retriever, storage_dtype, info)
-        self.index_threshold = _check_count(index_threshold, "index_threshold", 1)
+        self.index_threshold = check_count(index_threshold, "index_threshold", 1)
         if index_type not in ("IVF_PQ", "IVF_HNSW_SQ"):
             raise ValueError(f"index_type must be 'IVF_PQ' or 'IVF_HNSW_SQ', got {index_type!r}")
         self.index_type = index_type
-        self.nprobes = _check_count(nprobes, "nprobes", 1)
-        self.refine_factor = None if refine_factor is None else _check_count(refine_factor, "refine_factor", 1)
+        self.nprobes = check_count(nprobes, "nprobes", 1)
+        self.refine_factor = None if refine_factor is None else check_count(refine_factor, "refine_factor", 1)
         if "://" not in self.uri and os.path.isfile(os.path.join(self.uri, "store.json")):
             raise ValueError(f"{self.uri} holds a folder store: open it without backend='lance' (or copy it: hf-statecompose store migrate)")
         self._pa = pa
@@ -160,14 +149,10 @@ class LanceStateStore:
         check_opened_header(self.header, self.uri, self.fingerprint, self.retriever_name, tokenizer_info, storage_dtype)
         self.storage_dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
         self.embedding_dim = int(self.header["embedding_dim"])
-        template = ComposableMambaCache.empty_for(model)
-        self._state_class = type(template)
-        self._layout = architecture(template.architecture)
-        self._state_template = {"architecture": template.architecture, "fingerprint": template.fingerprint,
-                                "model_dtype": template.model_dtype, "model_info": dict(template.model_info)}
+        template = self._state_template
         self._blob_meta = {
-            "format_version": STATE_FORMAT_VERSION, "architecture": template.architecture, "fingerprint": self.fingerprint,
-            "model_dtype": str(template.model_dtype), "model_info": dict(template.model_info),
+            "format_version": STATE_FORMAT_VERSION, "architecture": template["architecture"], "fingerprint": self.fingerprint,
+            "model_dtype": str(template["model_dtype"]), "model_info": dict(template["model_info"]),
             "num_layers": expected_num_layers(model.config), "config": model.config.to_dict(),
             "A": "stored once per store (store_header row 'A')", "storage_dtype": self.header["storage_dtype"],
         }
@@ -198,7 +183,7 @@ class LanceStateStore:
             "fingerprint": self.fingerprint, "architecture": architecture_of(model), "model_type": model.config.model_type,
             "num_hidden_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size,
             "storage_dtype": storage_dtype, "retriever": self.retriever_name, "embedding_dim": dim,
-            "tokenizer": tokenizer_info, "info": info, "A_checksum": _checksum(A),
+            "tokenizer": tokenizer_info, "info": info, "A_checksum": checksum(A),
         }
         pa = self._pa
         # the states table first, the header last: the header's commit is the store's
@@ -207,7 +192,7 @@ class LanceStateStore:
         except Exception:  # noqa: BLE001 - two processes creating the store at once (Ray actors): one wins
             if STATES_TABLE not in self._table_names():
                 raise
-        rows = pa.table({"name": ["header", "A"], "json": [_seal(header).decode(), ""],
+        rows = pa.table({"name": ["header", "A"], "json": [seal(header).decode(), ""],
                          "blob": pa.array([b"", save(A)], pa.large_binary())})
         try:
             self._db.create_table(HEADER_TABLE, data=rows, mode="create")
@@ -218,8 +203,6 @@ class LanceStateStore:
     def _read_header(self) -> tuple[dict, list[torch.Tensor]]:
         from safetensors.torch import load
 
-        from .store import _unseal_bytes
-
         where = f"{self.uri} ({HEADER_TABLE})"
         try:
             rows = {r["name"]: r for r in self._db.open_table(HEADER_TABLE).to_arrow().to_pylist()}
@@ -227,7 +210,7 @@ class LanceStateStore:
             raise ValueError(f"{where}: the store's header table is unreadable ({error!r:.120}); restore it from a backup") from None
         if set(rows) != {"header", "A"}:
             raise ValueError(f"{where}: the store's header table is damaged (rows {sorted(rows)}); restore it from a backup")
-        header = _unseal_bytes(rows["header"]["json"].encode(), where, "header")
+        header = unseal_bytes(rows["header"]["json"].encode(), where, "header")
         if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "hf_statecompose.store" or header.get("backend") != "lance":
             raise ValueError(f"{where}: not an hf_statecompose Lance store header (format {header.get('format_version')!r})")
         if header.get("storage_dtype") not in STORAGE_DTYPES or not isinstance(header.get("tokenizer"), dict) \
@@ -237,7 +220,7 @@ class LanceStateStore:
             A = load(rows["A"]["blob"])
         except Exception as error:  # noqa: BLE001
             raise ValueError(f"{where}: the stored A tensors are unreadable ({error!r:.80}); restore the store from a backup") from None
-        if _checksum(A) != header.get("A_checksum"):
+        if checksum(A) != header.get("A_checksum"):
             raise ValueError(f"{where}: the stored A tensors do not match their checksum (corrupted); restore the store from a backup")
         num_layers = expected_num_layers(self.model.config)
         if set(A) != {f"A.{layer}" for layer in range(num_layers)}:
@@ -302,7 +285,7 @@ class LanceStateStore:
         vector = row["vector"]
         if vector is None or len(vector) != self.embedding_dim:
             raise ValueError(f"entry {entry_id} of {self.uri}: its vector is malformed (corrupted); delete and re-add it")
-        seal = _row_seal(entry_id, row["text"], row["metadata"], row["num_tokens"], self._vector_bytes(vector), row["tensor_digest"])
+        seal = row_seal(entry_id, row["text"], row["metadata"], row["num_tokens"], self._vector_bytes(vector), row["tensor_digest"])
         if seal != row["seal"]:
             raise ValueError(f"entry {entry_id} of {self.uri}: the row does not match its seal (corrupted or edited); delete and re-add it")
 
@@ -318,22 +301,7 @@ class LanceStateStore:
         ``ids`` (optional, 16 lowercase hex digits each): the entries' ids; ids already stored are
         skipped (not encoded again, not duplicated), so a repeated or resumed ``add`` is safe. Returns the
         ids, in order (new and skipped)."""
-        if isinstance(texts, (str, bytes)):
-            raise TypeError("texts must be a list of strings, got a single string (it would add one entry per character): use add([text])")
-        texts = list(texts)
-        batch_size = _check_count(batch_size, "batch_size", 1)
-        if metadata is not None and (isinstance(metadata, (dict, str, bytes)) or not isinstance(metadata, Iterable)):
-            raise TypeError("metadata must be a list with one dict per text")
-        metadata = list(metadata) if metadata is not None else [{} for _ in texts]
-        if len(metadata) != len(texts):
-            raise ValueError(f"{len(texts)} texts but {len(metadata)} metadata dicts")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"text {i} is empty or not a string; every entry needs some text to encode")
-        for i, m in enumerate(metadata):
-            if m is not None and not isinstance(m, dict):
-                raise TypeError(f"metadata of text {i} must be a dict (or None), got {type(m).__name__}")
-        metadata = [_checked_json(dict(m or {}), f"metadata of text {i}") for i, m in enumerate(metadata)]
+        texts, metadata, batch_size = self._check_add(texts, metadata, batch_size)
         given = ids is not None
         if given:
             ids = self._check_ids(ids, "ids")
@@ -346,7 +314,7 @@ class LanceStateStore:
         else:
             ids = [uuid.uuid4().hex[:16] for _ in texts]
             todo = list(range(len(texts)))
-        progress = _progress(len(todo), show_progress)
+        progress = progress_bar(len(todo), show_progress)
         try:
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start : start + batch_size]
@@ -377,7 +345,7 @@ class LanceStateStore:
             digest = _digest(tensors)
             blob = save(tensors, metadata={"hf_statecompose": json.dumps({**self._blob_meta, "tensor_digest": digest}, default=repr)})
             vector = vectors[row].contiguous()
-            meta_json = _canonical(meta).decode()
+            meta_json = canonical(meta).decode()
             columns["id"].append(entry_id)
             columns["text"].append(text)
             columns["metadata"].append(meta_json)
@@ -385,7 +353,7 @@ class LanceStateStore:
             columns["vector"].append(vector.tolist())
             columns["state"].append(blob)
             columns["tensor_digest"].append(digest)
-            columns["seal"].append(_row_seal(entry_id, text, meta_json, len(tokens), vector.numpy().tobytes(), digest))
+            columns["seal"].append(row_seal(entry_id, text, meta_json, len(tokens), vector.numpy().tobytes(), digest))
         return self._pa.table(columns, schema=self._schema(self.embedding_dim))
 
     def write_rows(self, rows, skip_existing: bool = True) -> None:
@@ -401,8 +369,7 @@ class LanceStateStore:
     # ------------------------------------------------------------------------------------ read
     def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
         """The states of ``ids`` (one id: one state), every one verified (see the module docstring)."""
-        single = isinstance(ids, str)
-        ids = [check_id(ids, "entry")] if single else self._check_ids(ids, "ids")
+        single, ids = self._check_one_or_many(ids)
         device = device if device is not None else next(self.model.parameters()).device
         rows = self._rows(ids, ["id", "text", "metadata", "num_tokens", "vector", "state", "tensor_digest", "seal"])
         missing = [i for i in ids if i not in rows]
@@ -446,10 +413,7 @@ class LanceStateStore:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states. Through the
         ANN index once :meth:`compact` has built it (plus an exact scan of rows added since), else an
         exact scan; ``exact=True`` always scans."""
-        if not isinstance(query, str) or not query.strip():
-            raise ValueError("query must be a non-empty string")
-        k = _check_count(k, "k", 0)
-        excluded = self._check_ids(exclude, "exclude")
+        k, excluded = self._check_query(query, k, exclude)
         if k == 0:
             return []
         vector = self._embed([query])[0]
@@ -477,7 +441,7 @@ class LanceStateStore:
     # ------------------------------------------------------------------------------------ delete / compact
     def delete(self, ids: Sequence[str] | str) -> None:
         """Delete entries (one Lance commit; their bytes go at the next :meth:`compact`)."""
-        ids = [check_id(ids, "entry")] if isinstance(ids, str) else self._check_ids(ids, "ids")
+        _, ids = self._check_one_or_many(ids)
         found = self._rows(ids, ["id"])
         missing = [i for i in ids if i not in found]
         if missing:
@@ -560,9 +524,7 @@ class LanceStateStore:
 
 def read_lance_header(uri: str, storage_options: dict | None = None) -> dict | None:
     """The sealed header of the Lance store at ``uri`` (``None`` if it holds none), without a model."""
-    from .store import _unseal_bytes
-
-    lancedb, _ = _lancedb()
+    lancedb, _ = import_lancedb()
     db = lancedb.connect(uri, storage_options=storage_options)
     listing = db.list_tables() if hasattr(db, "list_tables") else db.table_names()
     if HEADER_TABLE not in set(getattr(listing, "tables", listing)):
@@ -570,82 +532,4 @@ def read_lance_header(uri: str, storage_options: dict | None = None) -> dict | N
     rows = {r["name"]: r for r in db.open_table(HEADER_TABLE).search().select(["name", "json"]).limit(None).to_arrow().to_pylist()}
     if "header" not in rows:
         raise ValueError(f"{uri} ({HEADER_TABLE}): the store's header row is missing; restore it from a backup")
-    return _unseal_bytes(rows["header"]["json"].encode(), f"{uri} ({HEADER_TABLE})", "header")
-
-
-# ------------------------------------------------------------------------------------ migrate
-def migrate(source, destination, model, tokenizer, retriever: Callable | None = None, batch_size: int = 64,
-            show_progress: bool = True, **lance_options) -> dict:
-    """Copy the folder store ``source`` into a Lance store at ``destination`` (created, or extended:
-    ids already there are skipped), then read every entry back from the Lance store, verified, and
-    compare it with the folder store's: states bit for bit, text, metadata, token count, embedding.
-    Returns counts; any difference is a ``ValueError``. Embeddings are copied, not recomputed."""
-    if not (os.path.isdir(source) and os.path.isfile(os.path.join(source, "store.json"))):
-        raise ValueError(f"no store at {source} (a folder store holds store.json)")
-    if "://" not in os.fspath(destination) and os.path.isfile(os.path.join(destination, "store.json")):
-        raise ValueError(f"{destination} holds a folder store: give a new folder (or an existing Lance store) as the destination")
-    folder = StateStore(source, model, tokenizer, retriever=retriever)
-    batch_size = _check_count(batch_size, "batch_size", 1)
-    lance = LanceStateStore(destination, model, tokenizer, retriever=folder.retriever, storage_dtype=folder.header["storage_dtype"],
-                            info=folder.header.get("info") or {}, **lance_options)
-    if folder.header.get("embedding_dim") not in (None, lance.embedding_dim):
-        raise ValueError(f"{source} holds {folder.header['embedding_dim']}-dim embeddings, the Lance store {lance.embedding_dim}-dim ones")
-    with folder._locked(shared=True):
-        folder.refresh()
-        flat_ids, matrix = folder._flat_index()
-        vectors = {entry_id: matrix[n] for n, entry_id in enumerate(flat_ids)}
-        ids = sorted(flat_ids)
-        copied = verified = 0
-        from safetensors.torch import save
-
-        progress = _progress(2 * len(ids), show_progress)
-        try:
-            for start in range(0, len(ids), batch_size):
-                chunk = ids[start : start + batch_size]
-                present = set(lance._rows(chunk, ["id"]))
-                todo = [i for i in chunk if i not in present]
-                if todo:
-                    states = folder.get(todo, device="cpu")
-                    records = folder.entries(todo)
-                    columns: dict[str, list] = {name: [] for name in lance._schema(lance.embedding_dim).names}
-                    for entry_id, record, state in zip(todo, records, states):
-                        tokens = state.token_ids[0].tolist()
-                        tensors = lance._entry_tensors(state, 0, tokens)
-                        tensors["num_tokens"] = torch.tensor([len(tokens)], dtype=torch.long)
-                        digest = _digest(tensors)
-                        blob = save(tensors, metadata={"hf_statecompose": json.dumps({**lance._blob_meta, "tensor_digest": digest}, default=repr)})
-                        vector = vectors[entry_id].contiguous()
-                        meta_json = _canonical(record.metadata).decode()
-                        for name, value in (("id", entry_id), ("text", record.text), ("metadata", meta_json), ("num_tokens", record.num_tokens),
-                                            ("vector", vector.tolist()), ("state", blob), ("tensor_digest", digest),
-                                            ("seal", _row_seal(entry_id, record.text, meta_json, record.num_tokens, vector.numpy().tobytes(), digest))):
-                            columns[name].append(value)
-                    lance.write_rows(lance._pa.table(columns, schema=lance._schema(lance.embedding_dim)), skip_existing=True)
-                    copied += len(todo)
-                progress.update(len(chunk))
-            for start in range(0, len(ids), batch_size):
-                chunk = ids[start : start + batch_size]
-                ours, theirs = folder.get(chunk, device="cpu"), lance.get(chunk, device="cpu")
-                mine, copies = folder.entries(chunk), lance.entries(chunk)
-                rows = lance._rows(chunk, ["id", "vector"])
-                for entry_id, a, b, ra, rb in zip(chunk, ours, theirs, mine, copies):
-                    same = (ra.text, ra.metadata, ra.num_tokens) == (rb.text, rb.metadata, rb.num_tokens) and torch.equal(
-                        torch.tensor(rows[entry_id]["vector"], dtype=torch.float32), vectors[entry_id]) and _same_state(a, b)
-                    if not same:
-                        raise ValueError(f"entry {entry_id} differs between {source} and the Lance store at {destination} after the copy")
-                    verified += 1
-                progress.update(len(chunk))
-        finally:
-            progress.close()
-    return {"entries": len(ids), "copied": copied, "already_there": len(ids) - copied, "verified": verified, "destination": lance.uri}
-
-
-def _same_state(a, b) -> bool:
-    if a.num_layers != b.num_layers or not torch.equal(a.token_ids, b.token_ids) or a.num_tokens.tolist() != b.num_tokens.tolist():
-        return False
-    for layer in range(a.num_layers):
-        pairs = [(a.ssm_states[layer], b.ssm_states[layer]), (a.conv_states[layer], b.conv_states[layer]),
-                 (a.delta_sums[layer], b.delta_sums[layer]), (a.A[layer], b.A[layer])]
-        if not all(x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs):
-            return False
-    return True
+    return unseal_bytes(rows["header"]["json"].encode(), f"{uri} ({HEADER_TABLE})", "header")

@@ -1,4 +1,5 @@
-"""``StateStore``: a database of context states on disk, retrieved by embedding similarity.
+"""``FolderStateStore``: the default :class:`~hf_statecompose.store.StateStore` backend, a folder of
+safetensors shards on a local filesystem.
 
 Layout of a store directory::
 
@@ -49,167 +50,33 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
-import numbers
 import os
-import re
 import threading
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..state.architectures import architecture, check_extra_tensors
 from ..state.cache import ComposableMambaCache
-from ..state.fingerprint import architecture_of, model_fingerprint
 from ..state.files import atomic_write, fsync_dir
-from ..state.validation import check_finite, expected_num_layers, expected_state_shapes
-
-FORMAT_VERSION = 2
-STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# one pattern for every id the store makes (uuid4 hex: 16 digits for entries, 32 for shards)
-_ID_PATTERN = re.compile(r"[0-9a-f]{16}(?:[0-9a-f]{16})?")
-_ID_LENGTH = {"entry": 16, "shard": 32}
-_CHECKSUM_PATTERN = re.compile(r"[0-9a-f]{32}")
-# a fixed text that exercises a tokenizer's normalisation, byte fallback and merges: two tokenizers that
-# split it differently are not interchangeable for a store
-_TOKENIZER_PROBE = "The quick brown fox, 1234567890! ¿Qué? naïve café — 東京 😀\n\ttabs  and  spaces {x: [1, 2]}"
-
-
-@dataclass
-class StoreEntry:
-    """One stored context. ``state`` is filled by :meth:`StateStore.retrieve` (and ``score``)."""
-
-    id: str
-    text: str
-    metadata: dict = field(default_factory=dict)
-    num_tokens: int = 0
-    score: float | None = None
-    state: ComposableMambaCache | None = None
-
-
-def check_id(value, kind: str = "entry") -> str:
-    """``value`` if it is a well-formed ``kind`` id (``"entry"`` or ``"shard"``), else a clear error."""
-    if not isinstance(value, str):
-        raise TypeError(f"{kind} ids are str (as StateStore.add returns them), got {type(value).__name__}: {value!r:.60}")
-    if len(value) != _ID_LENGTH[kind] or not _ID_PATTERN.fullmatch(value):
-        raise ValueError(
-            f"{value!r:.60} is not a store {kind} id: those are {_ID_LENGTH[kind]} lowercase hex digits, as StateStore.add returns them"
-        )
-    return value
-
-
-def _is_id(value, kind: str) -> bool:
-    return isinstance(value, str) and len(value) == _ID_LENGTH[kind] and bool(_ID_PATTERN.fullmatch(value))
-
-
-def _check_count(value, name: str, minimum: int) -> int:
-    # bool is an int to Python but never a count the caller meant
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r:.40}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _checked_json(value, what: str):
-    """``value`` if it survives JSON unchanged (else a TypeError naming ``what``)."""
-    try:
-        same = json.loads(json.dumps(value, allow_nan=False)) == value
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"{what} cannot be stored as JSON ({error}); use str/int/float/bool/None, lists and str-keyed dicts") from None
-    if not same:
-        raise TypeError(f"{what} would change when stored as JSON (non-str keys or tuples?); use str keys and lists")
-    return value
-
-
-# ------------------------------------------------------------------------------------ sealed JSON
-def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-
-
-def _seal(obj: dict) -> bytes:
-    """Canonical JSON of ``obj`` plus ``digest``: the blake2b of the rest, so any changed byte shows."""
-    body = {k: v for k, v in obj.items() if k != "digest"}
-    return _canonical({**body, "digest": hashlib.blake2b(_canonical(body), digest_size=16).hexdigest()})
-
-
-def _unseal(path: Path, what: str, missing_ok: bool = False) -> dict | None:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        if missing_ok:
-            return None
-        raise ValueError(f"{path}: the store's {what} is missing (files removed by hand?)") from None
-    except OSError as error:
-        raise ValueError(f"{path}: the store's {what} is unreadable ({error})") from None
-    return _unseal_bytes(data, path, what)
-
-
-def _unseal_bytes(data: bytes, path, what: str) -> dict:
-    """The body of sealed JSON ``data`` (see :func:`_seal`); a clear error naming ``path`` if it is damaged."""
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: the store's {what} is corrupted (not JSON: {error}); restore it from a backup") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("digest"), str):
-        raise ValueError(f"{path}: the store's {what} is corrupted or from an older hf_statecompose (no digest); rebuild the store")
-    body = {k: v for k, v in obj.items() if k != "digest"}
-    try:
-        expected = hashlib.blake2b(_canonical(body), digest_size=16).hexdigest()
-    except ValueError:  # NaN / inf smuggled into the JSON
-        expected = None
-    if obj["digest"] != expected:
-        raise ValueError(f"{path}: the store's {what} does not match its digest (corrupted or edited by hand); restore it from a backup")
-    return body
-
-
-def tokenizer_record(tokenizer) -> dict:
-    """What identifies a tokenizer for a store: its name, vocabulary size, a hash of its vocabulary
-    (where it has ``get_vocab``) and a hash of how it splits a fixed probe text."""
-    if not callable(tokenizer):
-        raise TypeError(f"tokenizer must be callable (text -> {{'input_ids': [...]}}, as transformers' are), got {type(tokenizer).__name__}")
-    probe = [int(i) for i in tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]]
-    vocab = tokenizer.get_vocab() if callable(getattr(tokenizer, "get_vocab", None)) else None
-    if hasattr(type(tokenizer), "__len__"):
-        size = len(tokenizer)
-    else:
-        size = getattr(tokenizer, "vocab_size", None)
-    return {
-        "name_or_path": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
-        "vocab_size": int(size) if size is not None else None,
-        "vocab_sha256": hashlib.sha256(_canonical(sorted((str(k), int(v)) for k, v in vocab.items()))).hexdigest() if vocab else None,
-        "probe_sha256": hashlib.sha256(_canonical(probe)).hexdigest(),
-    }
-
-
-def check_opened_header(header: dict, where, fingerprint: str, retriever_name: str, tokenizer_info: dict, storage_dtype: str | None) -> None:
-    """Refuse to open a store (its ``header``) with another model, storage dtype, retriever or tokenizer."""
-    if header["fingerprint"] != fingerprint:
-        raise ValueError(
-            f"the store at {where} was built with another model ({header['model_type']}, "
-            f"{header['num_hidden_layers']} layers, hidden {header['hidden_size']}, fingerprint "
-            f"{header['fingerprint'][:12]}…) than the one given (fingerprint {fingerprint[:12]}…): its states "
-            "would be silently wrong for this model. Open it with the model that built it, or build a new store."
-        )
-    if storage_dtype is not None and storage_dtype != header["storage_dtype"]:
-        raise ValueError(f"the store at {where} stores {header['storage_dtype']} states; got storage_dtype={storage_dtype!r}")
-    if header["retriever"] != retriever_name:
-        raise ValueError(
-            f"the store at {where} was indexed with the retriever {header['retriever']!r}, not "
-            f"{retriever_name!r}: their embeddings are not comparable. Pass the same retriever."
-        )
-    recorded = header["tokenizer"]
-    differs = [key for key in ("vocab_size", "vocab_sha256", "probe_sha256") if recorded.get(key) != tokenizer_info[key]]
-    if differs:
-        raise ValueError(
-            f"the store at {where} was built with the tokenizer {recorded.get('name_or_path')!r} (vocabulary "
-            f"{recorded.get('vocab_size')}), not {tokenizer_info['name_or_path']!r} (vocabulary {tokenizer_info['vocab_size']}; "
-            f"differs in {', '.join(differs)}): its token ids would be read wrongly. Pass the tokenizer that built it."
-        )
+from ..state.fingerprint import architecture_of
+from ..state.validation import check_finite, expected_num_layers
+from .base import StateStore, progress_bar
+from .format import (
+    CHECKSUM_PATTERN,
+    FORMAT_VERSION,
+    STORAGE_DTYPES,
+    StoreEntry,
+    all_finite,
+    check_id,
+    check_opened_header,
+    checksum,
+    is_id,
+    seal,
+    unseal,
+)
 
 
 # ------------------------------------------------------------------------------------ file changes
@@ -226,30 +93,6 @@ def _remove(path: Path) -> bool:
         return False
     fsync_dir(path.parent)
     return True
-
-
-# ------------------------------------------------------------------------------------ checksums
-def _refuse_entry(where: str, problem: str):
-    raise ValueError(f"{where}: {problem}; delete and re-add it")
-
-
-def _checksum(tensors: dict) -> str:
-    """SHA-256 (first 128 bits) over names, dtypes, shapes and raw bytes, hashed in place (no copy).
-    SHA-256 rather than blake2b: CPUs with SHA extensions (x86 since about 2017-2019, ARMv8) hash it
-    about twice as fast (1.2 vs 0.5 GB/s on the machine of benchmarks/store_read.py)."""
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        if tensor.numel():
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()[:32]
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    # a NaN or inf anywhere makes the sum non-finite; a finite sum clears the tensor at a fraction of
-    # isfinite(tensor).all()'s cost, which then only decides the rare overflowing sum
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def _run_all(fn, jobs: list[tuple]) -> None:
@@ -285,63 +128,14 @@ def _verified(path: Path, identity: tuple) -> set:
         return known[1]
 
 
-class StateStore:
+class FolderStateStore(StateStore):
     """A directory of safetensors shards of context states plus an index; see the module docstring.
+    Made by ``StateStore(path, model, tokenizer, ...)`` (arguments: :class:`~hf_statecompose.store.StateStore`)."""
 
-    Args:
-        path: the store's directory (created if missing).
-        model: the Mamba / Mamba-2 model that encodes (and later consumes) the states. A store records
-            the model's fingerprint and refuses a different model.
-        tokenizer: the model's tokenizer (a callable returning ``input_ids``, as transformers' are). The
-            store records it (name, vocabulary size and hash, how it splits a probe text) and refuses
-            another.
-        retriever: a callable ``list[str] -> [n, E]`` vectors (tensor or array). ``None``: the default
-            all-MiniLM-L6-v2 (:func:`hf_statecompose.retrieval.default_retriever`, offline). The store
-            records its ``name`` (attribute, else the class name) and dimension, and refuses another.
-        storage_dtype: ``"fp32"`` or ``"bf16"`` for the SSM states and conv windows (decays are always
-            fp32). Fixed when the store is created; ``None`` keeps the store's (``"fp32"`` when new).
-        info: JSON-able facts to record at creation (the CLI records where the model came from).
-        backend: ``"folder"`` (this class, default) or ``"lance"``: one LanceDB table at ``path`` (a local
-            folder or an object-storage URI), with the same API and checks
-            (:class:`hf_statecompose.store.lance.LanceStateStore`, which takes further keyword arguments;
-            needs the ``[scale]`` extra).
-    """
-
-    def __new__(cls, path=None, *args, backend: str = "folder", **kwargs):
-        if backend == "lance":
-            from .lance import LanceStateStore
-
-            return LanceStateStore(path, *args, **kwargs)  # not a StateStore: __init__ below is not run
-        if backend != "folder":
-            raise ValueError(f"backend must be 'folder' or 'lance', got {backend!r}")
-        return super().__new__(cls)
-
-    def _bind(self, model, tokenizer, retriever, storage_dtype, info):
-        """The model (enabled), tokenizer and retriever this store runs with, and the checked
-        ``storage_dtype`` / ``info`` arguments (shared with the Lance store). Returns (tokenizer record,
-        info as checked JSON)."""
-        from ..generation.integration import enable
-
-        self.model = enable(model)
-        self.tokenizer = tokenizer
-        tokenizer_info = tokenizer_record(tokenizer)
-        if retriever is None:
-            from ..retrieval import default_retriever
-
-            retriever = default_retriever()
-        if not callable(retriever):
-            raise TypeError(f"retriever must be a callable list[str] -> [n, E] vectors, got {type(retriever).__name__}")
-        self.retriever = retriever
-        self.retriever_name = str(getattr(retriever, "name", type(retriever).__name__))
-        if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
-        if info is not None and not isinstance(info, dict):
-            raise TypeError(f"info must be a dict, got {type(info).__name__}")
-        self.fingerprint = model_fingerprint(model)
-        return tokenizer_info, _checked_json(dict(info or {}), "info")
+    backend = "folder"
 
     def __init__(self, path, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None, info: dict | None = None,
-                 backend: str = "folder"):
+                 backend: str | None = None):
         self.path = Path(path)
         tokenizer_info, info = self._bind(model, tokenizer, retriever, storage_dtype, info)
         self._thread_lock = threading.RLock()
@@ -375,17 +169,10 @@ class StateStore:
                     "tokenizer": tokenizer_info,
                     "info": info,
                 }
-                _write(header_path, _seal(header))
+                _write(header_path, seal(header))
             self.header = self._read_header()
         check_opened_header(self.header, self.path, self.fingerprint, self.retriever_name, tokenizer_info, storage_dtype)
         self.storage_dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
-        # what every state read from this store carries, taken once: ComposableMambaCache.empty_for
-        # re-checks the model's fingerprint (a pass over all weights), far too slow per entry read
-        template = ComposableMambaCache.empty_for(model)
-        self._state_class = type(template)  # ComposableSeRpEntCache for a SeRpEnt model
-        self._layout = architecture(template.architecture)  # what else its states carry (SeRpEnt: resampling)
-        self._state_template = {"architecture": template.architecture, "fingerprint": template.fingerprint,
-                                "model_dtype": template.model_dtype, "model_info": dict(template.model_info)}
         self._manifests: dict[str, dict] = {}  # shard id -> manifest (manifests never change: cached by id)
         self._embeddings: dict[str, torch.Tensor] = {}  # shard id -> verified [n, E]
         self._A: dict[str, list[torch.Tensor]] = {}  # A checksum -> verified A tensors (normally one for all shards)
@@ -401,7 +188,7 @@ class StateStore:
             raw = None
         if isinstance(raw, dict) and raw.get("format_version") == 1:
             raise ValueError(f"{header_path}: a store of format 1 (an older hf_statecompose, no integrity seals); rebuild it from its passages")
-        header = _unseal(header_path, "header (store.json)")
+        header = unseal(header_path, "header (store.json)")
         if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "hf_statecompose.store":
             raise ValueError(f"{header_path}: unsupported store format version {header.get('format_version')!r}")
         if header.get("storage_dtype") not in STORAGE_DTYPES or not isinstance(header.get("tokenizer"), dict):
@@ -434,7 +221,7 @@ class StateStore:
     # ------------------------------------------------------------------------------------ index
     def _read_manifest(self, sid: str) -> dict | None:
         path = self.path / "shards" / f"{sid}.json"
-        manifest = _unseal(path, f"shard manifest {sid}", missing_ok=True)
+        manifest = unseal(path, f"shard manifest {sid}", missing_ok=True)
         if manifest is None:
             return None
 
@@ -448,20 +235,20 @@ class StateStore:
         if manifest.get("fingerprint") != self.fingerprint:
             raise bad("it was written for another model (fingerprint differs)")
         supersedes, entries = manifest.get("supersedes"), manifest.get("entries")
-        if not isinstance(supersedes, list) or not all(_is_id(s, "shard") for s in supersedes):
+        if not isinstance(supersedes, list) or not all(is_id(s, "shard") for s in supersedes):
             raise bad("malformed 'supersedes'")
         if not isinstance(entries, list) or not entries:
             raise bad("no entries")
         for record in entries:
-            if not (isinstance(record, dict) and _is_id(record.get("id"), "entry") and isinstance(record.get("text"), str)
+            if not (isinstance(record, dict) and is_id(record.get("id"), "entry") and isinstance(record.get("text"), str)
                     and isinstance(record.get("metadata"), dict) and isinstance(record.get("num_tokens"), int)
                     and record["num_tokens"] >= 1 and isinstance(record.get("checksum"), str)
-                    and _CHECKSUM_PATTERN.fullmatch(record["checksum"])):
+                    and CHECKSUM_PATTERN.fullmatch(record["checksum"])):
                 raise bad(f"malformed entry record {str(record)[:80]!r}")
         if len({r["id"] for r in entries}) != len(entries):
             raise bad("an entry id is listed twice")
         for key in ("embeddings_checksum", "shared_checksum"):
-            if not isinstance(manifest.get(key), str) or not _CHECKSUM_PATTERN.fullmatch(manifest[key]):
+            if not isinstance(manifest.get(key), str) or not CHECKSUM_PATTERN.fullmatch(manifest[key]):
                 raise bad(f"malformed {key}")
         if not isinstance(manifest.get("shard_size"), int):
             raise bad("malformed shard_size")
@@ -471,7 +258,7 @@ class StateStore:
         """Read the manifests on disk into ``_manifests``; returns the superseded shard ids. A damaged
         manifest is an error unless a readable one supersedes it (left by a compaction killed midway)."""
         shard_dir = self.path / "shards"
-        listing = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and _is_id(name[:-5], "shard")}
+        listing = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and is_id(name[:-5], "shard")}
         for sid in list(self._manifests):
             if sid not in listing:
                 del self._manifests[sid]
@@ -495,7 +282,7 @@ class StateStore:
         """Re-read the shard manifests (other processes may have added, deleted or compacted)."""
         with self._locked(shared=True):
             superseded = self._load_manifests()
-            deleted = {name for name in os.listdir(self.path / "deleted") if _is_id(name, "entry")}
+            deleted = {name for name in os.listdir(self.path / "deleted") if is_id(name, "entry")}
             entries: dict[str, tuple[str, int]] = {}
             owner: dict[str, str] = {}
             for sid in sorted(self._manifests):
@@ -524,7 +311,7 @@ class StateStore:
         return list(self._entries)
 
     def __contains__(self, entry_id) -> bool:
-        if not _is_id(entry_id, "entry"):
+        if not is_id(entry_id, "entry"):
             return False
         self.refresh()
         return entry_id in self._entries
@@ -536,11 +323,6 @@ class StateStore:
         ids = list(self._entries) if ids is None else ids
         return [self._entry(i) for i in ids]
 
-    def _check_ids(self, ids, what: str) -> list[str]:
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-            raise TypeError(f"{what} must be a list of entry ids, got {type(ids).__name__} {ids!r:.40}")
-        return [check_id(i, "entry") for i in ids]
-
     def _entry(self, entry_id: str) -> StoreEntry:
         if entry_id not in self._entries:
             raise KeyError(f"no entry {entry_id!r} in the store at {self.path} (deleted, or never added)")
@@ -548,40 +330,15 @@ class StateStore:
         record = self._manifests[sid]["entries"][row]
         return StoreEntry(entry_id, record["text"], json.loads(json.dumps(record["metadata"])), int(record["num_tokens"]))
 
-    # ------------------------------------------------------------------------------------ add
-    def _embed(self, texts: list[str]) -> torch.Tensor:
-        vectors = self.retriever(list(texts))
-        vectors = torch.as_tensor(vectors).detach().to("cpu", torch.float32)
-        if vectors.dim() != 2 or vectors.shape[0] != len(texts):
-            raise ValueError(f"the retriever returned shape {tuple(vectors.shape)} for {len(texts)} texts; expected [n, E]")
-        if not torch.isfinite(vectors).all():
-            raise ValueError("the retriever returned NaN/inf embeddings")
-        return torch.nn.functional.normalize(vectors, dim=-1).contiguous()
-
     def add(self, texts: Iterable[str], metadata: Sequence[dict] | None = None, batch_size: int = 16, show_progress: bool = True) -> list[str]:
         """Encode ``texts`` in batches of ``batch_size`` (one forward each, no logits) and store them.
 
         Each batch is committed as one shard before the next is encoded, so an interruption keeps every
         finished batch. Returns the new entries' ids, in order.
         """
-        if isinstance(texts, (str, bytes)):
-            raise TypeError("texts must be a list of strings, got a single string (it would add one entry per character): use add([text])")
-        texts = list(texts)
-        batch_size = _check_count(batch_size, "batch_size", 1)
-        if metadata is not None and (isinstance(metadata, (dict, str, bytes)) or not isinstance(metadata, Iterable)):
-            raise TypeError("metadata must be a list with one dict per text")
-        metadata = list(metadata) if metadata is not None else [{} for _ in texts]
-        if len(metadata) != len(texts):
-            raise ValueError(f"{len(texts)} texts but {len(metadata)} metadata dicts")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"text {i} is empty or not a string; every entry needs some text to encode")
-        for i, m in enumerate(metadata):
-            if m is not None and not isinstance(m, dict):
-                raise TypeError(f"metadata of text {i} must be a dict (or None), got {type(m).__name__}")
-        metadata = [_checked_json(dict(m or {}), f"metadata of text {i}") for i, m in enumerate(metadata)]
+        texts, metadata, batch_size = self._check_add(texts, metadata, batch_size)
         ids: list[str] = []
-        progress = _progress(len(texts), show_progress)
+        progress = progress_bar(len(texts), show_progress)
         try:
             for start in range(0, len(texts), batch_size):
                 chunk, chunk_meta = texts[start : start + batch_size], metadata[start : start + batch_size]
@@ -590,17 +347,6 @@ class StateStore:
         finally:
             progress.close()
         return ids
-
-    def _tokenize(self, texts: list[str]):
-        ids = [[int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]] for text in texts]
-        for t, row in zip(texts, ids):
-            if not row:
-                raise ValueError(f"the tokenizer produced no tokens for {t[:40]!r}")
-        width = max(len(r) for r in ids)
-        pad = getattr(self.tokenizer, "pad_token_id", None) or 0
-        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in ids])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
-        return input_ids, mask, ids
 
     def _add_batch(self, texts: list[str], metadata: list[dict]) -> list[str]:
         input_ids, mask, token_lists = self._tokenize(texts)
@@ -621,39 +367,27 @@ class StateStore:
             entry_id = uuid.uuid4().hex[:16]
             entry_tensors = self._entry_tensors(state, row, tokens)
             tensors.update({f"{entry_id}.{name}": t for name, t in entry_tensors.items()})
-            records.append({"id": entry_id, "text": text, "metadata": meta, "num_tokens": len(tokens), "checksum": _checksum(entry_tensors)})
+            records.append({"id": entry_id, "text": text, "metadata": meta, "num_tokens": len(tokens), "checksum": checksum(entry_tensors)})
         shared = {name: t for name, t in tensors.items() if name.startswith("A.")}
         payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
         manifest = {"format_version": FORMAT_VERSION, "kind": "shard", "shard": sid, "fingerprint": self.fingerprint,
                     "shard_size": len(payload), "supersedes": [], "entries": records,
-                    "embeddings_checksum": _checksum({"embeddings": embeddings}), "shared_checksum": _checksum(shared)}
+                    "embeddings_checksum": checksum({"embeddings": embeddings}), "shared_checksum": checksum(shared)}
         shard_dir = self.path / "shards"
         with self._locked():  # (compaction removes uncommitted tensors: never run it between our two writes)
             self._check_embedding_dim(int(embeddings.shape[1]))
             _write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
-            _write(shard_dir / f"{sid}.json", _seal(manifest))  # ... then the commit
+            _write(shard_dir / f"{sid}.json", seal(manifest))  # ... then the commit
         return [r["id"] for r in records]
 
     def _check_embedding_dim(self, dim: int) -> None:
         header = self._read_header()
         if header.get("embedding_dim") is None:
             header["embedding_dim"] = dim
-            _write(self.path / "store.json", _seal(header))
+            _write(self.path / "store.json", seal(header))
         elif header["embedding_dim"] != dim:
             raise ValueError(f"the retriever returned {dim}-dim vectors; the store holds {header['embedding_dim']}-dim ones")
         self.header = header
-
-    def _entry_tensors(self, state: ComposableMambaCache, row: int, tokens: list[int]) -> dict[str, torch.Tensor]:
-        out = {}
-        for layer in range(state.num_layers):
-            out[f"ssm.{layer}"] = state.ssm_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
-            out[f"conv.{layer}"] = state.conv_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
-            out[f"delta_sum.{layer}"] = state.delta_sums[layer][row : row + 1].detach().to("cpu", torch.float32).contiguous()
-            for extra in self._layout.extras:  # in their own dtypes (int64 clocks, bool masks): never rounded
-                tensor = getattr(state, extra.attribute)[layer][row : row + 1].detach().to("cpu")
-                out[f"{extra.file_key}.{layer}"] = tensor.new_empty(tensor.shape).copy_(tensor)  # standard strides
-        out["token_ids"] = torch.tensor([tokens], dtype=torch.long)
-        return out
 
     # ------------------------------------------------------------------------------------ read
     def _shard_path(self, sid: str) -> Path:
@@ -682,7 +416,7 @@ class StateStore:
             with handle:
                 embeddings = self._tensor(handle, sid, "embeddings")
             manifest = self._manifests[sid]
-            if _checksum({"embeddings": embeddings}) != manifest["embeddings_checksum"]:
+            if checksum({"embeddings": embeddings}) != manifest["embeddings_checksum"]:
                 raise ValueError(f"shard {sid} of {self.path}: embeddings do not match their checksum (corrupted file)")
             if tuple(embeddings.shape) != (len(manifest["entries"]), self.header.get("embedding_dim")) or embeddings.dtype != torch.float32:
                 raise ValueError(f"shard {sid} of {self.path}: embeddings of shape {tuple(embeddings.shape)} do not fit its entries")
@@ -698,8 +432,7 @@ class StateStore:
     def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
         """The states of ``ids`` (one id: one state), read lazily; each entry is checked against its
         checksum the first time this process reads it from its (unchanged) shard file."""
-        single = isinstance(ids, str)
-        ids = [check_id(ids, "entry")] if single else self._check_ids(ids, "ids")
+        single, ids = self._check_one_or_many(ids)
         device = device if device is not None else next(self.model.parameters()).device
         with self._locked(shared=True):
             self.refresh()
@@ -740,74 +473,34 @@ class StateStore:
                 states[entry_id] = self._state(entry_tensors, records[entry_id], A, device)
         return [states[i] for i in ids]
 
-    def _shard_A(self, handle, sid: str, checksum: str) -> list[torch.Tensor]:
+    def _shard_A(self, handle, sid: str, expected: str) -> list[torch.Tensor]:
         # A is the model's (the same in every shard): keep one verified copy per checksum, read no more
-        if checksum not in self._A:
+        if expected not in self._A:
             num_layers = expected_num_layers(self.model.config)
             A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(num_layers)]
-            if _checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != checksum:
+            if checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != expected:
                 raise ValueError(f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file)")
-            if not all(_all_finite(a) for a in A):
+            if not all(all_finite(a) for a in A):
                 raise ValueError(f"shard {sid} of {self.path}: its A tensors hold NaN/inf")
-            self._A[checksum] = A
-        return self._A[checksum]
+            self._A[expected] = A
+        return self._A[expected]
 
     def _read_entry_tensors(self, handle, sid: str, entry_id: str, num_layers: int) -> dict[str, torch.Tensor]:
         kinds = ("ssm", "conv", "delta_sum") + tuple(extra.file_key for extra in self._layout.extras)
         names = [f"{kind}.{layer}" for layer in range(num_layers) for kind in kinds] + ["token_ids"]
         return {name: self._tensor(handle, sid, f"{entry_id}.{name}") for name in names}
 
-    def _state(self, tensors: dict, record: dict, A, device) -> ComposableMambaCache:
-        state = self._state_class(self.model.config, **{**self._state_template, "model_info": dict(self._state_template["model_info"])})
-        model_dtype = state.model_dtype
-        for layer in range(len(A)):
-            state.set_layer(
-                layer,
-                ssm_state=tensors[f"ssm.{layer}"].to(device, torch.float32),
-                conv_state=tensors[f"conv.{layer}"].to(device, model_dtype),
-                delta_sum=tensors[f"delta_sum.{layer}"].to(device),
-                A=A[layer].to(device),
-            )
-            for extra in self._layout.extras:
-                getattr(state, extra.attribute)[layer] = tensors[f"{extra.file_key}.{layer}"].to(device)
-        state.num_tokens = torch.tensor([record["num_tokens"]], device=device)
-        state.token_ids = tensors["token_ids"].to(device)
-        return state
-
     def _verify_entry(self, sid: str, record: dict, tensors: dict, num_layers: int) -> None:
         where = f"entry {record['id']} (shard {sid}) of {self.path}"
-        if _checksum(tensors) != record["checksum"]:
+        if checksum(tensors) != record["checksum"]:
             raise ValueError(f"{where}: data does not match its checksum (corrupted); delete and re-add it")
         self._check_entry_tensors(where, tensors, record["num_tokens"], num_layers)
-
-    def _check_entry_tensors(self, where: str, tensors: dict, num_tokens: int, num_layers: int) -> None:
-        """The checksum proved the bytes are the ones written; this proves they are a state of this model."""
-        ssm_shape, conv_shape = expected_state_shapes(self.model.config)
-        for layer in range(num_layers):
-            for name, shape, dtype in (("ssm", ssm_shape, self.storage_dtype), ("conv", conv_shape, self.storage_dtype), ("delta_sum", None, torch.float32)):
-                tensor = tensors[f"{name}.{layer}"]
-                if tensor.dtype != dtype or tensor.shape[0] != 1 or (shape is not None and tuple(tensor.shape[1:]) != shape):
-                    raise ValueError(f"{where}: layer {layer} {name} is {tensor.dtype} {tuple(tensor.shape)}, not a {self.header['storage_dtype']} state of this model")
-                if not _all_finite(tensor):
-                    raise ValueError(f"{where}: layer {layer} {name} holds NaN/inf; delete and re-add it")
-            if (tensors[f"delta_sum.{layer}"] < 0).any():
-                raise ValueError(f"{where}: layer {layer} ΣΔ is negative (impossible for a real encoding); delete and re-add it")
-            if self._layout.extras:
-                extras = {extra.attribute: tensors[f"{extra.file_key}.{layer}"] for extra in self._layout.extras}
-                check_extra_tensors(self._layout, extras, layer, config=self.model.config,
-                                    model_dtype=self._state_template["model_dtype"], batch=1, device=None,
-                                    refuse=lambda problem: _refuse_entry(where, problem))
-        tokens = tensors["token_ids"]
-        if tokens.dtype != torch.long or tuple(tokens.shape) != (1, num_tokens):
-            raise ValueError(f"{where}: token_ids {tokens.dtype} {tuple(tokens.shape)} do not match its {num_tokens} tokens")
 
     # ------------------------------------------------------------------------------------ retrieve
     def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True) -> list[StoreEntry]:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states."""
-        if not isinstance(query, str) or not query.strip():
-            raise ValueError("query must be a non-empty string")
-        k = _check_count(k, "k", 0)
-        excluded = set(self._check_ids(exclude, "exclude"))
+        k, excluded = self._check_query(query, k, exclude)
+        excluded = set(excluded)
         query_vector = self._embed([query])[0] if k > 0 else None
         with self._locked(shared=True):
             self.refresh()
@@ -846,7 +539,7 @@ class StateStore:
     # ------------------------------------------------------------------------------------ delete / compact
     def delete(self, ids: Sequence[str] | str) -> None:
         """Delete entries (a tombstone now; their bytes go at the next :meth:`compact`)."""
-        ids = [check_id(ids, "entry")] if isinstance(ids, str) else self._check_ids(ids, "ids")
+        _, ids = self._check_one_or_many(ids)
         with self._locked():
             self.refresh()
             missing = [i for i in ids if i not in self._entries]
@@ -885,11 +578,11 @@ class StateStore:
                 removed_entries += gone
                 rewritten += 1
             # 3. orphans: tensors without a manifest, temporary files of killed writes
-            committed = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and _is_id(name[:-5], "shard")}
+            committed = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and is_id(name[:-5], "shard")}
             for folder in (shard_dir, self.path / "deleted", self.path):
                 for name in sorted(os.listdir(folder)):
                     orphan = name.startswith(".tmp-") or (
-                        folder == shard_dir and name.endswith(".safetensors") and _is_id(name[: -len(".safetensors")], "shard")
+                        folder == shard_dir and name.endswith(".safetensors") and is_id(name[: -len(".safetensors")], "shard")
                         and name[: -len(".safetensors")] not in committed)
                     if orphan and _remove(folder / name):
                         orphans += 1
@@ -899,7 +592,7 @@ class StateStore:
             self.refresh()
             listed = {r["id"] for sid in self._live_shards for r in self._manifests[sid]["entries"]}
             for name in sorted(os.listdir(self.path / "deleted")):
-                if _is_id(name, "entry") and name not in listed:
+                if is_id(name, "entry") and name not in listed:
                     _remove(self.path / "deleted" / name)
             self.refresh()
         return {"removed_entries": removed_entries, "rewritten_shards": rewritten, "orphan_files_removed": orphans,
@@ -917,7 +610,7 @@ class StateStore:
         with handle:
             # this file's own A bytes, verified (not a cached copy from another shard)
             A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(expected_num_layers(self.model.config))]
-            if _checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != manifest["shared_checksum"]:
+            if checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != manifest["shared_checksum"]:
                 raise ValueError(f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file); compaction stopped")
             tensors: dict[str, torch.Tensor] = {"embeddings": embeddings}
             tensors.update({f"A.{layer}": a for layer, a in enumerate(A)})
@@ -930,10 +623,10 @@ class StateStore:
         new_sid = uuid.uuid4().hex
         new_manifest = {"format_version": FORMAT_VERSION, "kind": "shard", "shard": new_sid, "fingerprint": self.fingerprint,
                         "shard_size": len(payload), "supersedes": sorted({sid, *manifest["supersedes"]}), "entries": keep,
-                        "embeddings_checksum": _checksum({"embeddings": embeddings}), "shared_checksum": manifest["shared_checksum"]}
+                        "embeddings_checksum": checksum({"embeddings": embeddings}), "shared_checksum": manifest["shared_checksum"]}
         shard_dir = self.path / "shards"
         _write(shard_dir / f"{new_sid}.safetensors", payload)
-        _write(shard_dir / f"{new_sid}.json", _seal(new_manifest))
+        _write(shard_dir / f"{new_sid}.json", seal(new_manifest))
         return new_sid
 
     # ------------------------------------------------------------------------------------ stats
@@ -946,7 +639,7 @@ class StateStore:
             shard_dir = self.path / "shards"
             total = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
             names = os.listdir(shard_dir)
-            committed = {name[:-5] for name in names if name.endswith(".json") and _is_id(name[:-5], "shard")}
+            committed = {name[:-5] for name in names if name.endswith(".json") and is_id(name[:-5], "shard")}
             orphans = [name for name in names if name.endswith(".safetensors") and name[: -len(".safetensors")] not in committed]
             all_ids = {r["id"] for sid in self._live_shards for r in self._manifests[sid]["entries"]}
             per_entry = None
@@ -968,7 +661,7 @@ class StateStore:
             }
 
     def __repr__(self):
-        return f"StateStore({str(self.path)!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
+        return f"FolderStateStore({str(self.path)!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
 
 
 def _nbytes(handle, name: str) -> int:
@@ -977,21 +670,3 @@ def _nbytes(handle, name: str) -> int:
     for size in tensor_slice.get_shape():
         count *= size
     return count * {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "F64": 8}[tensor_slice.get_dtype()]
-
-
-def _progress(total: int, enabled: bool):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm comes with transformers; stay silent without it
-        enabled = False
-    if enabled:
-        return tqdm(total=total, desc="encoding contexts", unit="ctx")
-
-    class _Silent:
-        def update(self, n):
-            pass
-
-        def close(self):
-            pass
-
-    return _Silent()

@@ -1,0 +1,283 @@
+"""``StateStore``: the one type both store backends are (:class:`~hf_statecompose.store.folder.FolderStateStore`,
+a folder of safetensors shards; :class:`~hf_statecompose.store.lance.LanceStateStore`, LanceDB tables).
+
+This class holds what the backends share: the choice of backend (``StateStore(path, model, tokenizer,
+backend=...)``), the model / tokenizer / retriever binding, the checks of every public method's
+arguments, embedding and tokenizing, and the encoding of one entry's tensors and the verified decoding
+back into a state (dtypes, shapes, finite values, ΣΔ >= 0 against the model). Each backend implements
+the storage: ``add``, ``get``, ``retrieve``, ``delete``, ``compact``, ``entries``, ``ids``, ``stats``.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Iterable, Sequence
+
+import torch
+
+from ..state.architectures import architecture, check_extra_tensors
+from ..state.cache import ComposableMambaCache
+from ..state.fingerprint import model_fingerprint
+from ..state.validation import expected_state_shapes
+from .format import (
+    STORAGE_DTYPES,
+    StoreEntry,
+    all_finite,
+    check_count,
+    check_id,
+    checked_json,
+    tokenizer_record,
+)
+
+BACKENDS = ("folder", "lance")
+
+
+class StateStore(abc.ABC):
+    """A database of context states, retrieved by embedding similarity; ``StateStore(path, model,
+    tokenizer)`` opens (or creates) one.
+
+    Args:
+        path: the store's directory (created if missing), or for ``backend="lance"`` a LanceDB URI.
+        model: the Mamba / Mamba-2 model that encodes (and later consumes) the states. A store records
+            the model's fingerprint and refuses a different model.
+        tokenizer: the model's tokenizer (a callable returning ``input_ids``, as transformers' are). The
+            store records it (name, vocabulary size and hash, how it splits a probe text) and refuses
+            another.
+        retriever: a callable ``list[str] -> [n, E]`` vectors (tensor or array). ``None``: the default
+            all-MiniLM-L6-v2 (:func:`hf_statecompose.retrieval.default_retriever`, offline). The store
+            records its ``name`` (attribute, else the class name) and dimension, and refuses another.
+        storage_dtype: ``"fp32"`` or ``"bf16"`` for the SSM states and conv windows (decays are always
+            fp32). Fixed when the store is created; ``None`` keeps the store's (``"fp32"`` when new).
+        info: JSON-able facts to record at creation (the CLI records where the model came from).
+        backend: ``"folder"`` (default: :class:`~hf_statecompose.store.folder.FolderStateStore`) or
+            ``"lance"``: LanceDB tables at ``path`` (a local folder or an object-storage URI), with the
+            same API and checks (:class:`~hf_statecompose.store.lance.LanceStateStore`, which takes
+            further keyword arguments; needs the ``[scale]`` extra).
+    """
+
+    backend: str
+
+    def __new__(cls, path=None, *args, backend: str | None = None, **kwargs):
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be 'folder' or 'lance', got {backend!r}")
+        if cls is StateStore:
+            if backend == "lance":
+                from .lance import (
+                    LanceStateStore,  # lancedb is an optional extra: imported on first use
+                )
+
+                cls = LanceStateStore
+            else:
+                from .folder import FolderStateStore
+
+                cls = FolderStateStore
+        elif backend is not None and backend != cls.backend:
+            raise ValueError(f"{cls.__name__} is the {cls.backend!r} backend, got backend={backend!r}; use StateStore(..., backend={backend!r})")
+        return super().__new__(cls)
+
+    def _bind(self, model, tokenizer, retriever, storage_dtype, info):
+        """The model (enabled), tokenizer and retriever this store runs with, what every state read from
+        it carries, and the checked ``storage_dtype`` / ``info`` arguments. Returns (tokenizer record,
+        info as checked JSON)."""
+        from ..generation.integration import enable
+
+        self.model = enable(model)
+        self.tokenizer = tokenizer
+        tokenizer_info = tokenizer_record(tokenizer)
+        if retriever is None:
+            from ..retrieval import default_retriever
+
+            retriever = default_retriever()
+        if not callable(retriever):
+            raise TypeError(f"retriever must be a callable list[str] -> [n, E] vectors, got {type(retriever).__name__}")
+        self.retriever = retriever
+        self.retriever_name = str(getattr(retriever, "name", type(retriever).__name__))
+        if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        if info is not None and not isinstance(info, dict):
+            raise TypeError(f"info must be a dict, got {type(info).__name__}")
+        self.fingerprint = model_fingerprint(model)
+        # what every state read from this store carries, taken once: ComposableMambaCache.empty_for
+        # re-checks the model's fingerprint (a pass over all weights), far too slow per entry read
+        template = ComposableMambaCache.empty_for(model)
+        self._state_class = type(template)  # ComposableSeRpEntCache for a SeRpEnt model
+        self._layout = architecture(template.architecture)  # what else its states carry (SeRpEnt: resampling)
+        self._state_template = {"architecture": template.architecture, "fingerprint": template.fingerprint,
+                                "model_dtype": template.model_dtype, "model_info": dict(template.model_info)}
+        return tokenizer_info, checked_json(dict(info or {}), "info")
+
+    # ------------------------------------------------------------------------------------ argument checks
+    def _check_ids(self, ids, what: str) -> list[str]:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise TypeError(f"{what} must be a list of entry ids, got {type(ids).__name__} {ids!r:.40}")
+        return [check_id(i, "entry") for i in ids]
+
+    def _check_one_or_many(self, ids) -> tuple[bool, list[str]]:
+        """(whether ``ids`` is one id, the checked ids as a list): ``get`` and ``delete`` take either."""
+        if isinstance(ids, str):
+            return True, [check_id(ids, "entry")]
+        return False, self._check_ids(ids, "ids")
+
+    def _check_add(self, texts, metadata, batch_size) -> tuple[list[str], list[dict], int]:
+        """``add``'s arguments checked: (texts, one checked-JSON metadata dict per text, batch size)."""
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be a list of strings, got a single string (it would add one entry per character): use add([text])")
+        texts = list(texts)
+        batch_size = check_count(batch_size, "batch_size", 1)
+        if metadata is not None and (isinstance(metadata, (dict, str, bytes)) or not isinstance(metadata, Iterable)):
+            raise TypeError("metadata must be a list with one dict per text")
+        metadata = list(metadata) if metadata is not None else [{} for _ in texts]
+        if len(metadata) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(metadata)} metadata dicts")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"text {i} is empty or not a string; every entry needs some text to encode")
+        for i, m in enumerate(metadata):
+            if m is not None and not isinstance(m, dict):
+                raise TypeError(f"metadata of text {i} must be a dict (or None), got {type(m).__name__}")
+        return texts, [checked_json(dict(m or {}), f"metadata of text {i}") for i, m in enumerate(metadata)], batch_size
+
+    def _check_query(self, query, k, exclude) -> tuple[int, list[str]]:
+        """``retrieve``'s arguments checked: (k, the excluded ids)."""
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError("query must be a non-empty string")
+        return check_count(k, "k", 0), self._check_ids(exclude, "exclude")
+
+    # ------------------------------------------------------------------------------------ encode
+    def _embed(self, texts: list[str]) -> torch.Tensor:
+        vectors = self.retriever(list(texts))
+        vectors = torch.as_tensor(vectors).detach().to("cpu", torch.float32)
+        if vectors.dim() != 2 or vectors.shape[0] != len(texts):
+            raise ValueError(f"the retriever returned shape {tuple(vectors.shape)} for {len(texts)} texts; expected [n, E]")
+        if not torch.isfinite(vectors).all():
+            raise ValueError("the retriever returned NaN/inf embeddings")
+        return torch.nn.functional.normalize(vectors, dim=-1).contiguous()
+
+    def _tokenize(self, texts: list[str]):
+        ids = [[int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]] for text in texts]
+        for t, row in zip(texts, ids):
+            if not row:
+                raise ValueError(f"the tokenizer produced no tokens for {t[:40]!r}")
+        width = max(len(r) for r in ids)
+        pad = getattr(self.tokenizer, "pad_token_id", None) or 0
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in ids])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+        return input_ids, mask, ids
+
+    def _entry_tensors(self, state: ComposableMambaCache, row: int, tokens: list[int]) -> dict[str, torch.Tensor]:
+        """The tensors stored for row ``row`` of ``state`` (its state in the storage dtype, ΣΔ in fp32,
+        architecture extras in their own dtypes, its token ids); ``A`` is stored once per shard / store."""
+        out = {}
+        for layer in range(state.num_layers):
+            out[f"ssm.{layer}"] = state.ssm_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
+            out[f"conv.{layer}"] = state.conv_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
+            out[f"delta_sum.{layer}"] = state.delta_sums[layer][row : row + 1].detach().to("cpu", torch.float32).contiguous()
+            for extra in self._layout.extras:  # in their own dtypes (int64 clocks, bool masks): never rounded
+                tensor = getattr(state, extra.attribute)[layer][row : row + 1].detach().to("cpu")
+                out[f"{extra.file_key}.{layer}"] = tensor.new_empty(tensor.shape).copy_(tensor)  # standard strides
+        out["token_ids"] = torch.tensor([tokens], dtype=torch.long)
+        return out
+
+    # ------------------------------------------------------------------------------------ decode
+    def _state(self, tensors: dict, record: dict, A, device) -> ComposableMambaCache:
+        state = self._state_class(self.model.config, **{**self._state_template, "model_info": dict(self._state_template["model_info"])})
+        model_dtype = state.model_dtype
+        for layer in range(len(A)):
+            state.set_layer(
+                layer,
+                ssm_state=tensors[f"ssm.{layer}"].to(device, torch.float32),
+                conv_state=tensors[f"conv.{layer}"].to(device, model_dtype),
+                delta_sum=tensors[f"delta_sum.{layer}"].to(device),
+                A=A[layer].to(device),
+            )
+            for extra in self._layout.extras:
+                getattr(state, extra.attribute)[layer] = tensors[f"{extra.file_key}.{layer}"].to(device)
+        state.num_tokens = torch.tensor([record["num_tokens"]], device=device)
+        state.token_ids = tensors["token_ids"].to(device)
+        return state
+
+    def _check_entry_tensors(self, where: str, tensors: dict, num_tokens: int, num_layers: int) -> None:
+        """The checksum proved the bytes are the ones written; this proves they are a state of this model."""
+        ssm_shape, conv_shape = expected_state_shapes(self.model.config)
+        for layer in range(num_layers):
+            for name, shape, dtype in (("ssm", ssm_shape, self.storage_dtype), ("conv", conv_shape, self.storage_dtype), ("delta_sum", None, torch.float32)):
+                tensor = tensors[f"{name}.{layer}"]
+                if tensor.dtype != dtype or tensor.shape[0] != 1 or (shape is not None and tuple(tensor.shape[1:]) != shape):
+                    raise ValueError(f"{where}: layer {layer} {name} is {tensor.dtype} {tuple(tensor.shape)}, not a {self.header['storage_dtype']} state of this model")
+                if not all_finite(tensor):
+                    raise ValueError(f"{where}: layer {layer} {name} holds NaN/inf; delete and re-add it")
+            if (tensors[f"delta_sum.{layer}"] < 0).any():
+                raise ValueError(f"{where}: layer {layer} ΣΔ is negative (impossible for a real encoding); delete and re-add it")
+            if self._layout.extras:
+                extras = {extra.attribute: tensors[f"{extra.file_key}.{layer}"] for extra in self._layout.extras}
+                check_extra_tensors(self._layout, extras, layer, config=self.model.config,
+                                    model_dtype=self._state_template["model_dtype"], batch=1, device=None,
+                                    refuse=lambda problem: _refuse_entry(where, problem))
+        tokens = tensors["token_ids"]
+        if tokens.dtype != torch.long or tuple(tokens.shape) != (1, num_tokens):
+            raise ValueError(f"{where}: token_ids {tokens.dtype} {tuple(tokens.shape)} do not match its {num_tokens} tokens")
+
+    # ------------------------------------------------------------------------------------ what each backend implements
+    @abc.abstractmethod
+    def add(self, texts: Iterable[str], metadata: Sequence[dict] | None = None, batch_size: int = 16, show_progress: bool = True) -> list[str]:
+        """Encode ``texts`` in batches of ``batch_size`` (one forward each) and store them; returns their ids, in order."""
+
+    @abc.abstractmethod
+    def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
+        """The verified states of ``ids`` (one id: one state)."""
+
+    @abc.abstractmethod
+    def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True) -> list[StoreEntry]:
+        """The ``k`` entries most similar to ``query`` (cosine), best first, with their states."""
+
+    @abc.abstractmethod
+    def delete(self, ids: Sequence[str] | str) -> None:
+        """Delete entries (their bytes go at the next :meth:`compact`)."""
+
+    @abc.abstractmethod
+    def compact(self) -> dict:
+        """Reclaim the space of deleted entries; returns what it did."""
+
+    @abc.abstractmethod
+    def entries(self, ids: Sequence[str] | None = None) -> list[StoreEntry]:
+        """Text and metadata of entries (no state read); all of them with ``ids=None``."""
+
+    @abc.abstractmethod
+    def ids(self) -> list[str]:
+        """The ids of the entries stored now."""
+
+    @abc.abstractmethod
+    def refresh(self) -> None:
+        """See other processes' commits now."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        """Entries, bytes and settings of the store."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def __contains__(self, entry_id) -> bool: ...
+
+
+def _refuse_entry(where: str, problem: str):
+    raise ValueError(f"{where}: {problem}; delete and re-add it")
+
+
+def progress_bar(total: int, enabled: bool):
+    """A tqdm bar over ``total`` contexts (silent when ``enabled`` is false or tqdm is missing)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm comes with transformers; stay silent without it
+        enabled = False
+    if enabled:
+        return tqdm(total=total, desc="encoding contexts", unit="ctx")
+
+    class _Silent:
+        def update(self, n):
+            pass
+
+        def close(self):
+            pass
+
+    return _Silent()
