@@ -13,8 +13,13 @@ Layout of a store directory::
                                 size, entries (id, text, metadata, tokens, checksum), the checksums of the
                                 embeddings and of ``A``, the shards it ``supersedes``; sealed with a digest
                                 of its own canonical content. **Its existence commits the shard.**
-    deleted/<id>                a tombstone per deleted entry (until compaction rewrites its shard)
+    deleted/<tid>.json          one tombstone file per ``delete`` call: the ids it deletes, sealed (until
+                                compaction rewrites their shards); ``deleted/<id>`` (empty, one per
+                                id, written by older versions) is read too
     .lock                       ``flock``-ed: exclusively by writers, shared by readers
+
+A store whose ``store.json``, ``shards``, ``deleted`` or ``.lock`` is a symbolic link is refused, and
+compaction only ever removes regular files (``lstat``), so it never reaches files outside the store.
 
 Ids (entries: 16 hex digits, shards: 32) are checked against one pattern on every input path (``get``,
 ``delete``, ``exclude``, ``entries`` and every manifest read from disk), so no id can name a file
@@ -29,12 +34,17 @@ Why it cannot lose data or serve a wrong one:
   :meth:`StateStore.compact`);
 * compaction never edits a committed file: it writes a new shard and a manifest that *supersedes* the
   old shard, then removes the old files. Readers ignore superseded manifests, so at every instant (a
-  ``kill -9`` included) each entry id is in exactly one live manifest;
+  ``kill -9`` included) each entry id is in exactly one live manifest. Every entry of a superseded
+  shard is listed by a manifest superseding it or deleted (true at every step): a store where that
+  fails (a forged manifest) is refused by readers and by compaction, which then removes nothing;
+* a ``delete`` of several ids is one atomic file: after a crash all of them are deleted or none;
 * writers hold an exclusive ``flock``, readers a shared one: a reader sees the store before or after a
   commit, delete or compaction, never half of it;
-* manifests and ``store.json`` carry a digest of their content and every manifest the model fingerprint:
-  a flipped byte is refused, never read as other text or metadata, and a lost ``store.json`` does not
-  let another model adopt the shards;
+* manifests, tombstone files and ``store.json`` carry a digest of their content and every manifest the
+  model fingerprint: a flipped byte is refused, never read as other text or metadata, and a lost
+  ``store.json`` does not let another model adopt the shards. The digests guard against accidents (bit
+  flips, truncation, hand edits, files from another store or model), not against an attacker with write
+  access, who can recompute them;
 * every entry's tensors carry a SHA-256 checksum, the embeddings and ``A`` too. An entry is verified
   (checksum, shapes, finite values, ΣΔ >= 0) the first time this process reads it from a given shard
   file (same inode, size, mtime and ctime); later reads of the unchanged file skip the hash, and any
@@ -44,7 +54,14 @@ Reads are lazy: :meth:`StateStore.get` memory-maps the shard (``safetensors.safe
 the requested entries' tensors. As with ``safetensors.torch.load_file``, the fp32 tensors it returns map
 the file privately (copy on write: changing them never changes the store). The store never rewrites a
 file in place (compaction writes new files and unlinks old ones, which leaves existing mappings valid);
-a shard edited in place by another program while its states are in use is not supported.
+a shard edited in place by another program while its states are in use is not supported. Each
+returned state owns its ``A`` (a copy of the store's verified one).
+
+``add`` skips texts already stored with the same metadata (their ids are returned, nothing is encoded);
+new entries get ids derived from their content (:func:`~hf_statecompose.store.format.content_id`).
+
+A read-only store (read-only mount, no write permission) opens and reads (``.lock`` opened read-only,
+nothing created); ``add``, ``delete`` and ``compact`` then raise one ``PermissionError``.
 """
 from __future__ import annotations
 
