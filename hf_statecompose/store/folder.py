@@ -259,25 +259,30 @@ class FolderStateStore(StateStore):
                 if not shared and not os.access(self.path / "shards", os.W_OK):
                     os.close(fd)
                     raise PermissionError(errno.EACCES, "no write permission", str(self.path / "shards"))
-            except (PermissionError, OSError) as error:
+            except OSError as error:
                 if not isinstance(error, PermissionError) and error.errno != errno.EROFS:
                     raise
                 if not shared:
                     raise self._read_only(error) from None
                 try:
                     fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-                except OSError:
-                    raise self._read_only(error) from None
+                except FileNotFoundError:
+                    if error.errno != errno.EROFS:
+                        raise PermissionError(f"cannot create {lock_path} to lock the store for reading: {error.strerror or error}") from None
+                    fd = None  # a read-only filesystem without .lock: no writer can exist, nothing to lock against
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
                 self._lock_mode, self._lock_depth = ("shared" if shared else "exclusive"), 1
                 try:
                     yield
                 finally:
                     self._lock_mode, self._lock_depth = None, 0
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    if fd is not None:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
 
     # ------------------------------------------------------------------------------------ index
     def _read_manifest(self, sid: str) -> dict | None:
@@ -341,7 +346,7 @@ class FolderStateStore(StateStore):
 
     def _load_tombstones(self) -> set[str]:
         """The ids tombstoned in ``deleted/``: one sealed ``<32 hex>.json`` per ``delete`` call (its ids),
-        or an empty ``<id>`` per id (stores written before 0.x)."""
+        or an empty ``<id>`` per id (written by earlier versions)."""
         deleted, names = set(), set()
         with os.scandir(self.path / "deleted") as listing:
             for item in listing:
