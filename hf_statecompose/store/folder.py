@@ -491,47 +491,67 @@ class FolderStateStore(StateStore):
         return self._write_shard(state, texts, metadata, token_lists, self._embed(texts))
 
     def _write_shard(self, state: ComposableMambaCache, texts: list[str], metadata: list[dict], token_lists: list[list[int]], embeddings: torch.Tensor) -> list[str]:
-        """Commit the rows of ``state`` (one per text) as one new shard; returns their ids. Under the
-        writers' lock, rows another process stored meanwhile (same text and metadata) are not written
-        again: their ids are returned."""
-        from safetensors.torch import save
-
+        """Commit the rows of ``state`` (one per text) as one new shard; returns their ids. The shard is
+        built outside the writers' lock (hashing and serialising take time), then checked again under
+        it: rows another process stored meanwhile (same text and metadata) are not written again."""
         check_finite(state, "the encoded batch")
         sid = uuid.uuid4().hex
+        keys = [canonical([text, meta]) for text, meta in zip(texts, metadata)]
+        with self._locked(shared=True):
+            self.refresh()
+            plan = self._plan(keys, texts, metadata)
+        built = self._shard(sid, plan, state, texts, metadata, token_lists, embeddings)
         shard_dir = self.path / "shards"
         with self._locked():  # (compaction removes uncommitted tensors: never run it between our two writes)
             self.refresh()
-            stored = self._content_index()
-            ids, rows, records, taken = [], [], [], set()
-            tensors: dict[str, torch.Tensor] = {}
-            for row, (text, meta, tokens) in enumerate(zip(texts, metadata, token_lists)):
-                key = canonical([text, meta])
-                if key in stored:
-                    ids.append(stored[key])
-                    continue
-                entry_id = content_id(text, meta)
-                while entry_id in self._entries or entry_id in self._deleted or entry_id in taken:
-                    entry_id = uuid.uuid4().hex[:16]  # taken: by a deleted entry not yet compacted (or a hash collision)
-                taken.add(entry_id)
-                ids.append(entry_id)
-                entry_tensors = self._entry_tensors(state, row, tokens)
-                tensors.update({f"{entry_id}.{name}": t for name, t in entry_tensors.items()})
-                records.append({"id": entry_id, "text": text, "metadata": meta, "num_tokens": len(tokens), "checksum": checksum(entry_tensors)})
-                rows.append(row)
-            if not records:
-                return ids
-            embeddings = embeddings[rows].contiguous()
-            tensors["embeddings"] = embeddings
-            shared = {f"A.{layer}": state.A[layer].detach().to("cpu", torch.float32).contiguous() for layer in range(state.num_layers)}
-            tensors.update(shared)
-            payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
-            manifest = {"format_version": FORMAT_VERSION, "kind": "shard", "shard": sid, "fingerprint": self.fingerprint,
-                        "shard_size": len(payload), "supersedes": [], "entries": records,
-                        "embeddings_checksum": checksum({"embeddings": embeddings}), "shared_checksum": checksum(shared)}
-            self._check_embedding_dim(int(embeddings.shape[1]))
-            _write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
-            _write(shard_dir / f"{sid}.json", seal(manifest))  # ... then the commit
-        return ids
+            again = self._plan(keys, texts, metadata, previous=plan)
+            if again != plan:  # another process committed some of these texts meanwhile
+                plan, built = again, self._shard(sid, again, state, texts, metadata, token_lists, embeddings)
+            if built is not None:
+                payload, manifest = built
+                self._check_embedding_dim(int(embeddings.shape[1]))
+                _write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
+                _write(shard_dir / f"{sid}.json", seal(manifest))  # ... then the commit
+        return [entry_id for entry_id, _ in plan]
+
+    def _plan(self, keys: list[bytes], texts: list[str], metadata: list[dict], previous: list | None = None) -> list[tuple[str, bool]]:
+        """(id, whether to write it) per row: the id of an equal stored entry, else a new id (the content
+        id, or ``previous``'s, unless taken by a live or deleted entry); repeats are removed by ``add``."""
+        stored = self._content_index()
+        plan, taken = [], set()
+        for n, key in enumerate(keys):
+            if key in stored:
+                plan.append((stored[key], False))
+                continue
+            entry_id = previous[n][0] if previous and previous[n][1] else content_id(texts[n], metadata[n])
+            while entry_id in self._entries or entry_id in self._deleted or entry_id in taken:
+                entry_id = uuid.uuid4().hex[:16]  # taken: by a deleted entry not yet compacted (or a hash collision)
+            taken.add(entry_id)
+            plan.append((entry_id, True))
+        return plan
+
+    def _shard(self, sid: str, plan: list[tuple[str, bool]], state: ComposableMambaCache, texts: list[str], metadata: list[dict],
+               token_lists: list[list[int]], embeddings: torch.Tensor) -> tuple[bytes, dict] | None:
+        """(shard file bytes, manifest) of the rows ``plan`` writes (``None``: none)."""
+        from safetensors.torch import save
+
+        rows = [row for row, (_, new) in enumerate(plan) if new]
+        if not rows:
+            return None
+        tensors: dict[str, torch.Tensor] = {"embeddings": embeddings[rows].contiguous()}
+        shared = {f"A.{layer}": state.A[layer].detach().to("cpu", torch.float32).contiguous() for layer in range(state.num_layers)}
+        tensors.update(shared)
+        records = []
+        for row in rows:
+            entry_id, tokens = plan[row][0], token_lists[row]
+            entry_tensors = self._entry_tensors(state, row, tokens)
+            tensors.update({f"{entry_id}.{name}": t for name, t in entry_tensors.items()})
+            records.append({"id": entry_id, "text": texts[row], "metadata": metadata[row], "num_tokens": len(tokens), "checksum": checksum(entry_tensors)})
+        payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
+        manifest = {"format_version": FORMAT_VERSION, "kind": "shard", "shard": sid, "fingerprint": self.fingerprint,
+                    "shard_size": len(payload), "supersedes": [], "entries": records,
+                    "embeddings_checksum": checksum({"embeddings": tensors["embeddings"]}), "shared_checksum": checksum(shared)}
+        return payload, manifest
 
     def _check_embedding_dim(self, dim: int) -> None:
         header = self._read_header()
