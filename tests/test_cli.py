@@ -215,6 +215,7 @@ def test_a_checkpoint_that_is_not_mamba_is_refused(built, capsys, tmp_path):
     assert_user_error(code, err, "GPT2LMHeadModel is not a Mamba / Mamba-2 model")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{}")
+    (tmp_path / "broken" / "tokenizer.json").write_bytes((demo_tokenizer / "tokenizer.json").read_bytes())
     code, _, err = run_main(["build", tmp_path / "s", built / "passages.jsonl", "--model", tmp_path / "broken"], capsys)
     assert_user_error(code, err, "cannot load a causal LM and its tokenizer from it")
     assert not (tmp_path / "s").exists()
