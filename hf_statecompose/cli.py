@@ -364,9 +364,10 @@ def _encode_corpus(args) -> None:
 
     passages = [{**meta, args.text_field: text} for text, meta in zip(texts, metadata)]
     # encode_corpus checks the store, the model and the retriever before it starts Ray (check_before_ray)
-    report = encode_corpus(passages, model, args.store, batch_size=args.batch_size, num_actors=args.actors,
-                           cpus_per_actor=args.cpus_per_actor, storage_dtype=args.storage_dtype, text_field=args.text_field,
-                           store_options={"info": {"model": _recorded(model)}})
+    with _quiet_loading():  # the driver loads the model to check an existing store's fingerprint
+        report = encode_corpus(passages, model, args.store, batch_size=args.batch_size, num_actors=args.actors,
+                               cpus_per_actor=args.cpus_per_actor, storage_dtype=args.storage_dtype, text_field=args.text_field,
+                               store_options={"info": {"model": _recorded(model)}})
     print(json.dumps(report, indent=1))
 
 
