@@ -13,7 +13,8 @@
 (the embedded Mamba-1) or a local checkpoint folder; ``build`` records it in the store, so the other
 commands reopen the same model by default. Input: ``.jsonl`` with one object per line (``"text"`` plus
 any other fields, kept as metadata) or UTF-8 plain text, one passage per blank-line-separated paragraph.
-A failed ``build`` of a new store leaves nothing behind. User errors print one line and exit with 2.
+A failed ``build`` of a new store leaves nothing behind (a killed one's hidden folder is removed by the
+next ``build``). User errors print one line and exit with 2; internal errors keep their traceback.
 """
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ else ``cpus_per_actor`` CPUs each), so each actor loads the model once. Each cal
 passages of similar length, encodes them as one left-padded batch and commits them to the Lance store
 itself (one Lance commit per batch, inserting only ids not stored yet): nothing goes back to the driver
 but ids. A rerun skips what is stored; a worker killed mid-run loses no committed batch (Ray retries
-its batch; the ids it had committed are skipped), and a rerun completes the set.
+its batch; the ids it had committed are skipped), and a rerun completes the set. What would make every
+actor fail (a folder store, another model's or retriever's Lance store, a missing checkpoint) is refused
+on the driver before Ray starts (:func:`check_before_ray`).
 
 Nothing here is pickled by us: passages travel as Arrow strings (metadata as JSON), states as
 safetensors bytes in Lance. Ray itself serializes the actor's constructor arguments (the model spec,

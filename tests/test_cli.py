@@ -215,6 +215,8 @@ def test_store_errors_are_one_line(built, bag_of_words, capsys):
     store = built / "store"
     code, _, err = run_main(["delete", store, "0123456789abcdef"], capsys)
     assert_user_error(code, err, "0123456789abcdef")
+    code, _, err = run_main(["delete", store, "../store.json"], capsys)
+    assert_user_error(code, err, "'../store.json' is not a store entry id")
     code, _, err = run_main(["query", store, "hello", "--model", "demo-mamba"], capsys)
     assert_user_error(code, err, "was built with another model")
     code, out, err = run_main(["stats", store], capsys)
@@ -370,3 +372,13 @@ def test_a_killed_builds_folder_is_removed_by_the_next_build_but_never_a_live_on
     assert not building[0].exists()  # ... and removed by the next build
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "slow.txt", "stalled", "store"]
     assert json.loads((target / "store.json").read_text())["info"] == {"model": "demo"}
+
+
+def test_an_internal_error_keeps_its_traceback(files, monkeypatch):
+    # a bug is not a user error: it propagates (the console script prints its traceback, exit 1)
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "open_store", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["stats", str(files / "orphan")])
