@@ -1,9 +1,10 @@
 """encode_corpus on a local Ray (2 CPUs) with a tiny random Mamba-2: the Lance store holds exactly the
 states that encoding each passage alone gives; a rerun skips what is stored; a worker SIGKILLed mid-run
-loses no committed entry and the rerun completes the set."""
+loses no committed entry and the rerun completes the set; what would kill every actor (a folder store,
+another model's or retriever's store, a missing model) is refused before Ray starts."""
 import json
-import re
 import os
+import re
 from pathlib import Path
 
 import pytest
