@@ -307,9 +307,15 @@ def _build(args) -> None:
             with _quiet_loading():
                 draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": _recorded(spec)})
             ids = draft.add(texts, metadata, batch_size=args.batch_size)
-            if target.is_dir():
-                target.rmdir()  # empty (checked above): os.replace wants the name free
-            os.replace(building / "store", target)
+            try:
+                if target.is_dir():
+                    target.rmdir()  # empty (checked above): os.replace wants the name free
+                os.replace(building / "store", target)
+            except OSError:
+                if target.is_dir() and any(target.iterdir()):
+                    raise CommandLineError(f"{target} was created meanwhile (by another build?), so these passages were not added: "
+                                           "run the build again to add them to it") from None
+                raise
         finally:
             shutil.rmtree(building, ignore_errors=True)
             if lock is not None:

@@ -382,3 +382,39 @@ def test_an_internal_error_keeps_its_traceback(files, monkeypatch):
     monkeypatch.setattr(cli, "open_store", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["stats", str(files / "orphan")])
+
+
+def test_stale_building_folders_without_a_lock_are_removed_and_young_starting_ones_kept(tmp_path):
+    import os
+    import time
+
+    target = tmp_path / "store"
+    legacy = tmp_path / ".store.building-old"  # left by a version without locks: no builder.lock
+    (legacy / "store").mkdir(parents=True)
+    old_start, young_start = tmp_path / ".store.starting-a", tmp_path / ".store.starting-b"
+    old_start.mkdir()
+    young_start.mkdir()
+    an_hour_ago = time.time() - 3600
+    os.utime(old_start, (an_hour_ago, an_hour_ago))
+    other = tmp_path / ".other.building-x"  # another store's: not this build's business
+    other.mkdir()
+    assert sorted(p.name for p in cli._remove_stale_builds(target)) == [".store.building-old", ".store.starting-a"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.building-x", ".store.starting-b"]
+
+
+def test_a_store_created_meanwhile_is_reported_not_overwritten(tmp_path, capsys, monkeypatch):
+    target = tmp_path / "store"
+
+    class RacingBagOfWords(BagOfWords):  # another build lands the store while this one encodes
+        def __call__(self, texts):
+            if any("race" in text for text in texts):
+                target.mkdir()
+                (target / "store.json").write_text("{}")
+            return super().__call__(texts)
+
+    monkeypatch.setattr("hf_statecompose.retrieval.default_retriever", RacingBagOfWords)
+    (tmp_path / "p.txt").write_text("a race to the store\n")
+    code, _, err = run_main(["build", target, tmp_path / "p.txt"], capsys)
+    last = err.split("\n")[-2]  # after the encoding progress, which is shown
+    assert code == 2 and "Traceback" not in err and last.startswith(PROG_ERROR) and "was created meanwhile (by another build?)" in last, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "store"] and (target / "store.json").read_text() == "{}"
