@@ -80,7 +80,7 @@ def _checkpoint_config(spec):
 
 
 def _probe_retriever(retriever, store_dim: int | None, where: str) -> None:
-    """The retriever embeds two texts as a finite ``[2, E]`` array, with the store's ``E`` if it has one."""
+    """The retriever embeds two texts as a ``[2, E]`` array, with the store's ``E`` if it has one."""
     import torch
 
     if not callable(retriever):
@@ -234,7 +234,8 @@ def encode_corpus(passages, model_path, store_uri, *, retriever: Callable | None
         ray_remote_args: extra Ray options of the actors (e.g. ``{"max_restarts": 0}``: fail instead of
             restarting a dead actor; by default Ray restarts it and retries its batches).
 
-    Uses the running Ray (``ray.init()`` first to join a cluster); starts a local one otherwise.
+    Uses the running Ray (``ray.init()`` first to join a cluster); starts a local one otherwise, after
+    :func:`check_before_ray` (a wrong store, model or retriever raises here, before Ray starts).
     Returns ``{"passages", "already_stored", "encoded", "entries"}``: ``encoded`` counts the rows this
     run's batches wrote (a batch that Ray re-executes after they were committed writes none again),
     ``entries`` the corpus's ids in the store at the end.
