@@ -13,7 +13,8 @@
 (the embedded Mamba-1) or a local checkpoint folder; ``build`` records it in the store, so the other
 commands reopen the same model by default. Input: ``.jsonl`` with one object per line (``"text"`` plus
 any other fields, kept as metadata) or UTF-8 plain text, one passage per blank-line-separated paragraph.
-A failed ``build`` of a new store leaves nothing behind. User errors print one line and exit with 2.
+A failed ``build`` of a new store leaves nothing behind (a killed one's hidden folder is removed by the
+next ``build``). User errors print one line and exit with 2; internal errors keep their traceback.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # ``--composition`` choices: hf_statecompose.composition.METHODS, written out because importing it
@@ -72,17 +74,13 @@ def _query_text(text: str) -> str:
 
 
 def _model_spec(spec: str) -> str:
-    from .demo import DEMO_SPECS  # light: names and paths only
+    from .demo import DEMO_SPECS, checkpoint_problem  # light: names and paths only
 
     if spec in DEMO_SPECS:
         return spec
-    path = Path(spec)
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(
-            f"{spec!r} is not one of {', '.join(DEMO_SPECS)} nor a local checkpoint folder (nothing is downloaded)"
-        )
-    if not (path / "config.json").is_file():
-        raise argparse.ArgumentTypeError(f"{spec!r} holds no config.json: not a transformers checkpoint folder")
+    problem = checkpoint_problem(spec)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return spec
 
 
@@ -109,12 +107,13 @@ def load_model(spec: str):
 
 
 def _load_model(spec: str):
-    from .demo import DEMO_SPECS, load_demo
+    from .demo import DEMO_SPECS, checkpoint_problem, load_demo
 
     if spec in DEMO_SPECS:
         return load_demo(DEMO_SPECS[spec])
-    if not Path(spec).is_dir():
-        raise CommandLineError(f"--model {spec!r}: not one of {', '.join(DEMO_SPECS)} nor a local checkpoint folder (nothing is downloaded)")
+    problem = checkpoint_problem(spec)  # also a store's recorded model, which argparse did not check
+    if problem:
+        raise CommandLineError(f"--model {problem}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .generation.integration import enable
@@ -124,6 +123,8 @@ def _load_model(spec: str):
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CommandLineError(f"--model {spec!r}: cannot load a causal LM and its tokenizer from it ({_text(error)})") from error
+    if not tokenizer("a")["input_ids"]:  # transformers makes an empty tokenizer from a config without vocabulary
+        raise CommandLineError(f"--model {spec!r}: its tokenizer has no vocabulary (it turns text into no tokens); save the real one beside the model")
     try:
         return enable(model.eval()), tokenizer
     except (ValueError, TypeError, AttributeError) as error:
@@ -216,15 +217,83 @@ def _recorded(spec: str) -> str:
     return spec if spec in DEMO_SPECS else str(Path(spec).resolve())
 
 
+# A new store is built in a hidden folder beside its path, ``.NAME.building-XXXX``, and renamed into place
+# when complete. Its builder holds an exclusive flock on the folder's lock file for its whole life (the
+# kernel drops it when the process dies, SIGKILL included), so a later build removes the folders whose
+# lock it can take: those of dead builders, never a live one's. The folder is made as ``.NAME.starting-``
+# and renamed once its lock is held, so a ``.building-`` folder without a lock file is one that a
+# version without locks left behind.
+BUILD_LOCK = "builder.lock"
+STALE_START_S = 60.0  # a ``.starting-`` folder lives for microseconds; one this old was left by a dead builder
+
+
+def _start_building(target: Path) -> tuple[Path, int | None]:
+    """``(building folder, lock fd)`` of a new build of ``target``: the fd holds the folder's flock until it is closed."""
+    prefix = f".{target.name}.starting-"
+    starting = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    lock = None
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): a killed build's folder stays until removed by hand
+        fcntl = None
+    if fcntl is not None:
+        lock = os.open(starting / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):  # a filesystem without locks: the folder is never taken for stale
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    building = target.parent / f".{target.name}.building-{starting.name[len(prefix):]}"
+    os.rename(starting, building)
+    return building, lock
+
+
+def _remove_stale_builds(target: Path) -> list[Path]:
+    """Remove the building folders of ``target`` left by builders that died (see ``BUILD_LOCK``); returns them."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    removed = []
+    for folder in list(target.parent.iterdir()) if target.parent.is_dir() else []:
+        if folder.name.startswith(f".{target.name}.starting-"):
+            with contextlib.suppress(OSError):
+                if time.time() - folder.stat().st_mtime > STALE_START_S:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    removed.append(folder)
+            continue
+        if not folder.name.startswith(f".{target.name}.building-"):
+            continue
+        try:
+            lock = os.open(folder / BUILD_LOCK, os.O_RDWR)
+        except FileNotFoundError:  # left by a version without locks (or being removed by its builder now)
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live build
+            continue
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        finally:
+            os.close(lock)
+    return removed
+
+
 def _build(args) -> None:
     texts, metadata = read_passages(args.input, args.text_field)  # before anything is created or loaded
     target = Path(args.store)
     if read_header(args.store) is not None:  # extend an existing store (each batch is committed on its own)
+        _remove_stale_builds(target)
         store, _, _ = open_store(args.store, args.model, args.storage_dtype)
         ids = store.add(texts, metadata, batch_size=args.batch_size)
     else:
         if target.is_dir() and any(target.iterdir()):
             raise CommandLineError(f"{target} exists and is not a store (no store.json): give a new or empty folder")
+        existing = next(parent for parent in target.absolute().parents if parent.exists())
+        if not existing.is_dir():
+            raise CommandLineError(f"cannot create a store at {target}: {existing} is a file, not a folder")
         from .store import StateStore
 
         spec = args.model or "demo"
@@ -232,16 +301,25 @@ def _build(args) -> None:
         # a new store is built beside its path and renamed into place when complete, so that a failure
         # or an interruption leaves no half-built store that later commands would take for a real one
         target.parent.mkdir(parents=True, exist_ok=True)
-        building = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+        _remove_stale_builds(target)
+        building, lock = _start_building(target)
         try:
             with _quiet_loading():
                 draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": _recorded(spec)})
             ids = draft.add(texts, metadata, batch_size=args.batch_size)
-            if target.is_dir():
-                target.rmdir()  # empty (checked above): os.replace wants the name free
-            os.replace(building / "store", target)
+            try:
+                if target.is_dir():
+                    target.rmdir()  # empty (checked above): os.replace wants the name free
+                os.replace(building / "store", target)
+            except OSError:
+                if target.is_dir() and any(target.iterdir()):
+                    raise CommandLineError(f"{target} was created meanwhile (by another build?), so these passages were not added: "
+                                           "run the build again to add them to it") from None
+                raise
         finally:
             shutil.rmtree(building, ignore_errors=True)
+            if lock is not None:
+                os.close(lock)
         store = StateStore(target, model, tokenizer, retriever=draft.retriever)
     print(f"added {len(ids)} entries to {args.store}")
     print(json.dumps(store.stats(), indent=1))
@@ -288,12 +366,15 @@ def _store_command(args) -> None:
 
 def _encode_corpus(args) -> None:
     texts, metadata = read_passages(args.input, args.text_field)  # before Ray or a model is started
+    model = args.model or (read_header(args.store) or {}).get("info", {}).get("model", "demo")
     from .distributed import encode_corpus
 
     passages = [{**meta, args.text_field: text} for text, meta in zip(texts, metadata)]
-    report = encode_corpus(passages, args.model, args.store, batch_size=args.batch_size, num_actors=args.actors,
-                           cpus_per_actor=args.cpus_per_actor, storage_dtype=args.storage_dtype, text_field=args.text_field,
-                           store_options={"info": {"model": _recorded(args.model)}})
+    # encode_corpus checks the store, the model and the retriever before it starts Ray (check_before_ray)
+    with _quiet_loading():  # the driver loads the model to check an existing store's fingerprint
+        report = encode_corpus(passages, model, args.store, batch_size=args.batch_size, num_actors=args.actors,
+                               cpus_per_actor=args.cpus_per_actor, storage_dtype=args.storage_dtype, text_field=args.text_field,
+                               store_options={"info": {"model": _recorded(model)}})
     print(json.dumps(report, indent=1))
 
 
@@ -349,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     corpus = sub.add_parser("encode-corpus", help="encode passages into a Lance store on Ray Data (resumable; needs the [scale] extra)")
     corpus.add_argument("store", help="the Lance store: a local folder or an object-storage URI (created, or extended: stored ids are skipped)")
     corpus.add_argument("input", help="UTF-8 .jsonl (one {\"text\": ..., \"id\": ...} object per line) or text file (blank-line-separated passages)")
-    corpus.add_argument("--model", type=_model_spec, default="demo", metavar="MODEL", help=f"{model_help} (default demo)")
+    corpus.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the store's model, else demo)")
     corpus.add_argument("--actors", type=_count(1), default=None, metavar="N", help="Ray actors (default: one per GPU, else per CPU)")
     corpus.add_argument("--cpus-per-actor", type=_count(1), default=1, metavar="N", help="CPUs (torch threads) per CPU actor (default 1)")
     corpus.add_argument("--batch-size", type=_count(1), default=16, metavar="N", help="passages per batch and commit (default 16)")

@@ -7,7 +7,9 @@ else ``cpus_per_actor`` CPUs each), so each actor loads the model once. Each cal
 passages of similar length, encodes them as one left-padded batch and commits them to the Lance store
 itself (one Lance commit per batch, inserting only ids not stored yet): nothing goes back to the driver
 but ids. A rerun skips what is stored; a worker killed mid-run loses no committed batch (Ray retries
-its batch; the ids it had committed are skipped), and a rerun completes the set.
+its batch; the ids it had committed are skipped), and a rerun completes the set. What would make every
+actor fail (a folder store, another model's or retriever's Lance store, a missing checkpoint) is refused
+on the driver before Ray starts (:func:`check_before_ray`).
 
 Nothing here is pickled by us: passages travel as Arrow strings (metadata as JSON), states as
 safetensors bytes in Lance. Ray itself serializes the actor's constructor arguments (the model spec,
@@ -20,8 +22,8 @@ import json
 import os
 from typing import Callable, Iterable
 
-from .store.lance import HEADER_TABLE, STATES_TABLE, LanceStateStore, import_lancedb
 from .store.format import check_count, checked_json
+from .store.lance import DIMENSION_PROBE, HEADER_TABLE, STATES_TABLE, LanceStateStore, import_lancedb, read_lance_header
 
 
 def entry_id_for(passage_id=None, text: str | None = None) -> str:
@@ -41,15 +43,94 @@ def load_model_spec(spec):
 
         if spec in DEMO_SPECS:
             return load_demo(DEMO_SPECS[spec])
-        if not isinstance(spec, (str, os.PathLike)) or not os.path.isfile(os.path.join(spec, "config.json")):
-            raise ValueError(f"model {spec!r}: not one of {', '.join(DEMO_SPECS)} nor a local checkpoint folder with a config.json")
+        _checkpoint_config(spec)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True).eval()
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        if not tokenizer("a")["input_ids"]:  # transformers makes an empty tokenizer from a config without vocabulary
+            raise ValueError(f"model {os.fspath(spec)!r}: its tokenizer has no vocabulary (it turns text into no tokens); save the real one beside the model")
     from .generation.integration import enable
 
     return enable(model), tokenizer
+
+
+def _checkpoint_config(spec):
+    """The config of the model that ``spec`` names (a demo name or a checkpoint folder), read without its
+    weights; ``ValueError`` naming the problem when it names none, or not a model that states compose for."""
+    from .demo import DEMO_DIR, DEMO_SPECS, checkpoint_problem
+    from .state.fingerprint import SUPPORTED_MODEL_TYPES
+
+    if not isinstance(spec, (str, os.PathLike)):
+        raise TypeError(f"model_path must be a demo name, a checkpoint folder or a callable, got {type(spec).__name__}")
+    folder = DEMO_DIR / DEMO_SPECS[spec] if spec in DEMO_SPECS else spec
+    problem = None if spec in DEMO_SPECS else checkpoint_problem(spec)
+    if problem:
+        raise ValueError(f"model {problem}")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"model {os.fspath(spec)!r}: its config.json does not load ({error}); fix or re-save the checkpoint") from None
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model {os.fspath(spec)!r} is a {config.model_type!r} model, not one of {', '.join(sorted(SUPPORTED_MODEL_TYPES))}: "
+                         "its states cannot be stored or composed")
+    return config
+
+
+def _probe_retriever(retriever, store_dim: int | None, where: str) -> None:
+    """The retriever embeds two texts as a ``[2, E]`` array, with the store's ``E`` if it has one."""
+    import torch
+
+    if not callable(retriever):
+        raise TypeError(f"the retriever factory returned a {type(retriever).__name__}, not a callable list[str] -> [n, E] vectors")
+    vectors = torch.as_tensor(retriever([DIMENSION_PROBE, "a"]))
+    if vectors.dim() != 2 or vectors.shape[0] != 2:
+        raise ValueError(f"the retriever returned shape {tuple(vectors.shape)} for 2 texts; expected [n, E]")
+    if store_dim is not None and vectors.shape[1] != store_dim:
+        raise ValueError(f"the retriever gives {vectors.shape[1]}-dim vectors; the Lance store at {where} holds {store_dim}-dim ones: "
+                         "pass the retriever that built it, or encode into a new store")
+
+
+def check_before_ray(model_path, store_uri, retriever: Callable | None = None, storage_dtype: str | None = None,
+                     store_options: dict | None = None) -> None:
+    """Refuse on the driver, before Ray starts, what would make every actor fail (Ray reports that as an
+    ``ActorDiedError`` and kilobytes of trace): a store path that holds a folder store or other files, a
+    model spec naming no loadable Mamba checkpoint, a retriever that gives no ``[n, E]`` vectors, and a
+    Lance store built with another model, tokenizer, retriever, embedding dimension or storage dtype.
+    The store's header is read without a model; the model is loaded here only when the store exists
+    (its fingerprint, the one check that needs the weights)."""
+    uri = os.fspath(store_uri)
+    options = dict(store_options or {})
+    exists = True
+    if "://" not in uri:
+        folder = os.path.abspath(uri)
+        exists = os.path.exists(folder)
+        if exists and not os.path.isdir(folder):
+            raise ValueError(f"{uri} is a file, not a Lance store folder: give a new folder or an existing Lance store")
+        if os.path.isfile(os.path.join(folder, "store.json")):
+            raise ValueError(f"{uri} holds a folder store, not a Lance store: encode into a new folder, or copy this store into a "
+                             f"Lance store first (hf-statecompose store migrate {uri} NEW_FOLDER)")
+        if exists and any(not name.endswith(".lance") for name in os.listdir(folder)):
+            raise ValueError(f"{uri} exists and is not a Lance store (it holds other files): give a new or empty folder, or a Lance store")
+    header = read_lance_header(uri, options.get("storage_options")) if exists else None  # (connecting creates the folder)
+    config = None if callable(model_path) else _checkpoint_config(model_path)
+    if header is None:  # a new store: nothing to match yet
+        if retriever is not None:
+            _probe_retriever(retriever(), None, uri)
+        return
+    recorded = (header.get("model_type"), header.get("num_hidden_layers"), header.get("hidden_size"))
+    if config is not None and (config.model_type, config.num_hidden_layers, config.hidden_size) != recorded:
+        raise ValueError(
+            f"the Lance store at {uri} was built with another model ({recorded[0]}, {recorded[1]} layers, hidden {recorded[2]}; "
+            f"recorded as {header.get('info', {}).get('model', '?')!r}) than {os.fspath(model_path)!r} ({config.model_type}, "
+            f"{config.num_hidden_layers} layers, hidden {config.hidden_size}): pass the model that built it, or encode into a new store"
+        )
+    model, tokenizer = load_model_spec(model_path)
+    # the fingerprint, tokenizer, retriever name and storage dtype checks of opening the store
+    store = LanceStateStore(uri, model, tokenizer, retriever=retriever() if retriever is not None else None, storage_dtype=storage_dtype, **options)
+    _probe_retriever(store.retriever, store.embedding_dim, uri)
 
 
 def _normalise(passages, text_field: str) -> tuple[list[str], list[str], list[str]]:
@@ -153,7 +234,8 @@ def encode_corpus(passages, model_path, store_uri, *, retriever: Callable | None
         ray_remote_args: extra Ray options of the actors (e.g. ``{"max_restarts": 0}``: fail instead of
             restarting a dead actor; by default Ray restarts it and retries its batches).
 
-    Uses the running Ray (``ray.init()`` first to join a cluster); starts a local one otherwise.
+    Uses the running Ray (``ray.init()`` first to join a cluster); starts a local one otherwise, after
+    :func:`check_before_ray` (a wrong store, model or retriever raises here, before Ray starts).
     Returns ``{"passages", "already_stored", "encoded", "entries"}``: ``encoded`` counts the rows this
     run's batches wrote (a batch that Ray re-executes after they were committed writes none again),
     ``entries`` the corpus's ids in the store at the end.
@@ -171,6 +253,7 @@ def encode_corpus(passages, model_path, store_uri, *, retriever: Callable | None
         raise TypeError("retriever must be a zero-argument callable returning the retriever (a class works)")
     ids, texts, metas = _normalise(passages, text_field)
     store_options = dict(store_options or {})
+    check_before_ray(model_path, store_uri, retriever, storage_dtype, store_options)
     done = stored_ids(store_uri, store_options.get("storage_options"))
     todo = sorted((n for n, entry_id in enumerate(ids) if entry_id not in done), key=lambda n: (len(texts[n]), n))
     result = {"passages": len(ids), "already_stored": len(ids) - len(todo), "encoded": 0}

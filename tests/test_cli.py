@@ -34,6 +34,18 @@ def assert_user_error(code, err, match):
     assert match in err, err
 
 
+def no_ray(monkeypatch):
+    """Starting Ray fails the test: encode-corpus refuses bad input on the driver, before it starts Ray."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("lancedb")
+
+    def started(*args, **kwargs):
+        raise RuntimeError("Ray was started")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", started)
+
+
 @pytest.fixture
 def files(tmp_path):
     """Inputs and broken stores, made once per test (all tiny)."""
@@ -52,6 +64,12 @@ def files(tmp_path):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "orphan").mkdir()
     (tmp_path / "orphan" / "store.json").write_text(json.dumps({"info": {"model": str(tmp_path / "gone")}}))
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "nofield.jsonl").write_text('{"title": "no text"}\n')
+    (tmp_path / "notok").mkdir()  # a checkpoint folder without tokenizer files
+    (tmp_path / "notok" / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
+    (tmp_path / "folder_store").mkdir()  # what encode-corpus must refuse: a folder store (its header is enough)
+    (tmp_path / "folder_store" / "store.json").write_text(json.dumps({"format_version": 1, "info": {"model": "demo"}}))
     return tmp_path
 
 
@@ -84,11 +102,36 @@ BAD_ARGUMENTS = [
     (["query", "{tmp}/corrupt", "hello"], "store.json is unreadable or corrupted"),
     (["stats", "{tmp}/listed"], "store.json is corrupted (not a store header)"),
     (["stats", "{tmp}/orphan"], "records the model '{tmp}/gone', which cannot be loaded here: pass --model"),
+    # issue 21: the outside trial's bad inputs, every subcommand
+    (["build", "{tmp}/s", "{tmp}/passages.jsonl", "--model", "{tmp}/notok"], "notok' holds no tokenizer"),
+    (["build", "{tmp}/s", "{tmp}/empty.jsonl"], "empty.jsonl holds no passages"),
+    (["build", "{tmp}/s", "{tmp}/nofield.jsonl"], "nofield.jsonl:1: expected an object with a non-empty string field 'text'"),
+    (["build", "{tmp}/s", "{tmp}/passages.jsonl", "--text-field", "body"], "passages.jsonl:1: expected an object with a non-empty string field 'body'"),
+    (["build", "{tmp}/s", "{tmp}/empty_dir"], "no input file"),
+    (["build", "{tmp}/a_file/s", "{tmp}/passages.jsonl"], "cannot create a store at {tmp}/a_file/s: {tmp}/a_file is a file, not a folder"),
+    (["query", "{tmp}/a_file", "hello"], "is a file, not a store folder"),
+    (["query", "{tmp}/s", "hello"], "no store at"),
+    (["query", "{tmp}/s", "hello", "--model", "{tmp}/notok"], "notok' holds no tokenizer"),
+    (["delete", "{tmp}/a_file", "0123456789abcdef"], "is a file, not a store folder"),
+    (["compact", "{tmp}/a_file"], "is a file, not a store folder"),
+    (["store", "migrate", "{tmp}/s", "{tmp}/d"], "no store at"),
+    (["store", "migrate", "{tmp}/a_file", "{tmp}/d"], "is a file, not a store folder"),
+    (["encode-corpus", "{tmp}/s", "{tmp}/missing.jsonl"], "no input file"),
+    (["encode-corpus", "{tmp}/s", "{tmp}/bad.jsonl"], "bad.jsonl:2: not JSON"),
+    (["encode-corpus", "{tmp}/s", "{tmp}/empty.jsonl"], "empty.jsonl holds no passages"),
+    (["encode-corpus", "{tmp}/s", "{tmp}/passages.jsonl", "--actors", "0"], "argument --actors: must be >= 1"),
+    (["encode-corpus", "{tmp}/s", "{tmp}/passages.jsonl", "--model", "{tmp}/notok"], "notok' holds no tokenizer"),
+    (["encode-corpus", "{tmp}/s", "{tmp}/passages.jsonl", "--model", "{tmp}/missing"], "missing' is not one of demo"),
+    (["encode-corpus", "{tmp}/folder_store", "{tmp}/passages.jsonl"], "holds a folder store, not a Lance store"),
+    (["encode-corpus", "{tmp}/busy", "{tmp}/passages.jsonl"], "busy exists and is not a Lance store"),
+    (["encode-corpus", "{tmp}/a_file", "{tmp}/passages.jsonl"], "is a file, not a store folder"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[m.split(" (")[0] for _, m in BAD_ARGUMENTS])
-def test_bad_invocations_are_one_line_exit_2(files, capsys, argv, message):
+def test_bad_invocations_are_one_line_exit_2(files, capsys, monkeypatch, argv, message):
+    if argv[:1] == ["encode-corpus"]:
+        no_ray(monkeypatch)
     before = sorted(p.name for p in files.iterdir())
     code, out, err = run_main([a.replace("{tmp}", str(files)) for a in argv], capsys)
     assert_user_error(code, err, message.replace("{tmp}", str(files)))
@@ -172,6 +215,8 @@ def test_store_errors_are_one_line(built, bag_of_words, capsys):
     store = built / "store"
     code, _, err = run_main(["delete", store, "0123456789abcdef"], capsys)
     assert_user_error(code, err, "0123456789abcdef")
+    code, _, err = run_main(["delete", store, "../store.json"], capsys)
+    assert_user_error(code, err, "'../store.json' is not a store entry id")
     code, _, err = run_main(["query", store, "hello", "--model", "demo-mamba"], capsys)
     assert_user_error(code, err, "was built with another model")
     code, out, err = run_main(["stats", store], capsys)
@@ -215,6 +260,7 @@ def test_a_checkpoint_that_is_not_mamba_is_refused(built, capsys, tmp_path):
     assert_user_error(code, err, "GPT2LMHeadModel is not a Mamba / Mamba-2 model")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{}")
+    (tmp_path / "broken" / "tokenizer.json").write_bytes((demo_tokenizer / "tokenizer.json").read_bytes())
     code, _, err = run_main(["build", tmp_path / "s", built / "passages.jsonl", "--model", tmp_path / "broken"], capsys)
     assert_user_error(code, err, "cannot load a causal LM and its tokenizer from it")
     assert not (tmp_path / "s").exists()
@@ -243,3 +289,132 @@ def test_a_checkpoint_folder_is_recorded_by_its_absolute_path(bag_of_words, caps
     monkeypatch.chdir(tmp_path)  # the relative name means nothing here: the recorded path still does
     code, out, err = run_main(["stats", "s"], capsys)
     assert code == 0 and json.loads(out)["entries"] == 2, err
+
+
+def test_a_checkpoint_without_a_usable_tokenizer_is_refused(capsys, tmp_path):
+    # transformers 5 makes an empty tokenizer for such a folder: every passage was refused as "no tokens"
+    import shutil
+
+    folder = shutil.copytree(Path(cli.__file__).parent / "demo" / "models" / "mamba2", tmp_path / "model", ignore=shutil.ignore_patterns("tokenizer*"))
+    (tmp_path / "p.txt").write_text("A passage.\n")
+    code, _, err = run_main(["build", tmp_path / "s", tmp_path / "p.txt", "--model", folder], capsys)
+    assert_user_error(code, err, "model' holds no tokenizer (none of tokenizer.json")
+    (folder / "tokenizer_config.json").write_text("{}")  # a tokenizer file, but no vocabulary
+    code, _, err = run_main(["build", tmp_path / "s", tmp_path / "p.txt", "--model", folder], capsys)
+    assert_user_error(code, err, "its tokenizer has no vocabulary")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "p.txt"]  # nothing created
+
+
+def test_encode_corpus_refuses_another_models_or_retrievers_lance_store_before_ray(tmp_path, capsys, monkeypatch, bag_of_words):
+    no_ray(monkeypatch)
+    from hf_statecompose.demo import load_demo
+    from hf_statecompose.store import StateStore
+
+    model, tokenizer = load_demo("mamba2")
+    StateStore(str(tmp_path / "lance"), model, tokenizer, retriever=BagOfWords(), backend="lance", info={"model": "demo"})
+    other = type("Other", (BagOfWords,), {"name": "another-retriever"})
+    StateStore(str(tmp_path / "other"), model, tokenizer, retriever=other(), backend="lance", info={"model": "demo"})
+    (tmp_path / "p.txt").write_text("A passage.\n\nAnother one.\n")
+    code, _, err = run_main(["encode-corpus", tmp_path / "lance", tmp_path / "p.txt", "--model", "demo-mamba"], capsys)
+    assert_user_error(code, err, "was built with another model (mamba2, 6 layers, hidden 256; recorded as 'demo')")
+    code, _, err = run_main(["encode-corpus", tmp_path / "other", tmp_path / "p.txt"], capsys)
+    assert_user_error(code, err, "was indexed with the retriever 'another-retriever', not 'test-bag-of-words'")
+
+
+SLOW_BUILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from store_helpers import BagOfWords
+
+class SlowBagOfWords(BagOfWords):  # the same retriever (name, vectors), stalled once it embeds the passages
+    def __call__(self, texts):
+        if any("stall" in text for text in texts):
+            open({marker!r}, "w").close()
+            time.sleep(600)
+        return super().__call__(texts)
+
+import hf_statecompose.retrieval
+hf_statecompose.retrieval.default_retriever = SlowBagOfWords
+from hf_statecompose.cli import main
+main(["build", {target!r}, {passages!r}])
+"""
+
+
+def test_a_killed_builds_folder_is_removed_by_the_next_build_but_never_a_live_ones(tmp_path, capsys, bag_of_words):
+    import os
+    import time
+
+    target, marker = tmp_path / "store", tmp_path / "stalled"
+    for name, texts in (("slow.txt", ["a passage that will stall"]), ("a.txt", TEXTS[:2]), ("b.txt", TEXTS[2:4])):
+        (tmp_path / name).write_text("\n\n".join(texts) + "\n")
+    script = SLOW_BUILD.format(tests=str(Path(__file__).parent), marker=str(marker), target=str(target), passages=str(tmp_path / "slow.txt"))
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parent.parent), "OMP_NUM_THREADS": "1"}
+    builder = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert builder.poll() is None, builder.stderr.read()
+            assert time.monotonic() < deadline, "the builder never reached its passages"
+            time.sleep(0.05)
+        building = [p for p in tmp_path.iterdir() if p.name.startswith(".store.building-")]
+        assert len(building) == 1 and (building[0] / "store").is_dir()
+        # concurrent builds of the same store (creating it, then extending it) leave the live build's folder alone
+        code, _, err = run_main(["build", target, tmp_path / "a.txt"], capsys)
+        assert code == 0, err
+        assert building[0].is_dir()
+    finally:
+        builder.kill()  # SIGKILL: no finally, no cleanup in the builder
+        builder.wait(timeout=60)
+    assert builder.returncode == -9
+    assert building[0].is_dir()  # left behind by the dead builder ...
+    code, out, err = run_main(["build", target, tmp_path / "b.txt"], capsys)
+    assert code == 0 and out.startswith("added 2 entries"), err
+    assert not building[0].exists()  # ... and removed by the next build
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "slow.txt", "stalled", "store"]
+    assert json.loads((target / "store.json").read_text())["info"] == {"model": "demo"}
+
+
+def test_an_internal_error_keeps_its_traceback(files, monkeypatch):
+    # a bug is not a user error: it propagates (the console script prints its traceback, exit 1)
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "open_store", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["stats", str(files / "orphan")])
+
+
+def test_stale_building_folders_without_a_lock_are_removed_and_young_starting_ones_kept(tmp_path):
+    import os
+    import time
+
+    target = tmp_path / "store"
+    legacy = tmp_path / ".store.building-old"  # left by a version without locks: no builder.lock
+    (legacy / "store").mkdir(parents=True)
+    old_start, young_start = tmp_path / ".store.starting-a", tmp_path / ".store.starting-b"
+    old_start.mkdir()
+    young_start.mkdir()
+    an_hour_ago = time.time() - 3600
+    os.utime(old_start, (an_hour_ago, an_hour_ago))
+    other = tmp_path / ".other.building-x"  # another store's: not this build's business
+    other.mkdir()
+    assert sorted(p.name for p in cli._remove_stale_builds(target)) == [".store.building-old", ".store.starting-a"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.building-x", ".store.starting-b"]
+
+
+def test_a_store_created_meanwhile_is_reported_not_overwritten(tmp_path, capsys, monkeypatch):
+    target = tmp_path / "store"
+
+    class RacingBagOfWords(BagOfWords):  # another build lands the store while this one encodes
+        def __call__(self, texts):
+            if any("race" in text for text in texts):
+                target.mkdir()
+                (target / "store.json").write_text("{}")
+            return super().__call__(texts)
+
+    monkeypatch.setattr("hf_statecompose.retrieval.default_retriever", RacingBagOfWords)
+    (tmp_path / "p.txt").write_text("a race to the store\n")
+    code, _, err = run_main(["build", target, tmp_path / "p.txt"], capsys)
+    last = err.split("\n")[-2]  # after the encoding progress, which is shown
+    assert code == 2 and "Traceback" not in err and last.startswith(PROG_ERROR) and "was created meanwhile (by another build?)" in last, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "store"] and (target / "store.json").read_text() == "{}"

@@ -1,8 +1,10 @@
 """encode_corpus on a local Ray (2 CPUs) with a tiny random Mamba-2: the Lance store holds exactly the
 states that encoding each passage alone gives; a rerun skips what is stored; a worker SIGKILLed mid-run
-loses no committed entry and the rerun completes the set."""
+loses no committed entry and the rerun completes the set; what would kill every actor (a folder store,
+another model's or retriever's store, a missing model) is refused before Ray starts."""
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,96 @@ def test_bad_input_is_refused_before_ray_starts(tmp_path):
     ids, texts, _ = hsc.distributed._normalise(str(tmp_path / "p.jsonl"), "text")
     assert texts == ["a", "a"] and len(set(ids)) == 2  # ids from the passages' own ids
     assert not (tmp_path / "s").exists()
+
+
+# ------------------------------------------------- refused on the driver, before Ray starts (issue 21)
+class OtherRetriever(BagOfWords):
+    name = "another-retriever"
+
+
+class NarrowBagOfWords(BagOfWords):
+    """Same name as BagOfWords (so the name check passes), 32-dim vectors instead of 64."""
+
+    def __init__(self):
+        super().__init__(dim=32)
+
+
+class NoRows(BagOfWords):
+    def __call__(self, texts):
+        return super().__call__(texts)[0]  # one vector whatever the texts: a broken retriever
+
+
+def tiny_mamba1():
+    return tiny_model("mamba"), CharTokenizer()
+
+
+def tiny_mamba2_other_seed():
+    return tiny_model("mamba2", seed=1), CharTokenizer()
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Starting Ray (or finding it started) fails the test: each refusal must come before it."""
+
+    def started(*args, **kwargs):
+        raise RuntimeError("Ray was started")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", started)
+
+
+@pytest.fixture
+def stores(tmp_path):
+    """An empty Lance store and a folder store of the tiny Mamba-2 with BagOfWords, a GPT-2 and a model-less folder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hsc.StateStore(str(tmp_path / "lance"), tiny_model("mamba2"), CharTokenizer(), retriever=BagOfWords(), backend="lance")
+    hsc.StateStore(str(tmp_path / "folder"), tiny_model("mamba2"), CharTokenizer(), retriever=BagOfWords())
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32)).save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "gpt2" / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "notok").mkdir()
+    (tmp_path / "notok" / "config.json").write_text("{}")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("not a store")
+    return tmp_path
+
+
+# (model, store, keyword arguments) -> a piece of the message; {tmp} is the test's folder
+REFUSED = [
+    (tiny_mamba2, "folder", {}, ValueError, "holds a folder store, not a Lance store"),
+    (tiny_mamba2, "busy", {}, ValueError, "exists and is not a Lance store"),
+    (tiny_mamba2, "busy/notes.txt", {}, ValueError, "is a file, not a Lance store folder"),
+    (tiny_mamba1, "lance", {}, ValueError, "was built with another model"),
+    (tiny_mamba2_other_seed, "lance", {}, ValueError, "was built with another model"),
+    ("demo", "lance", {}, ValueError, "was built with another model (mamba2, 2 layers, hidden 32"),
+    ("{tmp}/missing", "lance", {}, ValueError, "missing' is not one of demo"),
+    ("{tmp}/missing", "new", {}, ValueError, "missing' is not one of demo"),
+    ("{tmp}/notok", "new", {}, ValueError, "holds no tokenizer"),
+    ("{tmp}/gpt2", "new", {}, ValueError, "is a 'gpt2' model"),
+    (tiny_mamba2, "lance", {"retriever": OtherRetriever}, ValueError, "was indexed with the retriever 'test-bag-of-words'"),
+    (tiny_mamba2, "lance", {"retriever": NarrowBagOfWords}, ValueError, "gives 32-dim vectors; the Lance store at"),
+    (tiny_mamba2, "new", {"retriever": NoRows}, ValueError, "expected [n, E]"),
+    (tiny_mamba2, "new", {"retriever": lambda: "not callable"}, TypeError, "not a callable"),
+    (tiny_mamba2, "lance", {"retriever": BagOfWords, "storage_dtype": "bf16"}, ValueError, "stores fp32 states"),
+]
+
+
+@pytest.mark.parametrize("model, store, kwargs, error, message", REFUSED, ids=[f"{s}-{m[:30]}" for _, s, _, _, m in REFUSED])
+def test_what_would_kill_every_actor_is_refused_before_ray_starts(stores, no_ray, model, store, kwargs, error, message):
+    if isinstance(model, str):
+        model = model.replace("{tmp}", str(stores))
+    kwargs = {"retriever": BagOfWords, **kwargs}
+    before = sorted(p.name for p in stores.iterdir())
+    with pytest.raises(error, match=re.escape(message)):
+        hsc.encode_corpus(passages(3), model, stores / store, show_progress=False, **kwargs)
+    assert sorted(p.name for p in stores.iterdir()) == before  # nothing created
+
+
+def test_a_fully_stored_corpus_is_still_checked_against_the_model(stores, no_ray):
+    # every id stored: no Ray needed, but another model's store is refused all the same (it was reported as done)
+    store = hsc.StateStore(str(stores / "lance"), tiny_model("mamba2"), CharTokenizer(), retriever=BagOfWords(), backend="lance")
+    texts = [p["text"] for p in passages(2)]
+    store.write_rows(store.encode_rows(texts, [{}, {}], [hsc.distributed.entry_id_for(None, t) for t in texts]))
+    assert hsc.encode_corpus(texts, tiny_mamba2, stores / "lance", retriever=BagOfWords)["already_stored"] == 2
+    with pytest.raises(ValueError, match="was built with another model"):
+        hsc.encode_corpus(texts, tiny_mamba1, stores / "lance", retriever=BagOfWords)

@@ -8,6 +8,25 @@ DEMO_DIR = Path(__file__).resolve().parent / "models"
 DEMO_ARCHS = ("mamba2", "mamba")
 # names that mean an embedded demo checkpoint (CLI --model, lm-eval pretrained=, recipes' model=)
 DEMO_SPECS = {"demo": "mamba2", "demo-mamba2": "mamba2", "demo-mamba": "mamba"}
+# a checkpoint folder holds one of these when it has a tokenizer (without any, transformers 5 makes an
+# empty one that turns every text into no tokens)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def checkpoint_problem(path) -> str | None:
+    """What makes ``path`` unusable as a local checkpoint folder (a causal LM and its tokenizer), or
+    ``None``; files only (nothing is loaded), so that the command line and the Ray driver can refuse a
+    wrong ``--model`` before they load or start anything."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return f"{str(path)!r} is not one of {', '.join(DEMO_SPECS)} nor a local checkpoint folder (nothing is downloaded)"
+    if not (folder / "config.json").is_file():
+        return f"{str(path)!r} holds no config.json: not a transformers checkpoint folder"
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return (f"{str(path)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...): "
+                "save the tokenizer beside the model (tokenizer.save_pretrained(folder))")
+    return None
 
 
 def load_demo(arch: str = "mamba2", device=None):
