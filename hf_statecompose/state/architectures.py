@@ -49,6 +49,8 @@ class Architecture:
     # value checks of the extras of one state layer, after their dtypes and shapes were checked:
     # ({attribute: tensor of that layer}, layer, refuse(problem), *, config, num_tokens, encoded) -> None; refuse raises
     check_extra_values: Callable | None = None
+    # checks across the state layers, after each layer's: ([{attribute: tensor} of every layer], refuse) -> None
+    check_extras_across_layers: Callable | None = None
 
     def cache_class(self) -> type:
         return getattr(importlib.import_module(f"{__package__}.{self.cache_module}"), self.cache_class_name)
@@ -146,7 +148,7 @@ def _check_resampling_values(extras: dict, v: int, refuse, *, config, num_tokens
       and a clock of at least ``num_tokens · s_min``.
 
     Across layers (every layer and branch sees the same real tokens, so the same number of valid slots):
-    :func:`hf_statecompose.state.validation.check_extras`."""
+    :func:`_check_resampling_across_layers`."""
     clock, times, valid = extras["clocks"], extras["window_times"], extras["window_valid"]
     one, least, window = SERPENT_CLOCK_ONE, _min_clock_step(config, v), valid.shape[1]
     if (clock < 0).any():
@@ -197,6 +199,20 @@ def _check_resampling_values(extras: dict, v: int, refuse, *, config, num_tokens
                    f"clock of at least num_tokens x {least})")
 
 
+def _check_resampling_across_layers(layers: list, refuse) -> None:
+    """Every layer and branch sees the same real tokens, so every state layer's window holds as many valid
+    neighbours (per row) as the first one's."""
+    if len(layers) < 2:
+        return
+    counts = torch.stack([extras["window_valid"].sum(1) for extras in layers])  # [layers, B]
+    differ = counts != counts[:1]
+    if bool(differ.any()):
+        v, row = (int(i) for i in differ.nonzero()[0])
+        refuse(f"the resampling windows hold different numbers of valid neighbours: layer 0 has "
+               f"{int(counts[0, row])}, layer {v} has {int(counts[v, row])} (row {row}); every layer and branch "
+               "sees the same real tokens")
+
+
 SERPENT_MAMBA = Architecture(
     name="serpent_mamba",
     per_element_decay=True,  # every (layer, branch) is a Mamba-1 SSM
@@ -218,6 +234,7 @@ SERPENT_MAMBA = Architecture(
                     lambda c: (c.hidden_size // _branches(c),), lambda d: d),
     ),
     check_extra_values=_check_resampling_values,
+    check_extras_across_layers=_check_resampling_across_layers,
 )
 
 # ---------------------------------------------------------------------------------------------- COFFEE

@@ -258,7 +258,7 @@ def check_extras(state, where: str = "state", *, batch: int | None = None, devic
     batch = state.batch_size if batch is None else batch
     device = state.device if device is None else device
     refuse = functools.partial(_refuse, where)
-    counts = []
+    layers = []
     for v in range(state.num_layers):
         extras = {}
         for extra in layout.extras:
@@ -267,16 +267,10 @@ def check_extras(state, where: str = "state", *, batch: int | None = None, devic
         check_extra_tensors(layout, extras, v, config=state.config, model_dtype=state.model_dtype, batch=batch,
                             device=device, refuse=refuse, num_tokens=state.num_tokens,
                             encoded=state.token_ids is not None)
-        if "window_valid" in extras:
-            counts.append(extras["window_valid"].sum(1))
-    if len(counts) > 1:
-        counts = torch.stack(counts)  # [layers, B]
-        differ = counts != counts[:1]
-        if bool(differ.any()):
-            v, row = (int(i) for i in differ.nonzero()[0])
-            refuse(f"the resampling windows hold different numbers of valid neighbours: layer 0 has "
-                   f"{int(counts[0, row])}, layer {v} has {int(counts[v, row])} (row {row}); every layer and branch "
-                   "sees the same real tokens")
+        layers.append(extras)
+    if layout.check_extras_across_layers is not None:
+        with torch.no_grad():
+            layout.check_extras_across_layers(layers, refuse)
 
 
 def _check_token_counts(state, batch: int, device, where: str) -> None:
@@ -417,6 +411,7 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
     (which covers the weights) as the contents' check is. ``contents=False`` is for a state the composer
     built from checked states (its extras are still checked, :func:`check_extras`)."""
     from .fingerprint import TRACED_FINGERPRINT, architecture_of
+
     model_architecture = architecture_of(model)
     if state.architecture != model_architecture:
         raise ValueError(
