@@ -231,6 +231,20 @@ def test_real_serpent_encodings_always_pass(compressions):
     check_state(out.cache if hasattr(out, "cache") else out.past_key_values)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@torch.no_grad()
+def test_real_serpent_encodings_pass_in_other_dtypes(dtype):
+    """The time steps are computed in float32 (float64 for a float64 model): the least step keeps its slack."""
+    model = tiny_serpent(seed=3).to(dtype)
+    K = model.config.resample_window
+    for n in range(1, 3 * K + 1):
+        check_state(encode(model, length=n, seed=n))
+    ids, mask = _left_padded_batch([1, K, 3 * K], seed=5)
+    state = ComposableMambaCache.encode(model, ids, attention_mask=mask)
+    check_state(state)
+    check_state(model(torch.tensor([[5, 6]] * 3), cache=state, use_cache=True).cache)
+
+
 def _all_invalid(s, v):
     s.window_valid[v] = torch.zeros_like(s.window_valid[v])
 
