@@ -24,7 +24,7 @@ def _generate(model, states, **kwargs):
 def test_empty_list(model):
     with pytest.raises(ValueError, match="past_states is empty: pass at least one ComposableMambaCache"):
         _generate(model, [])
-    with pytest.raises(ValueError, match="past_states is empty: pass at least one state to compose"):
+    with pytest.raises(ValueError, match="^states is empty: pass at least one state to compose"):
         StateComposer("picaso_s").compose([])
 
 
@@ -44,7 +44,7 @@ def test_state_from_another_model(arch, state, model):
         _generate(other, [state])
     with torch.no_grad():
         foreign = ComposableMambaCache.encode(other, random_ids(5))
-    with pytest.raises(ValueError, match=r"past_states\[1\] was encoded by a different model .* than past_states\[0\] "
+    with pytest.raises(ValueError, match=r"^states\[1\] was encoded by a different model .* than states\[0\] "
                                          r".*; encode every context with the same model"):
         StateComposer("soup").compose([state, foreign])
 
@@ -66,7 +66,7 @@ def test_shape_tampering_is_caught(model, state):
     with pytest.raises(ValueError, match=r"past_states\[0\] layer 1 SSM state has per-row shape \(.*7\), this model "
                                          r"expects \(.*8\); .*re-encode the contexts with this model"):
         _generate(model, [bad])
-    with pytest.raises(ValueError, match=r"past_states\[1\] layer 1 SSM state has shape \(1, .*7\), past_states\[0\] "
+    with pytest.raises(ValueError, match=r"^states\[1\] layer 1 SSM state has shape \(1, .*7\), states\[0\] "
                                          r"has \(1, .*8\)"):
         StateComposer("soup").compose([state, bad])
 
@@ -75,7 +75,7 @@ def test_dtype_mismatch(model, state):
     with pytest.raises(ValueError, match=r"past_states\[0\] was encoded with the model in torch.bfloat16, the model is "
                                          "now torch.float32; re-encode the contexts with the model in torch.float32"):
         _generate(model, [state.to(dtype=torch.bfloat16)])
-    with pytest.raises(ValueError, match=r"past_states\[1\] was encoded in torch.bfloat16, past_states\[0\] in "
+    with pytest.raises(ValueError, match=r"^states\[1\] was encoded in torch.bfloat16, states\[0\] in "
                                          "torch.float32; encode all contexts with the model in one dtype"):
         StateComposer("soup").compose([state, state.to(dtype=torch.bfloat16)])
 
@@ -84,7 +84,7 @@ def test_device_mismatch(model, state):
     on_meta = state.to("meta")
     with pytest.raises(ValueError, match=r"past_states\[0\] is on meta, the model on cpu; use state.to\(device\)"):
         _generate(model, [on_meta])
-    with pytest.raises(ValueError, match=r"past_states\[1\] is on meta, past_states\[0\] on cpu; move them with "
+    with pytest.raises(ValueError, match=r"^states\[1\] is on meta, states\[0\] on cpu; move them with "
                                          r"\.to\(device\)"):
         StateComposer("soup").compose([state, on_meta])
 
@@ -92,7 +92,7 @@ def test_device_mismatch(model, state):
 def test_batch_mismatch(model, state):
     with torch.no_grad():
         two = ComposableMambaCache.encode(model, random_ids(4, batch=2))
-    with pytest.raises(ValueError, match=r"past_states\[1\] has batch size 2, past_states\[0\] has 1"):
+    with pytest.raises(ValueError, match=r"^states\[1\] has batch size 2, states\[0\] has 1"):
         StateComposer("soup").compose([state, two])
     with pytest.raises(ValueError, match="past_states have batch size 2 but the query batch has 3 rows"):
         model.generate(random_ids(3, batch=3), past_states=[two], max_new_tokens=2)
@@ -108,13 +108,13 @@ def test_nan_or_inf_in_a_state(model, state, bad_value):
     bad = state.clone()
     bad.ssm_states[0][0, 0, 0] = bad_value
     corrupted = "contains NaN or inf; the state is corrupted, re-encode the context"
-    with pytest.raises(ValueError, match=r"states\[1\]: layer 0 SSM state " + corrupted):
+    with pytest.raises(ValueError, match=r"^past_states\[1\]: layer 0 SSM state " + corrupted):
         _generate(model, [state, bad])
-    with pytest.raises(ValueError, match=r"states\[0\]: layer 0 SSM state " + corrupted):
+    with pytest.raises(ValueError, match=r"^past_states\[0\]: layer 0 SSM state " + corrupted):
         model(random_ids(3), past_states=[bad])
     bad = state.clone()
     bad.delta_sums[1][0, 0] = bad_value
-    with pytest.raises(ValueError, match=r"states\[1\]: layer 1 ΣΔ " + corrupted):
+    with pytest.raises(ValueError, match=r"^states\[1\]: layer 1 ΣΔ " + corrupted):
         StateComposer("picaso_r").compose([state, bad])
 
 

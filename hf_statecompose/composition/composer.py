@@ -45,7 +45,7 @@ from ..ops.compose import MODEL_FREE_METHODS
 from ..state.architectures import architecture
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import model_fingerprint
-from ..state.validation import check_against_model, check_compatible, check_finite
+from ..state.validation import check_against_model, check_compatible, check_finite, check_state_once
 
 MODEL_BASED_METHODS = ("concat", "piconcat_r")
 METHODS = MODEL_FREE_METHODS + MODEL_BASED_METHODS
@@ -98,16 +98,26 @@ class StateComposer:
     def compose(self, states: Sequence[ComposableMambaCache], model=None, *, validated: bool = False) -> ComposableMambaCache:
         """Compose a non-empty list of states of one model (same batch) into one state (same batch).
 
-        The states are checked once: their metadata against each other (one signature comparison per
-        state; the full ``check_compatible`` only to word an error), and the result for NaN / inf (one pass,
-        one host sync; the native CPU kernel does it while composing). ``validated=True`` is for callers
-        that already checked each state against ``model`` (``generation.compose_for_batch`` does): the
+        The states are checked: their metadata against each other (one signature comparison per state; the
+        full ``check_compatible`` only to word an error), each state's contents as a state file's are
+        (:func:`~hf_statecompose.state.validation.check_state_once`: once per state object, again only after
+        an edit), and the result for NaN / inf (one pass, one host sync; the native CPU kernel does it while
+        composing). ``validated=True`` is for callers that already checked each state against ``model``: the
         model-based methods then skip their own check against ``model``.
+
+        The composed state owns its tensors for n >= 2 states; one state composes to itself (the result
+        shares its tensors).
         """
+        return self._compose(states, model, validated, "states")
+
+    def _compose(self, states, model, validated: bool, name: str) -> ComposableMambaCache:
+        """:meth:`compose`, its errors naming the states ``name[k]`` (the argument the user passed)."""
         if isinstance(states, ComposableMambaCache):
             raise TypeError("compose takes a list of states, not a single state")
         states = list(states) if isinstance(states, (list, tuple)) else states
-        gathered = _check_compatible_fast(states)
+        gathered = _check_compatible_fast(states, name)
+        for k, state in enumerate(states):
+            check_state_once(state, f"{name}[{k}]")
         n = len(states)
         weights = None
         if self.weights is not None:
@@ -118,16 +128,15 @@ class StateComposer:
             if model is None:
                 raise ValueError(f"method {self.method!r} re-encodes the context tokens: pass model=")
             if not validated:
-                _check_states_fit_model(states, model, self.method)
+                _check_states_fit_model(states, model, self.method, name)
             return _concat(states, model) if self.method == "concat" else _piconcat_r(states, model)
         if self.method == "picaso_s":
             _check_picaso_s_cost(states)
-        if n == 1:
-            _check_finite_once(states[0], states)
-            return states[0]._map_rows(lambda t: t)  # one state composes to itself, exactly (tensors shared)
+        if n == 1:  # one state composes to itself, exactly (tensors shared; checked finite above)
+            return states[0]._map_rows(lambda t: t, fixed=lambda t: t)
         composed, finite = _compose_model_free(states, self.method, self.conv, weights, self.backend, gathered)
         if not finite:  # None (not known: the torch / Triton paths) or False
-            _check_finite_once(composed, states)
+            _check_finite_once(composed, states, name)
         return composed
 
 
@@ -207,7 +216,7 @@ def _gather_uniform(states, first):
     return _Gathered(ssm, conv, delta, shapes.pop(), conv_shapes.pop(), dtypes.pop(), conv_dtypes.pop())
 
 
-def _check_compatible_fast(states):
+def _check_compatible_fast(states, name: str = "states"):
     """``check_compatible`` in one pass when all is well; on any difference (or an odd input) the full
     check runs and raises its precise message. Returns the :class:`_Gathered` tensors when the states
     are uniform CPU states (what the native kernel can take), else None."""
@@ -221,16 +230,16 @@ def _check_compatible_fast(states):
         first = _signature(states[0])
         if len(first[3]) == first[0] and all(_signature(s) == first for s in states[1:]):
             return None
-    check_compatible(states)
+    check_compatible(states, where=name)
     return None
 
 
-def _check_states_fit_model(states, model, method):
+def _check_states_fit_model(states, model, method, name: str = "states"):
     """The model-based methods run ``model`` over the states' tokens: a state of another model (other
     architecture, config or weights) would silently give the other model's state, so refuse it."""
     fingerprint = model_fingerprint(model)
     for k, state in enumerate(states):
-        check_against_model(state, model, fingerprint, f"states[{k}] (method {method!r})")
+        check_against_model(state, model, fingerprint, f"{name}[{k}] (method {method!r})")
 
 
 _WEIGHTS_HELP = "pass weights as a list (or 1-D tensor) of n non-negative real numbers summing to 1, e.g. [0.5, 0.3, 0.2]"
@@ -303,7 +312,7 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
             ssm_state=composed,
             conv_state=_compose_conv([s.conv_states[i] for s in states], conv, weights),
             delta_sum=delta_out,
-            A=first.A[i],
+            A=first.A[i].clone(),
         )
     _add_token_counts(out, states)
     out._finish_composition(states)
@@ -375,7 +384,7 @@ def _compose_native(states, method, conv, weights, backend, gathered):
     return out, finite
 
 
-def _check_finite_once(composed, states):
+def _check_finite_once(composed, states, name: str = "states"):
     """NaN / inf in any input reaches the composed state (NaN·0 and inf·0 are NaN), so one pass over the
     output finds every bad input. The per-layer flags are gathered into one tensor and read once, so the
     check costs one pass and one host sync whatever the number of layers; only on failure are the inputs
@@ -387,7 +396,7 @@ def _check_finite_once(composed, states):
     if bool(torch.stack(flags).all()):
         return
     for k, state in enumerate(states):
-        check_finite(state, f"states[{k}]")
+        check_finite(state, f"{name}[{k}]")
     bad = next(i for i in range(composed.num_layers) if not all(bool(f) for f in flags[3 * i: 3 * i + 3]))
     raise ValueError(
         f"composing gave NaN or inf in layer {bad} although every input is finite; "

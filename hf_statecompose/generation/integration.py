@@ -202,13 +202,13 @@ def compose_for_batch(model, past_states, composition, batch_size: int) -> Compo
         for r, row_states in enumerate(past_states):
             _check_batch_one(row_states, f"past_states[{r}]")
             _check_each_against_model(row_states, model, fingerprint, f"past_states[{r}]")
-            rows.append(composer.compose(row_states, model=model))
+            rows.append(_compose(composer, row_states, model, f"past_states[{r}]"))
         composed = type(rows[0]).stack(rows)  # the states' own class: a subclass's extras follow their rows
     else:
         if not isinstance(past_states, (list, tuple)):
             raise TypeError(f"past_states must be a list of ComposableMambaCache, got {type(past_states).__name__}")
         _check_each_against_model(past_states, model, fingerprint, "past_states")
-        composed = composer.compose(list(past_states), model=model)
+        composed = _compose(composer, past_states, model, "past_states")
         if composed.batch_size == 1 and batch_size > 1:
             composed = composed.repeat_interleave(batch_size)
         elif composed.batch_size != batch_size:
@@ -216,12 +216,22 @@ def compose_for_batch(model, past_states, composition, batch_size: int) -> Compo
                 f"past_states have batch size {composed.batch_size} but the query batch has {batch_size} rows; "
                 "use batch-1 states (shared by all rows), states with one row per query row, or one list per row"
             )
-    check_against_model(composed, model, fingerprint)
+    # built by the composer from states checked above: its contents need no second pass
+    check_against_model(composed, model, fingerprint, contents=False)
     return composed
 
 
+def _compose(composer, states, model, name: str):
+    """``composer.compose(states)``, its errors naming the states as the user passed them (``name[k]``); a
+    subclass that overrides ``compose`` is called as it is."""
+    if type(composer).compose is StateComposer.compose:
+        return composer._compose(list(states), model, True, name)
+    return composer.compose(list(states), model=model)
+
+
 def _check_each_against_model(states, model, fingerprint, where):
-    """Fail fast, before any arithmetic, on states that do not belong to this model."""
+    """Fail fast, before any arithmetic, on states that do not belong to this model or whose contents a state
+    file would not pass (each state object is checked once, :func:`check_state_once`)."""
     if not isinstance(states, (list, tuple)) or len(states) == 0:
         raise ValueError(f"{where} is empty: pass at least one ComposableMambaCache")
     for k, state in enumerate(states):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,8 +47,10 @@ class Architecture:
     cache_class_name: str
     extras: tuple[ExtraTensor, ...] = field(default=())
     # value checks of the extras of one state layer, after their dtypes and shapes were checked:
-    # ({attribute: tensor of that layer}, layer, refuse(problem)) -> None; refuse raises
+    # ({attribute: tensor of that layer}, layer, refuse(problem), *, config, num_tokens, encoded) -> None; refuse raises
     check_extra_values: Callable | None = None
+    # checks across the state layers, after each layer's: ([{attribute: tensor} of every layer], refuse) -> None
+    check_extras_across_layers: Callable | None = None
 
     def cache_class(self) -> type:
         return getattr(importlib.import_module(f"{__package__}.{self.cache_module}"), self.cache_class_name)
@@ -112,23 +115,102 @@ def _serpent_A_log(backbone, v):
     return getattr(getattr(branches[v % len(branches)], "ssm", None), "A_log", None)
 
 
-def _check_resampling_values(extras: dict, v: int, refuse) -> None:
-    """clock >= 0; every window time in [0, clock]; the valid mask right aligned (missing neighbours, at the
-    start of a sequence, first: the model packs the real inputs to the right, oldest first) with non-decreasing
-    times over the valid entries; window inputs and last output finite."""
+# the resampling clock's fixed point (:mod:`.serpent_cache`): each real token advances it by round(δ · 2^20), δ in [κ, 1]
+SERPENT_CLOCK_BITS = 20
+SERPENT_CLOCK_ONE = 1 << SERPENT_CLOCK_BITS
+
+
+def _min_clock_step(config, v: int) -> int:
+    """The least clock step a real token of state layer ``v`` can make: exactly ``2^20`` for κ = 1 (δ is 1), else
+    ``round(δ · 2^20)`` with δ >= κ computed in float32, so ``floor(κ · 2^20) - 1`` leaves room for its rounding."""
+    compressions = config.branch_compressions
+    kappa = float(compressions[v % len(compressions)])
+    return SERPENT_CLOCK_ONE if kappa >= 1.0 else max(0, math.floor(kappa * SERPENT_CLOCK_ONE) - 1)
+
+
+def _check_resampling_values(extras: dict, v: int, refuse, *, config, num_tokens=None, encoded: bool = False) -> None:
+    """The invariants every real encoding satisfies (modeling_serpent.SeRpEntBranch.forward builds the state):
+
+    * the clock only moves with real tokens: each adds a step s in [s_min, 2^20] (``round(δ · 2^20)``, δ in
+      [κ, 1]; exactly 2^20 for κ = 1; padding adds 0), so clock >= 0, and clock > 0 means a real token was seen;
+    * every real token enters the window with its clock value as its time; the window is the last K of all the
+      real tokens seen, in order, right aligned (invalid slots first): so with clock > 0 at least one slot is
+      valid; the latest valid time equals the clock (the latest real token set both); consecutive valid times
+      differ by one token's step, in [s_min, 2^20] (strictly increasing for every κ >= 2^-19); the first valid
+      time is >= s_min, and when the window is not full it holds every real token so far, so its first time
+      is the first token's step, <= 2^20;
+    * invalid slots (no token yet, or padding) are never read (the model multiplies them by the mask): their
+      times lie in [0, clock] as the valid ones' do, their inputs are finite;
+    * no grid point exists before the clock reaches 2^20, so until then the last output is exactly zero;
+    * with the token counts (``num_tokens`` [B], when known): at most that many valid slots and a clock of at
+      most ``num_tokens · 2^20``; for a state still as encoded (it carries token_ids: every one of its
+      ``num_tokens`` tokens was real and seen from an empty state) exactly ``min(K, num_tokens)`` valid slots
+      and a clock of at least ``num_tokens · s_min``.
+
+    Across layers (every layer and branch sees the same real tokens, so the same number of valid slots):
+    :func:`_check_resampling_across_layers`."""
     clock, times, valid = extras["clocks"], extras["window_times"], extras["window_valid"]
+    one, least, window = SERPENT_CLOCK_ONE, _min_clock_step(config, v), valid.shape[1]
     if (clock < 0).any():
         refuse(f"layer {v} resampling clock is negative ({clock.min().item()})")
     if (times < 0).any() or (times > clock[:, None]).any():
         refuse(f"layer {v} resampling window times must lie in [0, clock] (a neighbour cannot come after the clock)")
-    if valid.shape[1] > 1:
-        if (valid[:, :-1] & ~valid[:, 1:]).any():
-            refuse(f"layer {v} resampling window valid mask is not right aligned (a missing neighbour after a real one)")
-        if ((times[:, 1:] < times[:, :-1]) & valid[:, :-1]).any():
-            refuse(f"layer {v} resampling window times decrease over the real neighbours")
-    for label, tensor in (("window inputs", extras["window_inputs"]), ("last output", extras["last_outputs"])):
+    if window > 1 and (valid[:, :-1] & ~valid[:, 1:]).any():
+        refuse(f"layer {v} resampling window valid mask is not right aligned (a missing neighbour after a real one)")
+    count = valid.sum(1)
+    seen = count > 0
+    if ((clock > 0) & ~seen).any():
+        row = int(((clock > 0) & ~seen).nonzero()[0, 0])
+        refuse(f"layer {v} resampling clock is {int(clock[row])} (row {row}) but no window neighbour is valid: the clock "
+               "only moves with real tokens, and every real token enters the window")
+    if window and (valid[:, -1] & (times[:, -1] != clock)).any():
+        refuse(f"layer {v} resampling latest valid neighbour's time differs from the clock: the latest real token set both")
+    if window > 1:
+        steps = times[:, 1:] - times[:, :-1]
+        if (valid[:, :-1] & ((steps < least) | (steps > one))).any():
+            refuse(f"layer {v} resampling window times must grow by one token's clock step between valid neighbours, "
+                   f"in [{least}, {one}] for this branch (κ = {float(config.branch_compressions[v % len(config.branch_compressions)]):g})")
+    if window and seen.any():
+        first = times.gather(1, (window - count).clamp(max=window - 1)[:, None])[:, 0]
+        if (seen & (first < least)).any():
+            refuse(f"layer {v} resampling first valid neighbour's time is below one token's least clock step {least}")
+        if (seen & (count < window) & (first > one)).any():
+            refuse(f"layer {v} resampling window is not full, so it holds every real token so far, but its first "
+                   f"valid time is after the first token's (at most {one})")
+    last_output = extras["last_outputs"]
+    for label, tensor in (("window inputs", extras["window_inputs"]), ("last output", last_output)):
         if not torch.isfinite(tensor).all():
             refuse(f"layer {v} resampling {label} contain NaN or inf")
+    if ((clock < one) & (last_output != 0).flatten(1).any(1)).any():
+        refuse(f"layer {v} resampling last output is not zero before the first grid point (clock < {one}: the model "
+               "reads zeros until it creates one)")
+    if num_tokens is None:
+        return
+    if (count > num_tokens).any():
+        row = int((count > num_tokens).nonzero()[0, 0])
+        refuse(f"layer {v} resampling window holds {int(count[row])} valid neighbours, more than num_tokens "
+               f"({int(num_tokens[row])}) (row {row})")
+    if (clock > num_tokens * one).any():
+        refuse(f"layer {v} resampling clock exceeds num_tokens x {one}: each token advances it by at most {one}")
+    if encoded:
+        if (count != num_tokens.clamp(max=window)).any() or (clock < num_tokens * least).any():
+            refuse(f"layer {v} resampling state is not that of an encoding of num_tokens tokens (the state carries "
+                   f"token_ids, so it was encoded from an empty state: min(K, num_tokens) valid neighbours and a "
+                   f"clock of at least num_tokens x {least})")
+
+
+def _check_resampling_across_layers(layers: list, refuse) -> None:
+    """Every layer and branch sees the same real tokens, so every state layer's window holds as many valid
+    neighbours (per row) as the first one's."""
+    if len(layers) < 2:
+        return
+    counts = torch.stack([extras["window_valid"].sum(1) for extras in layers])  # [layers, B]
+    differ = counts != counts[:1]
+    if bool(differ.any()):
+        v, row = (int(i) for i in differ.nonzero()[0])
+        refuse(f"the resampling windows hold different numbers of valid neighbours: layer 0 has "
+               f"{int(counts[0, row])}, layer {v} has {int(counts[v, row])} (row {row}); every layer and branch "
+               "sees the same real tokens")
 
 
 SERPENT_MAMBA = Architecture(
@@ -152,6 +234,7 @@ SERPENT_MAMBA = Architecture(
                     lambda c: (c.hidden_size // _branches(c),), lambda d: d),
     ),
     check_extra_values=_check_resampling_values,
+    check_extras_across_layers=_check_resampling_across_layers,
 )
 
 # ---------------------------------------------------------------------------------------------- COFFEE
@@ -189,10 +272,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, FAL
 
 
 def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, model_dtype: torch.dtype, batch: int,
-                        device, refuse) -> None:
+                        device, refuse, num_tokens: torch.Tensor | None = None, encoded: bool = False) -> None:
     """The extra tensors of state layer ``v`` (``{attribute: tensor}``) as ``layout`` describes them: present,
-    dtypes (from ``model_dtype``), shapes (``[batch, *row_shape(config)]``), device and values.
-    ``refuse(problem)`` raises. Shared by the state validation and the store's entry checks."""
+    dtypes (from ``model_dtype``), shapes (``[batch, *row_shape(config)]``), device and values (the invariants of
+    a real encoding, :func:`_check_resampling_values` for SeRpEnt). ``num_tokens`` (``[batch]`` int64, optional)
+    lets the values be checked against the token counts, ``encoded`` says that the state is as encoded (it
+    carries its token ids). ``refuse(problem)`` raises. Shared by the state validation and the store's entry
+    checks."""
     for extra in layout.extras:
         tensor = extras.get(extra.attribute)
         if not isinstance(tensor, torch.Tensor):
@@ -207,8 +293,12 @@ def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, m
         if device is not None and tensor.device != device:
             refuse(f"layer {v} {extra.label} is on {tensor.device}, the states on {device}")
     if layout.check_extra_values is not None:
+        valid_counts = (isinstance(num_tokens, torch.Tensor) and num_tokens.dtype == torch.int64
+                        and tuple(num_tokens.shape) == (batch,))
         with torch.no_grad():
-            layout.check_extra_values(extras, v, refuse)
+            layout.check_extra_values(extras, v, refuse, config=config,
+                                      num_tokens=num_tokens.to(extras[layout.extras[0].attribute].device) if valid_counts else None,
+                                      encoded=encoded and valid_counts)
 
 
 def architecture(name: str) -> Architecture:

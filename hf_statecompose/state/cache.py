@@ -23,6 +23,7 @@ of its step multipliers over the context (:data:`.architectures.COFFEE`).
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -187,9 +188,15 @@ class ComposableMambaCache(compat.DynamicCache):
         self.token_ids = None
 
     # ------------------------------------------------------------------ batch operations
-    def _map_rows(self, fn) -> "ComposableMambaCache":
+    # Which new states own their tensors: clone() (and copy.deepcopy), select() / [] and repeat_interleave()
+    # (as torch's index_select and repeat_interleave), stack() (as torch.cat) and compositions of n >= 2
+    # states give states that share no tensor with their inputs, ``A`` and every extra included, so an
+    # in-place edit of one never reaches the other. detach() and to() (to the same device and dtype) share
+    # memory, as torch's detach / to do; a composition of one state is that state (it shares its tensors).
+    def _map_rows(self, fn, fixed=None) -> "ComposableMambaCache":
         """A new cache whose every per-row tensor (of every layer, and the token counts / ids) is ``fn`` of this
-        one's; ``A`` is shared only if ``fn`` returns its argument unchanged for it (see :meth:`clone`)."""
+        one's and whose ``A`` (no batch dimension) is ``fixed`` of this one's, a copy by default."""
+        fixed = (lambda t: t.clone()) if fixed is None else fixed
         out = self._empty_like()
         for source, target in zip(self.layers, out.layers):
             if not source.filled:
@@ -198,7 +205,7 @@ class ComposableMambaCache(compat.DynamicCache):
             for name in source._row_tensors:
                 value = getattr(source, name)
                 setattr(target, name, fn(value) if value is not None else None)
-            target.A = source.A
+            target.A = fixed(source.A) if source.A is not None else None
         out.num_tokens = fn(self.num_tokens) if self.num_tokens is not None else None
         out.token_ids = fn(self.token_ids) if self.token_ids is not None else None
         return out
@@ -215,45 +222,66 @@ class ComposableMambaCache(compat.DynamicCache):
         )
 
     def _filled_like(self, ssm_states, conv_states, delta_sums) -> "ComposableMambaCache":
-        """A new cache of this one's model with these per-layer tensors and this cache's ``A``."""
+        """A new cache of this one's model with these per-layer tensors and a copy of this cache's ``A``."""
         out = self._empty_like()
         for i, (ssm_state, conv_state, delta_sum, A) in enumerate(zip(ssm_states, conv_states, delta_sums, self.A)):
-            out.set_layer(i, ssm_state=ssm_state, conv_state=conv_state, delta_sum=delta_sum, A=A)
+            out.set_layer(i, ssm_state=ssm_state, conv_state=conv_state, delta_sum=delta_sum, A=A.clone())
         return out
 
     def clone(self) -> "ComposableMambaCache":
+        """A copy owning every tensor (``A`` and the architecture's extras included)."""
         return self._map_rows(lambda t: t.clone())
 
     def detach(self) -> "ComposableMambaCache":
-        return self._map_rows(lambda t: t.detach())
+        """The same tensors without autograd history (they share memory with this cache's, as ``Tensor.detach``)."""
+        return self._map_rows(lambda t: t.detach(), fixed=lambda t: t.detach())
 
     def to(self, device=None, dtype=None) -> "ComposableMambaCache":
         """Move to ``device``; ``dtype`` converts the conv windows and records it as the model dtype
-        (SSM states, ΣΔ and A stay float32)."""
-        out = self._map_rows(lambda t: t.to(device) if device is not None else t)
-        for layer in out.layers:
-            if not layer.filled:
-                continue
-            A = layer.A.to(device) if device is not None and layer.A is not None else layer.A
-            layer.fill(layer.ssm_state, layer.conv_state.to(dtype) if dtype is not None else layer.conv_state)
-            layer.A = A
+        (SSM states, ΣΔ and A stay float32). Tensors already there are shared, as ``Tensor.to`` shares them."""
+        move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+        out = self._map_rows(move, fixed=move)
         if dtype is not None:
+            for layer in out.layers:
+                if layer.filled:
+                    layer.fill(layer.ssm_state, layer.conv_state.to(dtype))
             out.model_dtype = dtype
         return out
 
+    _ROWS_ACCEPTED = "rows must be an int, a list of ints, a slice or a LongTensor (an integer tensor)"
+
+    def _row_index(self, rows) -> torch.Tensor:
+        """``rows`` as a 1-D int64 index; anything but integers is refused (``torch.as_tensor`` would truncate
+        0.5 to row 0, and a bool would read as a row number or a mask)."""
+        if isinstance(rows, slice):
+            return torch.arange(self.batch_size)[rows]
+        if isinstance(rows, numbers.Integral) and not isinstance(rows, bool):
+            return torch.tensor([int(rows)])
+        if torch.is_tensor(rows):
+            if rows.dtype == torch.bool or rows.dtype.is_floating_point or rows.dtype.is_complex:
+                raise TypeError(f"{self._ROWS_ACCEPTED}, got a tensor of {rows.dtype}")
+            if rows.dim() > 1:
+                raise TypeError(f"{self._ROWS_ACCEPTED}, got a tensor of shape {tuple(rows.shape)} (1-D expected)")
+            return rows.reshape(-1).to(torch.long)
+        if isinstance(rows, (list, tuple)):
+            for k, row in enumerate(rows):
+                integer = (isinstance(row, numbers.Integral) and not isinstance(row, bool)) or (
+                    torch.is_tensor(row) and row.dim() == 0 and not row.dtype.is_floating_point
+                    and not row.dtype.is_complex and row.dtype != torch.bool)
+                if not integer:
+                    raise TypeError(f"{self._ROWS_ACCEPTED}, got {row!r} ({type(row).__name__}) at position {k}")
+            return torch.tensor([int(row) for row in rows], dtype=torch.long)
+        raise TypeError(f"{self._ROWS_ACCEPTED}, got {rows!r} ({type(rows).__name__})")
+
     def select(self, rows) -> "ComposableMambaCache":
-        """Rows ``rows`` (int, list or LongTensor) as a new cache."""
-        index = torch.as_tensor([rows] if isinstance(rows, int) else rows, dtype=torch.long)
+        """Rows ``rows`` (int, list of ints, slice or LongTensor) as a new cache owning its tensors."""
+        index = self._row_index(rows)
         if index.numel() and (index.min() < -self.batch_size or index.max() >= self.batch_size):
             raise IndexError(f"row index out of range for a cache of batch size {self.batch_size}")
         return self._map_rows(lambda t: t.index_select(0, index.to(t.device) % self.batch_size))
 
     def __getitem__(self, rows):
-        if isinstance(rows, (int, list, torch.Tensor)):
-            return self.select(rows)
-        if isinstance(rows, slice):
-            return self.select(list(range(*rows.indices(self.batch_size))))
-        raise TypeError(f"rows must be an int, a list, a slice or a LongTensor, got {type(rows).__name__}")
+        return self.select(rows)
 
     def repeat_interleave(self, repeats: int) -> "ComposableMambaCache":
         return self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -264,7 +292,7 @@ class ComposableMambaCache(compat.DynamicCache):
         class does it, so that a subclass's extra tensors follow their rows)."""
         from .validation import check_compatible
 
-        check_compatible(caches, same_batch=False)
+        check_compatible(caches, same_batch=False, where="caches")
         first = caches[0]
         if cls is ComposableMambaCache and type(first) is not cls:
             return type(first).stack(caches)
@@ -275,7 +303,7 @@ class ComposableMambaCache(compat.DynamicCache):
             for name in target._row_tensors:
                 values = [getattr(l, name) for l in layers]
                 setattr(target, name, None if any(v is None for v in values) else torch.cat(values))
-            target.A = layers[0].A
+            target.A = layers[0].A.clone()
         if all(c.num_tokens is not None for c in caches):
             out.num_tokens = torch.cat([c.num_tokens for c in caches])
         if all(c.token_ids is not None for c in caches):

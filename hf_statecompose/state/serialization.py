@@ -64,10 +64,10 @@ def state_to_tensors(state) -> dict:
 
 def serialize_state(state) -> bytes:
     """The bytes of a state file for ``state`` (what :func:`save_state` writes)."""
-    from .validation import check_is_state, check_state
+    from .validation import check_is_state, check_state_once
 
     check_is_state(state, "state")
-    check_state(state, where="state to save")
+    check_state_once(state, where="state to save")
     tensors = state_to_tensors(state)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -227,7 +227,7 @@ def load_state(path, model=None, device=None):
     from transformers import AutoConfig
 
     from .fingerprint import architecture_of
-    from .validation import check_against_model, check_state
+    from .validation import check_against_model, check_state_once
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -288,5 +288,5 @@ def load_state(path, model=None, device=None):
 
         # first: a state of another model is named as such, not as a damaged file
         check_against_model(state, model, model_fingerprint(model), where=path)
-    check_state(state, where=path)  # with a model, check_against_model compared A already
+    check_state_once(state, where=path)  # with a model, check_against_model checked it already (remembered)
     return state

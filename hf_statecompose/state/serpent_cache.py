@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import torch
 
-from .architectures import SERPENT_MAMBA
+from .architectures import SERPENT_CLOCK_BITS, SERPENT_MAMBA
 from .cache import ComposableMambaCache
 from .fingerprint import architecture_of, base_model_of, new_state_fingerprint
 from .layers import SeRpEntSSMLayer, layer_attribute
 
 # fixed-point resolution of the resampling clock: each token advances it by round(δ · 2^20), δ in [κ, 1]
-CLOCK_BITS = 20
+CLOCK_BITS = SERPENT_CLOCK_BITS
 CLOCK_ONE = 1 << CLOCK_BITS
 
 _EXTRAS = tuple(extra.attribute for extra in SERPENT_MAMBA.extras)  # clocks, window_inputs, ...
