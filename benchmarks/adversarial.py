@@ -336,6 +336,10 @@ class Context:
     def build_base_stores(self, backends):
         """One base store per backend (mamba2, 6 entries in 2 shards / commits) and the reference states of its
         entries; built in a child process (the parent never opens a Lance connection before forking)."""
+        if "lance" in backends:  # imported (never connected) here, once, rather than in every child
+            from hf_statecompose.store.lance import _lancedb
+
+            _lancedb()
         for backend in backends:
             path = os.path.join(self.workdir, f"base-{backend}")
             ref_path = os.path.join(self.workdir, f"base-{backend}.ref.safetensors")
@@ -1078,7 +1082,9 @@ def run_store_case(ctx, params):
 
         forged = uuid.uuid4().hex
         shutil.copy(os.path.join(path, "shards", donor[:-5] + ".safetensors"), os.path.join(path, "shards", forged + ".safetensors"))
-        manifest.update(shard=forged, supersedes=[victim[:-5]], entries=manifest["entries"][:1])
+        # a self-consistent manifest (sealed) for a copy of the donor shard, with all its entries, that claims to
+        # supersede the donor and the victim: the victim's entries were neither deleted nor copied into it
+        manifest.update(shard=forged, supersedes=sorted([victim[:-5], donor[:-5]]))
         with open(os.path.join(path, "shards", forged + ".json"), "wb") as handle:
             handle.write(_seal(manifest))
         store = open_store(ctx, backend, path)
