@@ -22,7 +22,7 @@ def test_trial_covers_every_category_and_both_backends(ci_report):
     print("\n" + ci_report["stdout"])
     table = ci_report["table"]
     assert 150 <= ci_report["cases"] <= 300, ci_report["cases"]
-    for category in "abcde":
+    for category in "abcdef":
         assert table[category]["cases"] > 0, category
     assert ci_report["backends"] == ["folder", "lance"]
     names = {c["case"] for c in ci_report["by_case"]}
@@ -32,7 +32,7 @@ def test_trial_covers_every_category_and_both_backends(ci_report):
     assert table["total"]["cases"] == sum(table["total"][o] for o in ("clear", "handled", "unclear", "silent", "hang", "lost"))
 
 
-@pytest.mark.parametrize("category", list("abcde"))
+@pytest.mark.parametrize("category", list("abcdef"))
 def test_no_silent_lost_or_hung_case(ci_report, category):
     row = ci_report["table"][category]
     unclear = [c for c in ci_report["non_clean"] if c["category"] == category and c["outcome"] == "unclear"]
