@@ -1590,8 +1590,8 @@ def format_table(summary) -> str:
     head = f"{'category':<26}" + "".join(f"{o:>9}" for o in OUTCOMES) + f"{'cases':>8}"
     lines = [head, "-" * len(head)]
     for category, row in summary.items():
-        label = CATEGORIES.get(category, "total")
-        lines.append(f"{category + ' ' + label:<26}" + "".join(f"{row[o]:>9}" for o in OUTCOMES) + f"{row['cases']:>8}")
+        label = f"{category} {CATEGORIES[category]}" if category in CATEGORIES else "total"
+        lines.append(f"{label:<26}" + "".join(f"{row[o]:>9}" for o in OUTCOMES) + f"{row['cases']:>8}")
     return "\n".join(lines)
 
 
