@@ -1658,6 +1658,10 @@ def main(argv=None) -> int:
         print(f"wrote {args.json}")
         return 0
     finally:
+        for root, dirs, _ in os.walk(workdir):  # the read-only cases left read-only folders (a non-root user cannot remove them)
+            for name in dirs:
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(root, name), 0o755)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
