@@ -346,9 +346,9 @@ class Context:
         """One base store per backend (mamba2, 6 entries in 2 shards / commits) and the reference states of its
         entries; built in a child process (the parent never opens a Lance connection before forking)."""
         if "lance" in backends:  # imported (never connected) here, once, rather than in every child
-            from hf_statecompose.store.lance import _lancedb
+            from hf_statecompose.store.lance import import_lancedb
 
-            _lancedb()
+            import_lancedb()
         for backend in backends:
             path = os.path.join(self.workdir, f"base-{backend}")
             ref_path = os.path.join(self.workdir, f"base-{backend}.ref.safetensors")
@@ -1082,7 +1082,7 @@ def run_store_case(ctx, params):
             return silent(f"{sub}/ is a symlink: compaction removed or changed files outside the store: {changed}")
         return _as_case(_verify_store(ctx, backend, path, gone=[ref["ids"][0]]))
     if kind == "forged_manifest":
-        from hf_statecompose.store.store import _seal, _unseal
+        from hf_statecompose.store.format import seal as _seal, unseal as _unseal
 
         shards = sorted(p for p in os.listdir(os.path.join(path, "shards")) if p.endswith(".json"))
         victim, donor = rng.sample(shards, 2)
