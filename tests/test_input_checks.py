@@ -212,3 +212,34 @@ def test_concat_baselines_encode_contexts_holding_the_pad_id_as_tokens(model):
     states = [hsc.encode(model, with_pad, attention_mask=torch.ones_like(with_pad)), hsc.encode(model, random_ids(4))]
     for method in ("concat", "piconcat_r"):
         assert hsc.StateComposer(method).compose(states, model=model).num_tokens.tolist() == [10]
+
+
+@pytest.mark.parametrize("method", ["forward", "generate"])
+@pytest.mark.parametrize("bad", [-1, VOCAB])
+def test_query_ids_outside_the_vocabulary_are_refused_with_past_states(model, method, bad):
+    state = hsc.encode(model, random_ids(6))
+    query = random_ids(3)
+    call = model.generate if method == "generate" else model
+    extra = {"max_new_tokens": 2, "do_sample": False} if method == "generate" else {}
+    call(input_ids=query, past_states=[state], **extra)  # the good query runs
+    query[0, 1] = bad
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        call(input_ids=query, past_states=[state], **extra)
+
+
+def test_save_and_load_paths_and_devices_get_clear_errors(model, tmp_path):
+    state = hsc.encode(model, random_ids(6))
+    with pytest.raises(IsADirectoryError, match="give a file name"):
+        state.save(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        state.save(tmp_path / "missing" / "s.safetensors")
+    state.save(tmp_path / "s.safetensors")
+    with pytest.raises(TypeError, match="file path"):
+        hsc.ComposableMambaCache.load(None)
+    with pytest.raises(ValueError, match="not a torch device"):
+        hsc.ComposableMambaCache.load(tmp_path / "s.safetensors", device="nope")
+    with pytest.raises(TypeError, match="repeats must be an int"):
+        state.repeat_interleave("2")
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        state.repeat_interleave(0)
+    assert state.repeat_interleave(2).batch_size == 2

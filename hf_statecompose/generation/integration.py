@@ -31,6 +31,7 @@ import torch
 from .. import compat
 from ..composition.composer import StateComposer
 from ..models import disable_state_path, enable_state_path, get_backend, set_backend, using_backend  # noqa: F401
+from ..models.encode import check_vocabulary
 from ..models.mixers import refuse_layer_checkpointing
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, model_fingerprint
@@ -144,7 +145,7 @@ def _enabled_class(stock: type) -> type:
             named = _by_name(forward_signature, self, args, kwargs)
             if compat.cache_given(named):
                 raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
-            batch = _check_query(named, ("input_ids",), _embedding_width(self))
+            batch = _check_query(named, ("input_ids",), self)
             compat.pop_cache(named)
             named.update(compat.cache_kwargs(compose_for_batch(self, past_states, composition, batch)))
             named["use_cache"] = True
@@ -166,7 +167,7 @@ def _enabled_class(stock: type) -> type:
                 named = _by_name(generate_signature, self, args, kwargs)
                 if compat.cache_given(named):
                     raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
-                batch = _check_query(named, ("inputs", "input_ids"), _embedding_width(self))
+                batch = _check_query(named, ("inputs", "input_ids"), self)
                 config = named.get("generation_config") or self.generation_config
                 _check_inferred_mask(named, config)
                 expand = max(
@@ -270,8 +271,10 @@ def _embedding_width(model) -> int | None:
     return getattr(embeddings, "embedding_dim", None) or getattr(model.config, "hidden_size", None)
 
 
-def _check_query(named: dict, id_names: tuple[str, ...], width: int | None = None) -> int:
-    """Check the query of a ``past_states`` call and its mask (replaced by the checked int64 mask); the batch size.
+def _check_query(named: dict, id_names: tuple[str, ...], model) -> int:
+    """Check the query of a ``past_states`` call of ``model`` and its mask (replaced by the checked int64
+    mask); the batch size. Ids outside the vocabulary are refused (the embedding would raise torch's
+    bare "index out of range").
 
     The states are composed per row and the query continues from them, so a right-padded row would run
     its padding through the state and a wrong-shaped mask would pad the wrong tokens: refuse, as ``encode`` does.
@@ -290,6 +293,7 @@ def _check_query(named: dict, id_names: tuple[str, ...], width: int | None = Non
                 f"input_ids must have shape [batch, length] with past_states, got shape {tuple(ids.shape)}{fix}"
             )
         shape = tuple(ids.shape)
+        check_vocabulary(model, ids)
         if embeds is not None and (not torch.is_tensor(embeds) or tuple(embeds.shape[:2]) != shape):
             found = tuple(embeds.shape) if torch.is_tensor(embeds) else type(embeds).__name__
             raise ValueError(f"inputs_embeds {found} does not match input_ids {shape}; pass one of them")
@@ -298,6 +302,7 @@ def _check_query(named: dict, id_names: tuple[str, ...], width: int | None = Non
             found = f"shape {tuple(embeds.shape)}" if torch.is_tensor(embeds) else type(embeds).__name__
             raise ValueError(f"inputs_embeds must have shape [batch, length, hidden] with past_states, got {found}")
         shape = tuple(embeds.shape[:2])
+    width = _embedding_width(model)
     if embeds is not None and torch.is_tensor(embeds) and width is not None and embeds.shape[-1] != width:
         raise ValueError(
             f"inputs_embeds have width {embeds.shape[-1]}, the model's embeddings {width}: pass "

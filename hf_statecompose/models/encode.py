@@ -32,7 +32,7 @@ def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | No
             raise ValueError(f"input_ids must be a non-empty [B, T] tensor of token ids, got shape {tuple(input_ids.shape)}")
         if input_ids.shape[0] == 0:
             raise ValueError(f"input_ids has no rows (shape {tuple(input_ids.shape)}): pass at least one context")
-        _check_vocabulary(model, input_ids)
+        check_vocabulary(model, input_ids)
         if attention_mask is not None:
             attention_mask = check_left_padded_mask(attention_mask, input_ids)
         else:
@@ -80,7 +80,7 @@ def _ids_and_mask(input_ids, attention_mask):
     return input_ids, attention_mask
 
 
-def _check_vocabulary(model, input_ids: torch.Tensor) -> None:
+def check_vocabulary(model, input_ids: torch.Tensor) -> None:
     """Every id in ``[0, vocabulary size)`` (the embedding's rows), one host sync."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     size = getattr(embeddings, "num_embeddings", None) or getattr(model.config, "vocab_size", None)

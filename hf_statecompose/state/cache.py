@@ -284,6 +284,11 @@ class ComposableMambaCache(compat.DynamicCache):
         return self.select(rows)
 
     def repeat_interleave(self, repeats: int) -> "ComposableMambaCache":
+        """Each row ``repeats`` times in a row (as ``torch.repeat_interleave(dim=0)``), for beam search."""
+        if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral):
+            raise TypeError(f"repeats must be an int >= 1, got {type(repeats).__name__} {repeats!r:.40}")
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
         return self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     @classmethod

@@ -85,7 +85,19 @@ def serialize_state(state) -> bytes:
 def save_state(state, path) -> None:
     """Write ``state`` to ``path`` atomically. A state that would not load back (wrong dtypes, shapes,
     NaN, negative ΣΔ, ...) is refused here already."""
+    path = _check_path(path, "path")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a folder: give a file name for the state (e.g. {os.path.join(path, 'context.safetensors')})")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot save the state to {path}: the folder {folder} does not exist (create it first)")
     atomic_write(path, serialize_state(state))
+
+
+def _check_path(path, name: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a file path (str or os.PathLike), got {type(path).__name__}")
+    return os.fspath(path)
 
 
 # pickle protocols 2-5 start with PROTO (0x80) then the protocol number; torch.save's default format
@@ -229,9 +241,14 @@ def load_state(path, model=None, device=None):
     from .fingerprint import architecture_of
     from .validation import check_against_model, check_state_once
 
-    path = os.fspath(path)
+    path = _check_path(path, "path")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no state file at {path}")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"device={device!r} is not a torch device ({str(error).splitlines()[0][:120]}); use e.g. 'cpu' or 'cuda:0'") from None
     meta = _read_metadata(path)
     if model is not None and architecture_of(model) != meta["architecture"]:
         raise ValueError(
