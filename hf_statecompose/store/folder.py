@@ -383,9 +383,9 @@ class FolderStateStore(StateStore):
             if lost:
                 by = sorted(other for other, m in self._manifests.items() if sid in m["supersedes"])
                 raise ValueError(
-                    f"shard {sid} of {self.path} is marked as superseded by {', '.join(by)}, which do not hold its entries "
-                    f"{lost[:3]} (not deleted either): a forged or hand-edited manifest. Nothing was removed; restore the store "
-                    "from a backup, or move the superseding manifests out of the store"
+                    f"{self.path}: shard {sid[:12]}… is superseded by {', '.join(b[:12] + '…' for b in by)}, which lack its entries "
+                    f"{lost[:2]} (not deleted either): a forged or hand-edited manifest; nothing was removed. Restore the "
+                    "store from a backup, or move the superseding manifests out of shards/"
                 )
 
     def refresh(self) -> None:
