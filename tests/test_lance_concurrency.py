@@ -118,7 +118,7 @@ def test_deletes_compactions_and_writes_at_once_all_succeed(concurrent_run):
     store = make_store(root / "busy", model)
     assert sorted(store.ids()) == sorted(keep + [f"{n + 1000:016x}" for n in range(10)])
     assert max(copies(store).values()) == 1
-    store.compact(keep_versions_for=0)
+    store.compact()
     assert store.stats()["deleted_pending"] == 0 and len(store) == 17
 
 
@@ -297,3 +297,23 @@ def test_every_write_goes_through_the_retry_helper(tmp_path, monkeypatch):
     store.delete(ids[1])  # delete
     store.compact()  # optimize
     assert sorted(e.text for e in store.entries()) == sorted([TEXTS[0]] + TEXTS[2:5])
+
+
+def test_a_store_made_before_the_primary_key_declares_it_at_its_first_write(tmp_path):
+    import lancedb
+    import pyarrow as pa
+
+    from hf_statecompose.store.lance import PRIMARY_KEY
+
+    model = tiny_model("mamba2")
+    legacy = make_store(tmp_path / "new", model)._schema(64)
+    legacy = legacy.set(0, pa.field("id", pa.string()))  # the states table of a store made before: nullable id, no key
+    lancedb.connect(str(tmp_path / "s")).create_table("states", schema=legacy)
+    store = make_store(tmp_path / "s", model)
+    assert store.table.schema.field("id").nullable
+    ids = [f"{n:016x}" for n in range(3)]
+    store.add(TEXTS[:3], ids=ids, show_progress=False)
+    field = store.table.schema.field("id")
+    assert not field.nullable and field.metadata[PRIMARY_KEY.encode()] == b"true"
+    assert store.add(TEXTS[:3], ids=ids, show_progress=False) == ids and max(copies(store).values()) == 1
+    assert [e.text for e in make_store(tmp_path / "s", model).entries(ids)] == TEXTS[:3]

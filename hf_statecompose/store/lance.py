@@ -19,13 +19,21 @@ blake2b ``tensor_digest`` of every tensor) for one entry, except that ``A`` is n
 a changed byte anywhere in a row is refused, never read as other text or another state.
 
 Guarantees, from Lance's commit model (every write is a new table version made visible by one atomic
-manifest commit; readers read one version): a reader sees an ``add`` batch, a ``delete`` or a compaction
-whole or not at all; ``get`` and ``retrieve`` read ids, vectors and states from one version. Writers from
-several processes append concurrently (Lance retries conflicting commits); ids are random (``add``) or
-given (``add(ids=...)``, :func:`hf_statecompose.distributed.encode_corpus`), and writes with given ids
-insert only ids not yet stored (``merge_insert``), so a retried or repeated write never duplicates an
-entry. Every state read is verified: the row's seal, the state file's metadata and fingerprint, its
-tensor digest, then dtypes, shapes, finite values and ΣΔ >= 0 against the model (as a folder store does).
+manifest commit; readers read one version): a reader sees an ``add`` batch, a ``delete`` (one commit for
+all its ids) or a compaction whole or not at all; ``get`` and ``retrieve`` read ids, vectors and states
+from one version. Ids are random (``add``) or given (``add(ids=...)``,
+:func:`hf_statecompose.distributed.encode_corpus`); writes with given ids insert only ids not yet stored
+(``merge_insert`` on ``id``, which is the table's unenforced primary key), and Lance refuses, as a
+conflict, a commit inserting an id that another commit inserted since the writer read the table: the
+write is retried on the new version and skips that id, so concurrent, retried or repeated writes of an
+id store it once (stores made before this declare the key at their first write). Every commit (``add``,
+``delete``, ``compact``, ``repair``) that loses to other writers' conflicting commits is retried with
+jittered exponential backoff (:func:`retry_contended`), then fails with a ``TimeoutError`` naming the
+contention. A store holding an entry more than once (written before, or outside this API) reads
+identical copies as one entry and refuses differing ones, naming :meth:`LanceStateStore.repair`
+(``hf-statecompose store repair``), which keeps the first verified copy. Every state read is verified:
+the row's seal, the state file's metadata and fingerprint, its tensor digest, then dtypes, shapes,
+finite values and ΣΔ >= 0 against the model (as a folder store does).
 No pickle: rows are Arrow columns, states safetensors.
 """
 from __future__ import annotations
