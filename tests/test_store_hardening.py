@@ -372,8 +372,8 @@ def test_compaction_killed_at_every_step_loses_nothing_and_readers_see_each_id_o
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    # rewrite shard 1 (2 writes, 2 removals), drop shard 2 (2), the temporary file (1), tombstones (3)
-    assert report["steps"] >= 10 and report["killed_by_signal_9"] == 2 * report["steps"]
+    # rewrite shard 1 (2 writes, 2 removals), drop shard 2 (2), the temporary file (1), the tombstone file (1)
+    assert report["steps"] >= 8 and report["killed_by_signal_9"] == 2 * report["steps"]
     runs = sorted(p for p in work.iterdir() if p.is_dir())
     assert len(runs) == 2 * report["steps"] + 1
 

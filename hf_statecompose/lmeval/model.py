@@ -173,6 +173,7 @@ class StateComposeLM(HFLM):
         from ..state.fingerprint import model_fingerprint
         from ..retrieval import default_retriever
         from ..store import StateStore
+        from ..store.format import content_id
 
         if isinstance(store, StateStore):
             if passages is not None:
@@ -217,9 +218,10 @@ class StateComposeLM(HFLM):
         path = cache_root() / f"{model_fingerprint(model)[:16]}-{key}"
         if (path / "store.json").is_file():
             existing = opened(path)
-            if len(existing) == len(texts):
+            distinct = len({content_id(text, meta) for text, meta in zip(texts, metadata)})  # add stores a repeated passage once
+            if len(existing) == distinct:
                 return existing
-            logger.warning("the cached store %s is incomplete (%d of %d entries): rebuilding it", path, len(existing), len(texts))
+            logger.warning("the cached store %s is incomplete (%d of %d entries): rebuilding it", path, len(existing), distinct)
         # build next to the final path, then rename: an interrupted build never looks complete
         import shutil
         import tempfile

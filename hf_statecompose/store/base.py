@@ -10,6 +10,7 @@ the storage: ``add``, ``get``, ``retrieve``, ``delete``, ``compact``, ``entries`
 from __future__ import annotations
 
 import abc
+import os
 from typing import Iterable, Sequence
 
 import torch
@@ -121,6 +122,8 @@ class StateStore(abc.ABC):
         """``add``'s arguments checked: (texts, one checked-JSON metadata dict per text, batch size)."""
         if isinstance(texts, (str, bytes)):
             raise TypeError("texts must be a list of strings, got a single string (it would add one entry per character): use add([text])")
+        if not isinstance(texts, Iterable):
+            raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}")
         texts = list(texts)
         batch_size = check_count(batch_size, "batch_size", 1)
         if metadata is not None and (isinstance(metadata, (dict, str, bytes)) or not isinstance(metadata, Iterable)):
@@ -135,6 +138,12 @@ class StateStore(abc.ABC):
             if m is not None and not isinstance(m, dict):
                 raise TypeError(f"metadata of text {i} must be a dict (or None), got {type(m).__name__}")
         return texts, [checked_json(dict(m or {}), f"metadata of text {i}") for i, m in enumerate(metadata)], batch_size
+
+    @staticmethod
+    def _check_local_path(path: str) -> None:
+        """Refuse a local path that is an existing file (a store is a folder)."""
+        if "://" not in path and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{path} is a file, not a folder: a store is a folder (give a new or an existing store's folder)")
 
     def _check_query(self, query, k, exclude) -> tuple[int, list[str]]:
         """``retrieve``'s arguments checked: (k, the excluded ids)."""
@@ -187,7 +196,7 @@ class StateStore(abc.ABC):
                 ssm_state=tensors[f"ssm.{layer}"].to(device, torch.float32),
                 conv_state=tensors[f"conv.{layer}"].to(device, model_dtype),
                 delta_sum=tensors[f"delta_sum.{layer}"].to(device),
-                A=A[layer].to(device),
+                A=A[layer].to(device).clone(),  # the state's own: the store's verified A is shared by every read
             )
             for extra in self._layout.extras:
                 getattr(state, extra.attribute)[layer] = tensors[f"{extra.file_key}.{layer}"].to(device)
@@ -219,19 +228,25 @@ class StateStore(abc.ABC):
     # ------------------------------------------------------------------------------------ what each backend implements
     @abc.abstractmethod
     def add(self, texts: Iterable[str], metadata: Sequence[dict] | None = None, batch_size: int = 16, show_progress: bool = True) -> list[str]:
-        """Encode ``texts`` in batches of ``batch_size`` (one forward each) and store them; returns their ids, in order."""
+        """Encode ``texts`` in batches of ``batch_size`` (one forward each) and store them; returns their
+        ids, in order. A text already stored with the same metadata is not encoded again: its id is
+        returned (ids come from the content, :func:`~hf_statecompose.store.format.content_id`), and
+        repeats within one call are one entry."""
 
     @abc.abstractmethod
     def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
-        """The verified states of ``ids`` (one id: one state)."""
+        """The verified states of ``ids`` (one id: one state); each state owns its tensors (editing one
+        in place changes no other state and nothing stored)."""
 
     @abc.abstractmethod
     def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True) -> list[StoreEntry]:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states."""
 
     @abc.abstractmethod
-    def delete(self, ids: Sequence[str] | str) -> None:
-        """Delete entries (their bytes go at the next :meth:`compact`)."""
+    def delete(self, ids: Sequence[str] | str, missing_ok: bool = False) -> None:
+        """Delete entries, all of them or (a crash included) none: one atomic commit per call; their
+        bytes go at the next :meth:`compact`. Ids not in the store are a ``KeyError`` naming them, raised
+        before anything changes; with ``missing_ok=True`` they are ignored (a retried delete is a no-op)."""
 
     @abc.abstractmethod
     def compact(self) -> dict:

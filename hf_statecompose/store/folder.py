@@ -13,8 +13,13 @@ Layout of a store directory::
                                 size, entries (id, text, metadata, tokens, checksum), the checksums of the
                                 embeddings and of ``A``, the shards it ``supersedes``; sealed with a digest
                                 of its own canonical content. **Its existence commits the shard.**
-    deleted/<id>                a tombstone per deleted entry (until compaction rewrites its shard)
+    deleted/<tid>.json          one tombstone file per ``delete`` call: the ids it deletes, sealed (until
+                                compaction rewrites their shards); ``deleted/<id>`` (empty, one per
+                                id, written by older versions) is read too
     .lock                       ``flock``-ed: exclusively by writers, shared by readers
+
+A store whose ``store.json``, ``shards``, ``deleted`` or ``.lock`` is a symbolic link is refused, and
+compaction only ever removes regular files (``lstat``), so it never reaches files outside the store.
 
 Ids (entries: 16 hex digits, shards: 32) are checked against one pattern on every input path (``get``,
 ``delete``, ``exclude``, ``entries`` and every manifest read from disk), so no id can name a file
@@ -29,12 +34,17 @@ Why it cannot lose data or serve a wrong one:
   :meth:`StateStore.compact`);
 * compaction never edits a committed file: it writes a new shard and a manifest that *supersedes* the
   old shard, then removes the old files. Readers ignore superseded manifests, so at every instant (a
-  ``kill -9`` included) each entry id is in exactly one live manifest;
+  ``kill -9`` included) each entry id is in exactly one live manifest. Every entry of a superseded
+  shard is listed by a manifest superseding it or deleted (true at every step): a store where that
+  fails (a forged manifest) is refused by readers and by compaction, which then removes nothing;
+* a ``delete`` of several ids is one atomic file: after a crash all of them are deleted or none;
 * writers hold an exclusive ``flock``, readers a shared one: a reader sees the store before or after a
   commit, delete or compaction, never half of it;
-* manifests and ``store.json`` carry a digest of their content and every manifest the model fingerprint:
-  a flipped byte is refused, never read as other text or metadata, and a lost ``store.json`` does not
-  let another model adopt the shards;
+* manifests, tombstone files and ``store.json`` carry a digest of their content and every manifest the
+  model fingerprint: a flipped byte is refused, never read as other text or metadata, and a lost
+  ``store.json`` does not let another model adopt the shards. The digests guard against accidents (bit
+  flips, truncation, hand edits, files from another store or model), not against an attacker with write
+  access, who can recompute them;
 * every entry's tensors carry a SHA-256 checksum, the embeddings and ``A`` too. An entry is verified
   (checksum, shapes, finite values, ΣΔ >= 0) the first time this process reads it from a given shard
   file (same inode, size, mtime and ctime); later reads of the unchanged file skip the hash, and any
@@ -44,11 +54,19 @@ Reads are lazy: :meth:`StateStore.get` memory-maps the shard (``safetensors.safe
 the requested entries' tensors. As with ``safetensors.torch.load_file``, the fp32 tensors it returns map
 the file privately (copy on write: changing them never changes the store). The store never rewrites a
 file in place (compaction writes new files and unlinks old ones, which leaves existing mappings valid);
-a shard edited in place by another program while its states are in use is not supported.
+a shard edited in place by another program while its states are in use is not supported. Each
+returned state owns its ``A`` (a copy of the store's verified one).
+
+``add`` skips texts already stored with the same metadata (their ids are returned, nothing is encoded);
+new entries get ids derived from their content (:func:`~hf_statecompose.store.format.content_id`).
+
+A read-only store (read-only mount, no write permission) opens and reads (``.lock`` opened read-only,
+nothing created); ``add``, ``delete`` and ``compact`` then raise one ``PermissionError``.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -70,7 +88,9 @@ from .format import (
     STORAGE_DTYPES,
     StoreEntry,
     all_finite,
+    canonical,
     check_id,
+    content_id,
     check_opened_header,
     checksum,
     is_id,
@@ -137,16 +157,22 @@ class FolderStateStore(StateStore):
     def __init__(self, path, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None, info: dict | None = None,
                  backend: str | None = None):
         self.path = Path(path)
+        self._check_local_path(str(self.path))
         tokenizer_info, info = self._bind(model, tokenizer, retriever, storage_dtype, info)
         self._thread_lock = threading.RLock()
         self._lock_mode: str | None = None
         self._lock_depth = 0
         if (self.path / "store_header.lance").exists():
             raise ValueError(f"{self.path} holds a Lance store: open it with StateStore(..., backend='lance')")
-        (self.path / "shards").mkdir(parents=True, exist_ok=True)
-        (self.path / "deleted").mkdir(exist_ok=True)
+        self._check_links()
+        for folder in ("shards", "deleted"):  # (a store on a read-only filesystem has them: no mkdir)
+            if not (self.path / folder).is_dir():
+                try:
+                    (self.path / folder).mkdir(parents=True, exist_ok=True)
+                except OSError as error:
+                    raise self._read_only(error) from None
         header_path = self.path / "store.json"
-        with self._locked():
+        with self._locked(shared=header_path.exists()):
             if not header_path.exists():
                 committed = [p.name for p in (self.path / "shards").iterdir() if p.suffix == ".json"]
                 if committed:
@@ -179,6 +205,10 @@ class FolderStateStore(StateStore):
         self._entries: dict[str, tuple[str, int]] = {}  # live entry id -> (shard id, row)
         self._flat: tuple[list[str], torch.Tensor] | None = None  # live ids and their embeddings, for retrieve
         self._live_shards: list[str] = []  # manifests not superseded by another
+        self._tombstones: dict[str, list[str]] = {}  # tombstone file name -> the ids it deletes (files never change)
+        self._deleted: set[str] = set()  # ids tombstoned (live in a manifest or not)
+        self._by_content: dict[bytes, str] | None = None  # canonical [text, metadata] -> live entry id, for add
+        self._content_of: dict[str, bytes] = {}  # live entry id -> its key in _by_content
 
     def _read_header(self) -> dict:
         header_path = self.path / "store.json"
@@ -196,9 +226,22 @@ class FolderStateStore(StateStore):
         return header
 
     # ------------------------------------------------------------------------------------ locking
+    def _check_links(self) -> None:
+        """Refuse a store whose own files are symbolic links: compaction removes files by name in these
+        folders, and must never reach files outside the store."""
+        for name in ("store.json", "shards", "deleted", ".lock"):
+            if os.path.islink(self.path / name):
+                raise ValueError(f"{self.path / name} is a symbolic link: a store's files and folders must be its own "
+                                 "(replace the link by the folder or file it points to)")
+
+    def _read_only(self, error: OSError) -> PermissionError:
+        return PermissionError(f"the store at {self.path} is read-only: {error.strerror or error} "
+                               "(reads work; add, delete and compact need write access: copy the store to a writable place)")
+
     @contextlib.contextmanager
     def _locked(self, shared: bool = False):
-        """``flock`` on ``.lock``: exclusive for writers, shared for readers; re-entrant in this object."""
+        """``flock`` on ``.lock``: exclusive for writers, shared for readers; re-entrant in this object.
+        On a read-only store ``.lock`` is opened read-only (``flock`` works on it) and writers are refused."""
         with self._thread_lock:
             if self._lock_depth:
                 if self._lock_mode == "shared" and not shared:
@@ -209,14 +252,37 @@ class FolderStateStore(StateStore):
                 finally:
                     self._lock_depth -= 1
                 return
-            with open(self.path / ".lock", "a+") as handle:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            self._check_links()
+            lock_path = self.path / ".lock"
+            try:
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+                if not shared and not os.access(self.path / "shards", os.W_OK):
+                    os.close(fd)
+                    raise PermissionError(errno.EACCES, "no write permission", str(self.path / "shards"))
+            except OSError as error:
+                if not isinstance(error, PermissionError) and error.errno != errno.EROFS:
+                    raise
+                if not shared:
+                    raise self._read_only(error) from None
+                try:
+                    fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                except FileNotFoundError:
+                    if error.errno != errno.EROFS:
+                        raise PermissionError(f"cannot create {lock_path} to lock the store for reading: {error.strerror or error}") from None
+                    fd = None  # a read-only filesystem without .lock: no writer can exist, nothing to lock against
+            try:
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
                 self._lock_mode, self._lock_depth = ("shared" if shared else "exclusive"), 1
                 try:
                     yield
                 finally:
                     self._lock_mode, self._lock_depth = None, 0
-                    fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+                    if fd is not None:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                if fd is not None:
+                    os.close(fd)
 
     # ------------------------------------------------------------------------------------ index
     def _read_manifest(self, sid: str) -> dict | None:
@@ -278,11 +344,57 @@ class FolderStateStore(StateStore):
                 raise error
         return superseded
 
+    def _load_tombstones(self) -> set[str]:
+        """The ids tombstoned in ``deleted/``: one sealed ``<32 hex>.json`` per ``delete`` call (its ids),
+        or an empty ``<id>`` per id (written by earlier versions)."""
+        deleted, names = set(), set()
+        with os.scandir(self.path / "deleted") as listing:
+            for item in listing:
+                if is_id(item.name, "entry"):
+                    deleted.add(item.name)
+                elif item.name.endswith(".json") and is_id(item.name[:-5], "shard"):
+                    names.add(item.name)
+        for name in list(self._tombstones):
+            if name not in names:
+                del self._tombstones[name]
+        for name in sorted(names - set(self._tombstones)):
+            path = self.path / "deleted" / name
+            record = unseal(path, "tombstone", missing_ok=True)
+            if record is None:  # removed by a compaction meanwhile (another process)
+                continue
+            ids = record.get("ids")
+            if (record.get("format_version") != FORMAT_VERSION or record.get("kind") != "tombstones" or record.get("fingerprint") != self.fingerprint
+                    or not isinstance(ids, list) or not ids or not all(is_id(i, "entry") for i in ids)):
+                raise ValueError(f"{path}: not a tombstone of this store (damaged, or copied from another store); restore it from a backup "
+                                 "(removing it would bring its deleted entries back)")
+            self._tombstones[name] = ids
+        for ids in self._tombstones.values():
+            deleted.update(ids)
+        return deleted
+
+    def _check_superseded(self, superseded: set[str], deleted: set[str]) -> None:
+        """Every entry of a superseded shard is listed by a manifest superseding it, or deleted: true at
+        every instant of a compaction (kills included), so a manifest claiming otherwise is forged or
+        hand-edited, and reading past it (or compacting, which removes superseded shards) would lose
+        entries."""
+        for sid in sorted(superseded & set(self._manifests)):
+            kept = {r["id"] for m in self._manifests.values() if sid in m["supersedes"] for r in m["entries"]}
+            lost = [r["id"] for r in self._manifests[sid]["entries"] if r["id"] not in kept and r["id"] not in deleted]
+            if lost:
+                by = sorted(other for other, m in self._manifests.items() if sid in m["supersedes"])
+                raise ValueError(
+                    f"shard {sid} of {self.path} is marked as superseded by {', '.join(by)}, which do not hold its entries "
+                    f"{lost[:3]} (not deleted either): a forged or hand-edited manifest. Nothing was removed; restore the store "
+                    "from a backup, or move the superseding manifests out of the store"
+                )
+
     def refresh(self) -> None:
-        """Re-read the shard manifests (other processes may have added, deleted or compacted)."""
+        """Re-read the shard manifests and tombstones (other processes may have added, deleted or compacted)."""
         with self._locked(shared=True):
             superseded = self._load_manifests()
-            deleted = {name for name in os.listdir(self.path / "deleted") if is_id(name, "entry")}
+            deleted = self._load_tombstones()
+            if superseded:
+                self._check_superseded(superseded, deleted)
             entries: dict[str, tuple[str, int]] = {}
             owner: dict[str, str] = {}
             for sid in sorted(self._manifests):
@@ -299,6 +411,7 @@ class FolderStateStore(StateStore):
                     if entry_id not in deleted:
                         entries[entry_id] = (sid, row)
             self._live_shards = [sid for sid in sorted(self._manifests) if sid not in superseded]
+            self._deleted = deleted
         if entries != self._entries:
             self._entries, self._flat = entries, None
 
@@ -334,19 +447,43 @@ class FolderStateStore(StateStore):
         """Encode ``texts`` in batches of ``batch_size`` (one forward each, no logits) and store them.
 
         Each batch is committed as one shard before the next is encoded, so an interruption keeps every
-        finished batch. Returns the new entries' ids, in order.
+        finished batch. Returns the entries' ids, in order. A text already stored with the same metadata
+        (rerunning a script, resuming an interrupted ``add``) is not encoded again: its id is returned;
+        repeats within one call are one entry. New entries' ids come from their content
+        (:func:`~hf_statecompose.store.format.content_id`; a random id where that one is taken, e.g. by
+        a deleted entry not yet compacted).
         """
         texts, metadata, batch_size = self._check_add(texts, metadata, batch_size)
-        ids: list[str] = []
-        progress = progress_bar(len(texts), show_progress)
+        keys = [canonical([text, meta]) for text, meta in zip(texts, metadata)]
+        with self._locked(shared=True):
+            self.refresh()
+            stored = self._content_index()
+            first: dict[bytes, int] = {}
+            for n, key in enumerate(keys):
+                if key not in stored:
+                    first.setdefault(key, n)
+        todo = list(first.values())
+        found = {key: stored[key] for key in keys if key in stored}
+        progress = progress_bar(len(todo), show_progress)
         try:
-            for start in range(0, len(texts), batch_size):
-                chunk, chunk_meta = texts[start : start + batch_size], metadata[start : start + batch_size]
-                ids += self._add_batch(chunk, chunk_meta)
+            for start in range(0, len(todo), batch_size):
+                chunk = todo[start : start + batch_size]
+                found.update(zip((keys[n] for n in chunk), self._add_batch([texts[n] for n in chunk], [metadata[n] for n in chunk])))
                 progress.update(len(chunk))
         finally:
             progress.close()
-        return ids
+        return [found[key] for key in keys]
+
+    def _content_index(self) -> dict[bytes, str]:
+        """Canonical JSON of [text, metadata] -> id, over the live entries (kept up to date as they change)."""
+        if self._by_content is None or any(i not in self._entries for i in self._content_of):
+            self._by_content, self._content_of = {}, {}
+        for entry_id, (sid, row) in self._entries.items():
+            if entry_id not in self._content_of:
+                record = self._manifests[sid]["entries"][row]
+                key = self._content_of[entry_id] = canonical([record["text"], record["metadata"]])
+                self._by_content.setdefault(key, entry_id)
+        return self._by_content
 
     def _add_batch(self, texts: list[str], metadata: list[dict]) -> list[str]:
         input_ids, mask, token_lists = self._tokenize(texts)
@@ -354,31 +491,67 @@ class FolderStateStore(StateStore):
         return self._write_shard(state, texts, metadata, token_lists, self._embed(texts))
 
     def _write_shard(self, state: ComposableMambaCache, texts: list[str], metadata: list[dict], token_lists: list[list[int]], embeddings: torch.Tensor) -> list[str]:
-        """Commit the rows of ``state`` (one per text) as one new shard; returns their ids."""
-        from safetensors.torch import save
-
+        """Commit the rows of ``state`` (one per text) as one new shard; returns their ids. The shard is
+        built outside the writers' lock (hashing and serialising take time), then checked again under
+        it: rows another process stored meanwhile (same text and metadata) are not written again."""
         check_finite(state, "the encoded batch")
         sid = uuid.uuid4().hex
-        tensors: dict[str, torch.Tensor] = {"embeddings": embeddings}
-        for layer in range(state.num_layers):
-            tensors[f"A.{layer}"] = state.A[layer].detach().to("cpu", torch.float32).contiguous()
+        keys = [canonical([text, meta]) for text, meta in zip(texts, metadata)]
+        with self._locked(shared=True):
+            self.refresh()
+            plan = self._plan(keys, texts, metadata)
+        built = self._shard(sid, plan, state, texts, metadata, token_lists, embeddings)
+        shard_dir = self.path / "shards"
+        with self._locked():  # (compaction removes uncommitted tensors: never run it between our two writes)
+            self.refresh()
+            again = self._plan(keys, texts, metadata, previous=plan)
+            if again != plan:  # another process committed some of these texts meanwhile
+                plan, built = again, self._shard(sid, again, state, texts, metadata, token_lists, embeddings)
+            if built is not None:
+                payload, manifest = built
+                self._check_embedding_dim(int(embeddings.shape[1]))
+                _write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
+                _write(shard_dir / f"{sid}.json", seal(manifest))  # ... then the commit
+        return [entry_id for entry_id, _ in plan]
+
+    def _plan(self, keys: list[bytes], texts: list[str], metadata: list[dict], previous: list | None = None) -> list[tuple[str, bool]]:
+        """(id, whether to write it) per row: the id of an equal stored entry, else a new id (the content
+        id, or ``previous``'s, unless taken by a live or deleted entry); repeats are removed by ``add``."""
+        stored = self._content_index()
+        plan, taken = [], set()
+        for n, key in enumerate(keys):
+            if key in stored:
+                plan.append((stored[key], False))
+                continue
+            entry_id = previous[n][0] if previous and previous[n][1] else content_id(texts[n], metadata[n])
+            while entry_id in self._entries or entry_id in self._deleted or entry_id in taken:
+                entry_id = uuid.uuid4().hex[:16]  # taken: by a deleted entry not yet compacted (or a hash collision)
+            taken.add(entry_id)
+            plan.append((entry_id, True))
+        return plan
+
+    def _shard(self, sid: str, plan: list[tuple[str, bool]], state: ComposableMambaCache, texts: list[str], metadata: list[dict],
+               token_lists: list[list[int]], embeddings: torch.Tensor) -> tuple[bytes, dict] | None:
+        """(shard file bytes, manifest) of the rows ``plan`` writes (``None``: none)."""
+        from safetensors.torch import save
+
+        rows = [row for row, (_, new) in enumerate(plan) if new]
+        if not rows:
+            return None
+        tensors: dict[str, torch.Tensor] = {"embeddings": embeddings[rows].contiguous()}
+        shared = {f"A.{layer}": state.A[layer].detach().to("cpu", torch.float32).contiguous() for layer in range(state.num_layers)}
+        tensors.update(shared)
         records = []
-        for row, (text, meta, tokens) in enumerate(zip(texts, metadata, token_lists)):
-            entry_id = uuid.uuid4().hex[:16]
+        for row in rows:
+            entry_id, tokens = plan[row][0], token_lists[row]
             entry_tensors = self._entry_tensors(state, row, tokens)
             tensors.update({f"{entry_id}.{name}": t for name, t in entry_tensors.items()})
-            records.append({"id": entry_id, "text": text, "metadata": meta, "num_tokens": len(tokens), "checksum": checksum(entry_tensors)})
-        shared = {name: t for name, t in tensors.items() if name.startswith("A.")}
+            records.append({"id": entry_id, "text": texts[row], "metadata": metadata[row], "num_tokens": len(tokens), "checksum": checksum(entry_tensors)})
         payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
         manifest = {"format_version": FORMAT_VERSION, "kind": "shard", "shard": sid, "fingerprint": self.fingerprint,
                     "shard_size": len(payload), "supersedes": [], "entries": records,
-                    "embeddings_checksum": checksum({"embeddings": embeddings}), "shared_checksum": checksum(shared)}
-        shard_dir = self.path / "shards"
-        with self._locked():  # (compaction removes uncommitted tensors: never run it between our two writes)
-            self._check_embedding_dim(int(embeddings.shape[1]))
-            _write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
-            _write(shard_dir / f"{sid}.json", seal(manifest))  # ... then the commit
-        return [r["id"] for r in records]
+                    "embeddings_checksum": checksum({"embeddings": tensors["embeddings"]}), "shared_checksum": checksum(shared)}
+        return payload, manifest
 
     def _check_embedding_dim(self, dim: int) -> None:
         header = self._read_header()
@@ -537,17 +710,23 @@ class FolderStateStore(StateStore):
         return self._flat
 
     # ------------------------------------------------------------------------------------ delete / compact
-    def delete(self, ids: Sequence[str] | str) -> None:
-        """Delete entries (a tombstone now; their bytes go at the next :meth:`compact`)."""
+    def delete(self, ids: Sequence[str] | str, missing_ok: bool = False) -> None:
+        """Delete entries, all or (a crash included) none: one sealed tombstone file
+        ``deleted/<32 hex>.json`` lists them, written atomically; their bytes go at the next
+        :meth:`compact`. Ids not in the store are a ``KeyError`` naming them, raised before anything
+        changes; ``missing_ok=True`` ignores them (a retried delete is then a no-op)."""
         _, ids = self._check_one_or_many(ids)
         with self._locked():
             self.refresh()
             missing = [i for i in ids if i not in self._entries]
-            if missing:
-                raise KeyError(f"no entries {missing[:5]} in the store at {self.path}")
-            for entry_id in ids:
-                _write(self.path / "deleted" / check_id(entry_id, "entry"), b"")
-            self.refresh()
+            if missing and not missing_ok:
+                raise KeyError(f"no entries {missing[:5]} in the store at {self.path} (deleted, or never added); "
+                               "pass missing_ok=True to ignore them")
+            todo = sorted({i for i in ids if i in self._entries})
+            if todo:
+                record = {"format_version": FORMAT_VERSION, "kind": "tombstones", "fingerprint": self.fingerprint, "ids": todo}
+                _write(self.path / "deleted" / f"{uuid.uuid4().hex}.json", seal(record))
+                self.refresh()
 
     def compact(self) -> dict:
         """Rewrite shards holding deleted entries without them, finish an interrupted compaction, drop
@@ -577,22 +756,25 @@ class FolderStateStore(StateStore):
                 _remove(shard_dir / f"{sid}.safetensors")
                 removed_entries += gone
                 rewritten += 1
-            # 3. orphans: tensors without a manifest, temporary files of killed writes
+            # 3. orphans: tensors without a manifest, temporary files of killed writes (regular files only:
+            # links are never followed, nor removed)
             committed = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and is_id(name[:-5], "shard")}
             for folder in (shard_dir, self.path / "deleted", self.path):
-                for name in sorted(os.listdir(folder)):
+                for name in _own_files(folder):
                     orphan = name.startswith(".tmp-") or (
                         folder == shard_dir and name.endswith(".safetensors") and is_id(name[: -len(".safetensors")], "shard")
                         and name[: -len(".safetensors")] not in committed)
                     if orphan and _remove(folder / name):
                         orphans += 1
-            # 4. tombstones of entries no manifest lists any more
+            # 4. tombstones of entries no manifest lists any more (per-id files, and tombstone files of
+            # which no id is listed)
             self._manifests.clear()
             self._embeddings.clear()
             self.refresh()
-            listed = {r["id"] for sid in self._live_shards for r in self._manifests[sid]["entries"]}
-            for name in sorted(os.listdir(self.path / "deleted")):
-                if is_id(name, "entry") and name not in listed:
+            listed = {r["id"] for m in self._manifests.values() for r in m["entries"]}
+            for name in _own_files(self.path / "deleted"):
+                if (is_id(name, "entry") and name not in listed) or (
+                        name in self._tombstones and not any(i in listed for i in self._tombstones[name])):
                     _remove(self.path / "deleted" / name)
             self.refresh()
         return {"removed_entries": removed_entries, "rewritten_shards": rewritten, "orphan_files_removed": orphans,
@@ -662,6 +844,12 @@ class FolderStateStore(StateStore):
 
     def __repr__(self):
         return f"FolderStateStore({str(self.path)!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
+
+
+def _own_files(folder: Path) -> list[str]:
+    """Names of the regular files in ``folder`` (``lstat``: a link is never followed), sorted."""
+    with os.scandir(folder) as listing:
+        return sorted(item.name for item in listing if item.is_file(follow_symlinks=False))
 
 
 def _nbytes(handle, name: str) -> int:

@@ -74,6 +74,12 @@ def checked_json(value, what: str):
 
 
 # ------------------------------------------------------------------------------------ sealed JSON
+def content_id(text: str, metadata: dict) -> str:
+    """The entry id ``add`` gives a text and its metadata: 16 hex digits of the blake2b of their
+    canonical JSON, so adding the same text and metadata again finds the entry already stored."""
+    return hashlib.blake2b(canonical([text, metadata]), digest_size=8).hexdigest()
+
+
 def canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 

@@ -181,6 +181,7 @@ class LanceStateStore(StateStore):
             raise TypeError(f"uri must be a path or a URI string, got {type(uri).__name__}")
         self.uri = os.fspath(uri)
         self.path = self.uri  # named in messages, as a folder store's path
+        self._check_local_path(self.uri)
         tokenizer_info, info = self._bind(model, tokenizer, retriever, storage_dtype, info)
         self.index_threshold = check_count(index_threshold, "index_threshold", 1)
         if index_type not in ("IVF_PQ", "IVF_HNSW_SQ"):
