@@ -237,6 +237,7 @@ class Contended:
     MESSAGES = (
         "lance error: Retryable commit conflict for version 25: This Rewrite transaction was preempted by concurrent transaction Delete at version 25. Please retry.",
         "lance error: Too many concurrent writers. Attempted 10 times",
+        "lance error: Incompatible transaction: This UpdateConfig transaction is incompatible with concurrent transaction UpdateConfig at version 4.",
         "lance error: Dataset at path s/states.lance/_versions/53.manifest was not found: Not found",
     )
 

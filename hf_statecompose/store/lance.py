@@ -119,7 +119,7 @@ PRIMARY_KEY = "lance-schema:unenforced-primary-key"
 # what Lance's optimistic commits raise when another process committed a conflicting change first (a
 # compaction rewriting the fragment a delete touches, two merge inserts of one id, ...), or when a
 # compaction removed the version an operation began on: each is retried on the latest version
-_CONTENTION = ("commit conflict", "please retry", "too many concurrent writers", "preempted by concurrent transaction")
+_CONTENTION = ("commit conflict", "please retry", "too many concurrent writers", "concurrent transaction")
 
 
 def contended(error: BaseException) -> bool:
@@ -450,15 +450,27 @@ class LanceStateStore(StateStore):
 
     def _keyed(self) -> None:
         """Make ``id`` the table's primary key (:data:`PRIMARY_KEY`) before this store first writes, if
-        the table predates it (stores made before writes were made idempotent): two Lance commits, once."""
+        the table predates it (stores made before writes were made idempotent): two Lance commits, once;
+        any number of processes may do it at once (each attempt re-reads what the others did)."""
         if getattr(self, "_has_primary_key", False):
             return
-        field = self.table.schema.field("id")
-        if (field.metadata or {}).get(PRIMARY_KEY.encode()) != b"true":
-            if field.nullable:  # a primary key is not nullable; no row holds a null id (every write checks ids)
-                self._retrying("declaring the id column not nullable", lambda: self.table.alter_columns({"path": "id", "nullable": False}))
-            self._retrying("declaring the id column the primary key",
-                           lambda: self.table.update_field_metadata({"path": "id", "metadata": {PRIMARY_KEY: "true"}}))
+
+        def declared() -> bool:
+            return (self.table.schema.field("id").metadata or {}).get(PRIMARY_KEY.encode()) == b"true"
+
+        def declare():
+            if self.table.schema.field("id").nullable:  # a primary key is not nullable; no row holds a null id (writes check ids)
+                self.table.alter_columns({"path": "id", "nullable": False})
+            if not declared():
+                try:
+                    self.table.update_field_metadata({"path": "id", "metadata": {PRIMARY_KEY: "true"}})
+                except Exception:  # noqa: BLE001 - Lance refuses to set the key again once another process has set it
+                    self.refresh()
+                    if not declared():
+                        raise
+
+        if not declared():
+            self._retrying("declaring the id column the primary key", declare)
         self._has_primary_key = True
 
     # ------------------------------------------------------------------------------------ read
