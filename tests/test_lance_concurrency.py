@@ -22,7 +22,8 @@ ROUNDS = 8
 
 # Three processes, started once for the two concurrent tests (loading torch is most of their time).
 # Phase 1: all three write the same 4 ids at one moment, ROUNDS times (write_rows of pre-encoded rows,
-# or add(ids=...), by turns). Phase 2, on another store: one deletes the "victim" entries one at a time,
+# or add(ids=...), by turns), to a new store and to one made before the id was the primary key (its
+# first writes declare it, the three processes at once). Phase 2, on another store: one deletes the "victim" entries one at a time,
 # one compacts, one writes new entries, all at once. Every call must succeed.
 WORKER = """
 import glob, json, os, sys, time
@@ -36,25 +37,29 @@ model = tiny_model("mamba2")
 
 def start_together(phase):  # every worker ready (model loaded, rows encoded): all begin at one moment
     open(os.path.join(root, f"ready-{{phase}}-{{worker}}"), "w").close()
+    waiting = time.time()
     while len(glob.glob(os.path.join(root, f"ready-{{phase}}-*"))) < workers:
+        if time.time() - waiting > 120:
+            sys.exit(f"another worker never reached {{phase}} (it failed: see its error)")
         time.sleep(0.01)
     start = max(os.path.getmtime(p) for p in glob.glob(os.path.join(root, f"ready-{{phase}}-*"))) + 0.5
     while time.time() < start:
         time.sleep(0.001)
     return start
 
-store = hsc.StateStore(os.path.join(root, "same"), model, CharTokenizer(), retriever=BagOfWords(), backend="lance")
+stores = [hsc.StateStore(os.path.join(root, name), model, CharTokenizer(), retriever=BagOfWords(), backend="lance") for name in ("same", "legacy")]
 texts = [[f"round {{r}}: {{t}}" for t in TEXTS[:4]] for r in range(rounds)]
 ids = [[f"{{r:08x}}{{n:08x}}" for n in range(4)] for r in range(rounds)]
-rows = [store.encode_rows(texts[r], [{{}}] * 4, ids[r]) for r in range(rounds)]
+rows = [stores[0].encode_rows(texts[r], [{{}}] * 4, ids[r]) for r in range(rounds)]
 start = start_together("same")
 for r in range(rounds):
-    while time.time() < start + 0.3 * r:
-        time.sleep(0.001)
-    if r % 2 == 0:
-        store.write_rows(rows[r], skip_existing=True)
-    else:
-        assert store.add(texts[r], ids=ids[r], show_progress=False) == ids[r]
+    for n, store in enumerate(stores):
+        while time.time() < start + 0.3 * (2 * r + n):
+            time.sleep(0.001)
+        if r % 2 == 0:
+            store.write_rows(rows[r], skip_existing=True)
+        else:
+            assert store.add(texts[r], ids=ids[r], show_progress=False) == ids[r]
 
 store = hsc.StateStore(os.path.join(root, "busy"), model, CharTokenizer(), retriever=BagOfWords(), backend="lance")
 role = ["delete", "compact", "add"][worker]
@@ -78,6 +83,16 @@ def make_store(path, model):
     return hsc.StateStore(str(path), model, CharTokenizer(), retriever=BagOfWords(), backend="lance")
 
 
+def _legacy_store(path, model):
+    """A store as made before the id column was the table's primary key (nullable, no key metadata)."""
+    import lancedb
+    import pyarrow as pa
+
+    schema = hsc.StateStore(str(path) + "-new", model, CharTokenizer(), retriever=BagOfWords(), backend="lance")._schema(BagOfWords().dim)
+    lancedb.connect(str(path)).create_table("states", schema=schema.set(0, pa.field("id", pa.string())))
+    return make_store(path, model)  # keeps that states table, adds the header
+
+
 def copies(store) -> collections.Counter:
     """How many rows the table holds of each id (the API reads copies as one entry)."""
     return collections.Counter(store.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist())
@@ -88,6 +103,7 @@ def concurrent_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("concurrent")
     model = tiny_model("mamba2")
     make_store(root / "same", model)  # created before the workers start
+    _legacy_store(root / "legacy", model)
     busy = make_store(root / "busy", model)
     keep = busy.add(TEXTS, batch_size=1, show_progress=False)
     busy.add([f"victim {i} " + TEXTS[i % 7] for i in range(10)], batch_size=1, show_progress=False)
@@ -103,11 +119,12 @@ def test_processes_writing_the_same_ids_at_once_store_each_entry_once(concurrent
     root, model, _, outcomes = concurrent_run
     for returncode, out, err in outcomes:
         assert returncode == 0 and "done" in out, err[-3000:]
-    store = make_store(root / "same", model)
-    counts = copies(store)
-    assert len(counts) == 4 * ROUNDS and max(counts.values()) == 1, {i: n for i, n in counts.items() if n > 1}
-    assert sorted(e.text for e in store.entries()) == sorted(f"round {r}: {t}" for r in range(ROUNDS) for t in TEXTS[:4])
-    assert len({e.id for e in store.retrieve("the red fox", k=6)}) == 6
+    for name in ("same", "legacy"):
+        store = make_store(root / name, model)
+        counts = copies(store)
+        assert len(counts) == 4 * ROUNDS and max(counts.values()) == 1, (name, {i: n for i, n in counts.items() if n > 1})
+        assert sorted(e.text for e in store.entries()) == sorted(f"round {r}: {t}" for r in range(ROUNDS) for t in TEXTS[:4])
+        assert len({e.id for e in store.retrieve("the red fox", k=6)}) == 6
 
 
 def test_deletes_compactions_and_writes_at_once_all_succeed(concurrent_run):
@@ -300,16 +317,10 @@ def test_every_write_goes_through_the_retry_helper(tmp_path, monkeypatch):
 
 
 def test_a_store_made_before_the_primary_key_declares_it_at_its_first_write(tmp_path):
-    import lancedb
-    import pyarrow as pa
-
     from hf_statecompose.store.lance import PRIMARY_KEY
 
     model = tiny_model("mamba2")
-    legacy = make_store(tmp_path / "new", model)._schema(64)
-    legacy = legacy.set(0, pa.field("id", pa.string()))  # the states table of a store made before: nullable id, no key
-    lancedb.connect(str(tmp_path / "s")).create_table("states", schema=legacy)
-    store = make_store(tmp_path / "s", model)
+    store = _legacy_store(tmp_path / "s", model)
     assert store.table.schema.field("id").nullable
     ids = [f"{n:016x}" for n in range(3)]
     store.add(TEXTS[:3], ids=ids, show_progress=False)
