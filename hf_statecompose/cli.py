@@ -6,6 +6,7 @@
     hf-statecompose delete  STORE ID [ID ...]
     hf-statecompose compact STORE
     hf-statecompose store migrate SRC DST              (folder store -> Lance store, every entry verified)
+    hf-statecompose store repair STORE                 (a Lance store: one verified copy of each entry)
     hf-statecompose encode-corpus DST passages.jsonl  [--model demo] [--actors 2]   (Ray Data -> Lance store)
     hf-statecompose lm-eval run --model statecompose --model_args ... --tasks ...
 
@@ -362,6 +363,11 @@ def _store_command(args) -> None:
         with _quiet_loading():
             report = migrate(args.source, args.destination, model, tokenizer, batch_size=args.batch_size)
         print(json.dumps(report, indent=1))
+    elif args.store_command == "repair":
+        store, _, _ = open_store(args.store, args.model)
+        if not hasattr(store, "repair"):
+            raise CommandLineError(f"{args.store} is a folder store: its entries are never stored twice (repair is for Lance stores)")
+        print(json.dumps(store.repair(), indent=1))
 
 
 def _encode_corpus(args) -> None:
@@ -418,14 +424,17 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("ids", nargs="+", metavar="ID", help="entry ids (as printed by query)")
     sub.add_parser("compact", help="rewrite the shards without the deleted entries").add_argument("store", help=store_help)
 
-    store = sub.add_parser("store", help="store maintenance across backends (store migrate SRC DST)")
+    store = sub.add_parser("store", help="store maintenance across backends (store migrate SRC DST, store repair STORE)")
     store_sub = store.add_subparsers(dest="store_command", required=True, metavar="STORE_COMMAND", parser_class=_Parser,
-                                     help="migrate: copy a folder store into a Lance store")
+                                     help="migrate: copy a folder store into a Lance store; repair: remove an entry's extra copies")
     migrate = store_sub.add_parser("migrate", help="copy a folder store into a Lance store (needs the [scale] extra) and verify every entry")
     migrate.add_argument("source", help="the folder store to copy")
     migrate.add_argument("destination", help="the Lance store: a local folder or an object-storage URI (created, or extended)")
     migrate.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the source store's)")
     migrate.add_argument("--batch-size", type=_count(1), default=64, metavar="N", help="entries copied per commit (default 64)")
+    repair = store_sub.add_parser("repair", help="keep one verified copy of each entry a Lance store holds more than once; prints counts as JSON")
+    repair.add_argument("store", help="the Lance store: a local folder or an object-storage URI")
+    repair.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the store's)")
 
     corpus = sub.add_parser("encode-corpus", help="encode passages into a Lance store on Ray Data (resumable; needs the [scale] extra)")
     corpus.add_argument("store", help="the Lance store: a local folder or an object-storage URI (created, or extended: stored ids are skipped)")

@@ -19,13 +19,21 @@ blake2b ``tensor_digest`` of every tensor) for one entry, except that ``A`` is n
 a changed byte anywhere in a row is refused, never read as other text or another state.
 
 Guarantees, from Lance's commit model (every write is a new table version made visible by one atomic
-manifest commit; readers read one version): a reader sees an ``add`` batch, a ``delete`` or a compaction
-whole or not at all; ``get`` and ``retrieve`` read ids, vectors and states from one version. Writers from
-several processes append concurrently (Lance retries conflicting commits); ids are random (``add``) or
-given (``add(ids=...)``, :func:`hf_statecompose.distributed.encode_corpus`), and writes with given ids
-insert only ids not yet stored (``merge_insert``), so a retried or repeated write never duplicates an
-entry. Every state read is verified: the row's seal, the state file's metadata and fingerprint, its
-tensor digest, then dtypes, shapes, finite values and ΣΔ >= 0 against the model (as a folder store does).
+manifest commit; readers read one version): a reader sees an ``add`` batch, a ``delete`` (one commit for
+all its ids) or a compaction whole or not at all; ``get`` and ``retrieve`` read ids, vectors and states
+from one version. Ids are random (``add``) or given (``add(ids=...)``,
+:func:`hf_statecompose.distributed.encode_corpus`); writes with given ids insert only ids not yet stored
+(``merge_insert`` on ``id``, which is the table's unenforced primary key), and Lance refuses, as a
+conflict, a commit inserting an id that another commit inserted since the writer read the table: the
+write is retried on the new version and skips that id, so concurrent, retried or repeated writes of an
+id store it once (stores made before this declare the key at their first write). Every commit (``add``,
+``delete``, ``compact``, ``repair``) that loses to other writers' conflicting commits is retried with
+jittered exponential backoff (:func:`retry_contended`), then fails with a ``TimeoutError`` naming the
+contention. A store holding an entry more than once (written before, or outside this API) reads
+identical copies as one entry and refuses differing ones, naming :meth:`LanceStateStore.repair`
+(``hf-statecompose store repair``), which keeps the first verified copy. Every state read is verified:
+the row's seal, the state file's metadata and fingerprint, its tensor digest, then dtypes, shapes,
+finite values and ΣΔ >= 0 against the model (as a folder store does).
 No pickle: rows are Arrow columns, states safetensors.
 """
 from __future__ import annotations
@@ -34,7 +42,10 @@ import hashlib
 import json
 import numbers
 import os
+import random
+import time
 import uuid
+from collections import Counter
 from datetime import timedelta
 from typing import Callable, Iterable, Sequence
 
@@ -101,6 +112,49 @@ def _blob_metadata(blob: bytes, where: str) -> dict:
     return meta
 
 
+# the id column's field metadata that makes it the table's (unenforced) primary key: every merge insert
+# on it then records the ids it inserts, and Lance's commit check refuses (as a retryable conflict) a
+# merge insert that adds an id another commit added since it read the table; without it both commit
+PRIMARY_KEY = "lance-schema:unenforced-primary-key"
+# what Lance's optimistic commits raise when another process committed a conflicting change first (a
+# compaction rewriting the fragment a delete touches, two merge inserts of one id, ...), or when a
+# compaction removed the version an operation began on: each is retried on the latest version
+_CONTENTION = ("commit conflict", "please retry", "too many concurrent writers", "concurrent transaction")
+
+
+def contended(error: BaseException) -> bool:
+    """Whether ``error`` is Lance telling a writer that other writers got in first (worth a retry)."""
+    text = str(error).lower()
+    return any(mark in text for mark in _CONTENTION) or ("_versions/" in text and "not found" in text)
+
+
+def retry_contended(operation: Callable, what: str, where: str, attempts: int = 10, base_delay: float = 0.05, max_delay: float = 2.0,
+                    budget: float = 120.0, refresh: Callable | None = None, sleep: Callable = time.sleep):
+    """``operation()``, retried while Lance reports contention (:func:`contended`): at most ``attempts``
+    times and no new attempt after ``budget`` seconds, sleeping a jittered, exponentially growing delay
+    between attempts (``base_delay`` doubling up to ``max_delay``; half of it fixed, half random, so that
+    writers that collided spread out) and calling ``refresh`` before each retry. Any other error is
+    raised at once; contention that outlasts the attempts is a ``TimeoutError`` (an ``OSError``) naming
+    it and what to do."""
+    started, delay = time.monotonic(), base_delay
+    for attempt in range(1, attempts + 1):
+        try:
+            return operation()
+        except Exception as error:  # noqa: BLE001 - lancedb raises contention as RuntimeError / OSError / its own types
+            if not contended(error):
+                raise
+            if attempt == attempts or time.monotonic() - started > budget:
+                raise TimeoutError(
+                    f"{where}: {what} failed {attempt} times in {time.monotonic() - started:.1f} s: other processes kept committing "
+                    f"conflicting changes to the Lance table (last: {str(error).splitlines()[0][:160]}); retry when fewer processes "
+                    "write at once (e.g. compact while no deletes run), or raise the store's write_attempts"
+                ) from None
+        sleep(delay / 2 + random.uniform(0, delay / 2))
+        delay = min(max_delay, 2 * delay)
+        if refresh is not None:
+            refresh()
+
+
 class LanceStateStore(StateStore):
     """A :class:`~hf_statecompose.StateStore` in LanceDB (see the module docstring); made by
     ``StateStore(uri, model, tokenizer, backend="lance", ...)`` or directly.
@@ -115,6 +169,8 @@ class LanceStateStore(StateStore):
     """
 
     backend = "lance"
+    # attempts of a commit under contention (see retry_contended; under 10 s of backoff in all)
+    write_attempts = 10
 
     def __init__(self, uri, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None,
                  info: dict | None = None, *, storage_options: dict | None = None, index_threshold: int = DEFAULT_INDEX_THRESHOLD,
@@ -167,7 +223,7 @@ class LanceStateStore(StateStore):
     def _schema(self, dim: int):
         pa = self._pa
         return pa.schema([
-            ("id", pa.string()), ("text", pa.string()), ("metadata", pa.string()), ("num_tokens", pa.int64()),
+            pa.field("id", pa.string(), nullable=False, metadata={PRIMARY_KEY: "true"}), ("text", pa.string()), ("metadata", pa.string()), ("num_tokens", pa.int64()),
             ("vector", pa.list_(pa.float32(), dim)), ("state", pa.large_binary()), ("tensor_digest", pa.string()),
             ("seal", pa.string()),
         ])
@@ -237,7 +293,7 @@ class LanceStateStore(StateStore):
         return self.table.count_rows()
 
     def ids(self) -> list[str]:
-        return self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist()
+        return list(dict.fromkeys(self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist()))
 
     def __contains__(self, entry_id) -> bool:
         try:
@@ -251,24 +307,41 @@ class LanceStateStore(StateStore):
         # ids are checked against the hex pattern before they get here: nothing to escape
         return "(" + ", ".join(f"'{i}'" for i in ids) + ")"
 
+    def _ambiguous(self, entry_id: str) -> ValueError:
+        return ValueError(
+            f"entry {entry_id} is stored more than once in {self.uri} with different contents (a store written before "
+            f"writes were made idempotent, or by a writer outside this API): run `hf-statecompose store repair {self.uri}` "
+            "(or store.repair()) to keep its first verified copy"
+        )
+
+    def _one_copy_each(self, rows: list[dict]) -> dict[str, dict]:
+        """``rows`` by id, the first of each id's copies; copies that differ (another seal) are refused.
+        Rows of the id column only (an existence check) are not compared."""
+        out: dict[str, dict] = {}
+        for row in rows:
+            first = out.setdefault(row["id"], row)
+            if first is not row and "seal" in row and first["seal"] != row["seal"]:
+                raise self._ambiguous(row["id"])
+        return out
+
     def _rows(self, ids: Sequence[str], columns: list[str]) -> dict[str, dict]:
+        """The rows of ``ids`` that are stored (columns ``columns``, plus ``seal`` unless only ids are
+        asked for), one per id: identical copies of an entry (see :meth:`repair`) read as one."""
         wanted = sorted(set(ids))
+        if columns != ["id"] and "seal" not in columns:
+            columns = [*columns, "seal"]
         rows: dict[str, dict] = {}
         for start in range(0, len(wanted), 1024):  # filters of bounded length
             chunk = wanted[start : start + 1024]
-            table = self.table.search().where(f"id IN {self._in(chunk)}").select(columns).limit(None).to_arrow()
-            for row in table.to_pylist():
-                if row["id"] in rows:
-                    raise ValueError(f"entry {row['id']} is stored twice in {self.uri} (written outside this API?); delete it and re-add it")
-                rows[row["id"]] = row
+            rows.update(self._one_copy_each(self.table.search().where(f"id IN {self._in(chunk)}").select(columns).limit(None).to_arrow().to_pylist()))
         return rows
 
     def entries(self, ids: Sequence[str] | None = None) -> list[StoreEntry]:
         """Text and metadata of entries (no state read), each row's seal checked."""
         columns = ["id", "text", "metadata", "num_tokens", "vector", "tensor_digest", "seal"]
         if ids is None:
-            rows = self.table.search().select(columns).limit(None).to_arrow().to_pylist()
-            return [self._entry(row) for row in rows]
+            rows = self._one_copy_each(self.table.search().select(columns).limit(None).to_arrow().to_pylist())
+            return [self._entry(row) for row in rows.values()]
         ids = self._check_ids(ids, "ids")
         found = self._rows(ids, columns)
         missing = [i for i in ids if i not in found]
@@ -359,13 +432,46 @@ class LanceStateStore(StateStore):
 
     def write_rows(self, rows, skip_existing: bool = True) -> None:
         """Commit ``rows`` (from :meth:`encode_rows`) as one Lance version; with ``skip_existing``, ids
-        already stored are left as they are (``merge_insert``: a retried write never duplicates)."""
+        already stored are left as they are: a ``merge_insert`` on the id, the table's primary key, so
+        that of concurrent writes of one id Lance commits one and retries the others, which then find it
+        stored (a retried, repeated or concurrent write never duplicates an entry)."""
         if rows.num_rows == 0:
             return
+        self._keyed()
+        rows = rows.cast(self._schema(self.embedding_dim))
         if skip_existing:
-            self.table.merge_insert("id").when_not_matched_insert_all().execute(rows)
+            self._retrying("writing entries", lambda: self.table.merge_insert("id").when_not_matched_insert_all().execute(rows))
         else:
-            self.table.add(rows)
+            self._retrying("adding entries", lambda: self.table.add(rows))
+
+    def _retrying(self, what: str, operation: Callable):
+        """``operation()`` (one Lance commit), retried while other writers' commits conflict with it."""
+        return retry_contended(operation, what, f"the Lance store at {self.uri}", attempts=self.write_attempts, refresh=self.refresh)
+
+    def _keyed(self) -> None:
+        """Make ``id`` the table's primary key (:data:`PRIMARY_KEY`) before this store first writes, if
+        the table predates it (stores made before writes were made idempotent): two Lance commits, once;
+        any number of processes may do it at once (each attempt re-reads what the others did)."""
+        if getattr(self, "_has_primary_key", False):
+            return
+
+        def declared() -> bool:
+            return (self.table.schema.field("id").metadata or {}).get(PRIMARY_KEY.encode()) == b"true"
+
+        def declare():
+            if self.table.schema.field("id").nullable:  # a primary key is not nullable; no row holds a null id (writes check ids)
+                self.table.alter_columns({"path": "id", "nullable": False})
+            if not declared():
+                try:
+                    self.table.update_field_metadata({"path": "id", "metadata": {PRIMARY_KEY: "true"}})
+                except Exception:  # noqa: BLE001 - Lance refuses to set the key again once another process has set it
+                    self.refresh()
+                    if not declared():
+                        raise
+
+        if not declared():
+            self._retrying("declaring the id column the primary key", declare)
+        self._has_primary_key = True
 
     # ------------------------------------------------------------------------------------ read
     def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
@@ -410,6 +516,15 @@ class LanceStateStore(StateStore):
     def _has_index(self) -> bool:
         return any(getattr(index, "columns", None) == ["vector"] for index in self.table.list_indices())
 
+    def _search(self, vector: torch.Tensor, excluded: list[str], exact: bool):
+        search = self.table.search(vector.numpy(), vector_column_name="vector").metric("cosine")
+        if excluded:
+            search = search.where(f"id NOT IN {self._in(sorted(set(excluded)))}", prefilter=True)
+        if exact:
+            return search.bypass_vector_index()
+        search = search.nprobes(self.nprobes)
+        return search.refine_factor(self.refine_factor) if self.refine_factor else search
+
     def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True, exact: bool = False) -> list[StoreEntry]:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states. Through the
         ANN index once :meth:`compact` has built it (plus an exact scan of rows added since), else an
@@ -421,17 +536,16 @@ class LanceStateStore(StateStore):
         if vector.shape[0] != self.embedding_dim:
             raise ValueError(f"the retriever returned a {vector.shape[0]}-dim query vector; the store holds {self.embedding_dim}-dim ones")
         columns = ["id", "text", "metadata", "num_tokens", "vector", "tensor_digest", "seal", "_distance"] + (["state"] if load_states else [])
-        search = self.table.search(vector.numpy(), vector_column_name="vector").metric("cosine")
-        if excluded:
-            search = search.where(f"id NOT IN {self._in(sorted(set(excluded)))}", prefilter=True)
-        if exact:
-            search = search.bypass_vector_index()
-        else:
-            search = search.nprobes(self.nprobes)
-            if self.refine_factor:
-                search = search.refine_factor(self.refine_factor)
-        rows = search.select(columns).limit(k).to_arrow().to_pylist()
-        rows.sort(key=lambda r: r["_distance"])
+        # an entry stored more than once (see repair) is one result: ask for more rows until k distinct ids
+        limit = k
+        while True:
+            rows = self._search(vector, excluded, exact).select(columns).limit(limit).to_arrow().to_pylist()
+            rows.sort(key=lambda r: r["_distance"])
+            distinct = list(self._one_copy_each(rows).values())
+            if len(distinct) >= k or len(rows) < limit:
+                break
+            limit *= 2
+        rows = distinct[:k]
         entries = [self._entry(row, score=1.0 - float(row["_distance"])) for row in rows]
         if load_states:
             device = next(self.model.parameters()).device
@@ -440,14 +554,23 @@ class LanceStateStore(StateStore):
         return entries
 
     # ------------------------------------------------------------------------------------ delete / compact
-    def delete(self, ids: Sequence[str] | str) -> None:
-        """Delete entries (one Lance commit; their bytes go at the next :meth:`compact`)."""
+    def delete(self, ids: Sequence[str] | str, missing_ok: bool = False) -> None:
+        """Delete entries, every copy of each (see :meth:`repair`), in one Lance commit (their bytes go
+        at the next :meth:`compact`). Ids not stored are a ``KeyError`` naming them, raised before
+        anything changes; ``missing_ok=True`` deletes the others."""
         _, ids = self._check_one_or_many(ids)
-        found = self._rows(ids, ["id"])
-        missing = [i for i in ids if i not in found]
-        if missing:
-            raise KeyError(f"no entries {missing[:5]} in the store at {self.uri}")
-        self.table.delete(f"id IN {self._in(sorted(set(ids)))}")
+        wanted = sorted(set(ids))
+
+        def delete():  # the check and the commit, repeated together if another writer gets in first
+            found = self._rows(wanted, ["id"])
+            missing = [i for i in wanted if i not in found]
+            if missing and not missing_ok:
+                raise KeyError(f"no entries {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)} of {len(wanted)}) in the store at "
+                               f"{self.uri}; nothing was deleted (delete(ids, missing_ok=True) deletes the others)")
+            if found:
+                self.table.delete(f"id IN {self._in(sorted(found))}")
+
+        self._retrying("delete", delete)
 
     def _fragment_counts(self) -> tuple[int, int, int]:
         dataset = self.table.to_lance()
@@ -480,17 +603,79 @@ class LanceStateStore(StateStore):
             if isinstance(keep_versions_for, bool) or not isinstance(keep_versions_for, numbers.Real) or keep_versions_for < 0:
                 raise ValueError(f"keep_versions_for must be >= 0 seconds or a timedelta, got {keep_versions_for!r}")
             keep_versions_for = timedelta(seconds=float(keep_versions_for))
-        fragments_before, physical_before, rows = self._fragment_counts()
+        fragments_before, physical_before, rows = self._retrying("compact", self._fragment_counts)
         built = False
         if rows >= self.index_threshold and not self._has_index():
-            self.build_index()
+            self._retrying("building the index", self.build_index)
             built = True
-        self.table.optimize(cleanup_older_than=keep_versions_for)
-        fragments_after, physical_after, _ = self._fragment_counts()
+        # optimize is compaction, index update and cleanup, each its own commit: a retry redoes what is left
+        self._retrying("compact", lambda: self.table.optimize(cleanup_older_than=keep_versions_for))
+        fragments_after, physical_after, _ = self._retrying("compact", self._fragment_counts)
         return {"removed_entries": physical_before - physical_after, "fragments_before": fragments_before,
                 "fragments_after": fragments_after, "index_built": built, "indexed": self._has_index()}
 
     optimize = compact
+
+    def repair(self, batch_size: int = 256) -> dict:
+        """Keep one copy of every entry the table holds more than once (a store written before writes
+        were made idempotent, or by a writer outside this API): the first copy (in table order) whose
+        seal and state verify. For each batch of such ids, one commit appends a fresh copy of each kept
+        row, then one commit deletes the copies read before, by row id: killed between the two, the store
+        holds more identical copies, which read as one and the next repair removes; two repairs at once
+        never remove an entry's last copy (each deletes only rows it read before its own append, so the
+        last append survives). Ids none of whose copies verify are left as they are and listed: delete
+        them. Returns ``{"entries", "duplicated", "removed_copies", "unverifiable", "still_duplicated"}``
+        (the last non-empty only if other processes kept moving rows, e.g. compacting, meanwhile)."""
+        batch_size = check_count(batch_size, "batch_size", 1)
+        self._keyed()
+        counts = self._retrying("repair", lambda: Counter(self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist()))
+        duplicated = sorted(entry_id for entry_id, n in counts.items() if n > 1)
+        unverifiable: list[str] = []
+        todo = duplicated
+        for _ in range(3):  # a compaction between a pass's read and its delete moves rows: their copies stay for the next pass
+            for start in range(0, len(todo), batch_size):
+                unverifiable += self._repair_batch(todo[start : start + batch_size])
+            left = Counter(self._rows_of(duplicated, ["id"]).column("id").to_pylist())
+            todo = [entry_id for entry_id in duplicated if left[entry_id] > 1 and entry_id not in unverifiable]
+            if not todo:
+                break
+        return {"entries": len(counts), "duplicated": len(duplicated), "removed_copies": sum(counts[i] - left[i] for i in duplicated),
+                "unverifiable": sorted(unverifiable), "still_duplicated": todo}
+
+    def _rows_of(self, ids: list[str], columns: list[str], row_ids: bool = False):
+        """Every row (every copy) of ``ids``, as one Arrow table."""
+        parts = []
+        for start in range(0, len(ids), 1024):
+            search = self.table.search().where(f"id IN {self._in(ids[start : start + 1024])}").select(columns)
+            parts.append((search.with_row_id(True) if row_ids else search).limit(None).to_arrow())
+        return self._pa.concat_tables(parts) if parts else self._pa.table({name: [] for name in columns})
+
+    def _repair_batch(self, ids: list[str]) -> list[str]:
+        """One repair step for ``ids`` (each stored more than once): returns those with no verified copy."""
+        schema = self._schema(self.embedding_dim)
+        copies: dict[str, list[dict]] = {}
+        for row in sorted(self._rows_of(ids, schema.names, row_ids=True).to_pylist(), key=lambda r: r["_rowid"]):
+            copies.setdefault(row["id"], []).append(row)
+        kept, stale, unverifiable = [], [], []
+        for entry_id in ids:
+            good = next((row for row in copies.get(entry_id, ()) if self._verifies(row)), None)
+            if good is None:
+                unverifiable.append(entry_id)
+            elif len(copies[entry_id]) > 1:
+                kept.append({name: good[name] for name in schema.names})
+                stale += [int(row["_rowid"]) for row in copies[entry_id]]
+        if kept:
+            fresh = self._pa.Table.from_pylist(kept, schema=schema)
+            self._retrying("repair", lambda: self.table.add(fresh))
+            self._retrying("repair", lambda: self.table.delete(f"_rowid IN ({', '.join(map(str, stale))})"))
+        return unverifiable
+
+    def _verifies(self, row: dict) -> bool:
+        try:
+            self._read_state(row, "cpu")
+        except ValueError:
+            return False
+        return True
 
     # ------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:
