@@ -320,3 +320,15 @@ def test_the_lance_store_shares_the_checks_and_hands_out_its_own_A(tmp_path, mod
     first.A[0].mul_(2)
     again = store.get(ids[0])
     assert not torch.equal(first.A[0], again.A[0]) and torch.equal(again.A[0], store.retrieve("red fox", k=1)[0].state.A[0])
+
+
+def test_the_lance_store_skips_texts_already_stored_too(tmp_path, model):
+    pytest.importorskip("lancedb")
+    store = make_store(tmp_path / "l", model, backend="lance")
+    ids = store.add(TEXTS[:3], metadata=[{"n": 0}, {}, {}], show_progress=False)
+    assert len(store) == 3
+    again = store.add(TEXTS[:3], metadata=[{"n": 0}, {}, {}], show_progress=False)  # the Quickstart rerun
+    more = store.add([TEXTS[0], TEXTS[3], TEXTS[3]], metadata=[{}, {}, {}], show_progress=False)
+    assert again == ids and more[0] not in ids and more[1] == more[2] and len(store) == 5
+    # the same ids as the folder store gives the same texts
+    assert make_store(tmp_path / "f", model).add(TEXTS[:3], metadata=[{"n": 0}, {}, {}], show_progress=False) == ids

@@ -44,7 +44,6 @@ import numbers
 import os
 import random
 import time
-import uuid
 from collections import Counter
 from datetime import timedelta
 from typing import Callable, Iterable, Sequence
@@ -66,6 +65,7 @@ from .format import (
     check_id,
     check_opened_header,
     checksum,
+    content_id,
     seal,
     unseal_bytes,
 )
@@ -372,28 +372,32 @@ class LanceStateStore(StateStore):
             ids: Sequence[str] | None = None) -> list[str]:
         """Encode ``texts`` in batches of ``batch_size`` and store them; each batch is one Lance commit.
 
-        ``ids`` (optional, 16 lowercase hex digits each): the entries' ids; ids already stored are
-        skipped (not encoded again, not duplicated), so a repeated or resumed ``add`` is safe. Returns the
-        ids, in order (new and skipped)."""
+        ``ids`` (optional, 16 lowercase hex digits each): the entries' ids. Without them, ids come from
+        the content (:func:`~hf_statecompose.store.format.content_id` of text and metadata, as the folder
+        store's), so a text already stored with the same metadata is not added again. Ids already stored
+        are skipped (not encoded again, not duplicated, also under concurrent writers: ``id`` is the
+        table's primary key), so a repeated or resumed ``add`` is safe. Returns the ids, in order (new and
+        skipped)."""
         texts, metadata, batch_size = self._check_add(texts, metadata, batch_size)
-        given = ids is not None
-        if given:
+        if ids is not None:
             ids = self._check_ids(ids, "ids")
             if len(ids) != len(texts):
                 raise ValueError(f"{len(texts)} texts but {len(ids)} ids")
             if len(set(ids)) != len(ids):
                 raise ValueError("ids must be unique")
-            stored = set(self._rows(ids, ["id"])) if ids else set()
-            todo = [n for n, i in enumerate(ids) if i not in stored]
         else:
-            ids = [uuid.uuid4().hex[:16] for _ in texts]
-            todo = list(range(len(texts)))
+            ids = [content_id(text, meta) for text, meta in zip(texts, metadata)]
+        stored = set(self._rows(ids, ["id"])) if ids else set()
+        first: dict[str, int] = {}
+        for n, entry_id in enumerate(ids):
+            first.setdefault(entry_id, n)  # a text repeated in this call: stored once
+        todo = [n for entry_id, n in first.items() if entry_id not in stored]
         progress = progress_bar(len(todo), show_progress)
         try:
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start : start + batch_size]
                 rows = self.encode_rows([texts[n] for n in chunk], [metadata[n] for n in chunk], [ids[n] for n in chunk])
-                self.write_rows(rows, skip_existing=given)
+                self.write_rows(rows, skip_existing=True)
                 progress.update(len(chunk))
         finally:
             progress.close()
