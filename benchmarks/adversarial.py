@@ -7,7 +7,7 @@ forked process with a timeout and is classified by an oracle.
 Outcomes (one per case):
 
 * ``clear``: refused with ValueError / TypeError / KeyError / IndexError / FileNotFoundError / PermissionError /
-  NotImplementedError (or a subclass), a one-line message of at most 400 characters, raised by a ``raise``
+  IsADirectoryError / NotADirectoryError / TimeoutError / NotImplementedError (or a subclass), a one-line message of at most 400 characters, raised by a ``raise``
   statement in an hf_statecompose frame (the innermost frame of the traceback is in the package and its line is
   a ``raise``: a deliberate refusal, not a torch / safetensors / lancedb / Python error passing through); a
   TypeError of Python's own argument binding at the call site counts too. CLI: exit status 2 and one stderr
@@ -61,7 +61,8 @@ from hf_statecompose import ComposableMambaCache, StateComposer
 PKG_DIR = os.path.dirname(os.path.abspath(hsc.__file__)) + os.sep
 THIS_FILE = os.path.abspath(__file__)
 OUTCOMES = ("clear", "handled", "unclear", "silent", "hang", "lost")
-CLEAR_TYPES = (ValueError, TypeError, KeyError, IndexError, FileNotFoundError, PermissionError, NotImplementedError)
+CLEAR_TYPES = (ValueError, TypeError, KeyError, IndexError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+               TimeoutError, NotImplementedError)
 CATEGORIES = {
     "a": "crafted state files",
     "b": "in-memory state misuse",

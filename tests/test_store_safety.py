@@ -332,3 +332,30 @@ def test_the_lance_store_skips_texts_already_stored_too(tmp_path, model):
     assert again == ids and more[0] not in ids and more[1] == more[2] and len(store) == 5
     # the same ids as the folder store gives the same texts
     assert make_store(tmp_path / "f", model).add(TEXTS[:3], metadata=[{"n": 0}, {}, {}], show_progress=False) == ids
+
+
+@pytest.mark.parametrize("backend", ["folder", "lance"])
+def test_a_store_under_a_file_is_a_clear_error(tmp_path, model, backend):
+    if backend == "lance":
+        pytest.importorskip("lancedb")
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        make_store(tmp_path / "a_file" / "store", model, backend=backend)
+
+
+def test_a_damaged_lance_data_file_is_one_clear_error(tmp_path, model):
+    pytest.importorskip("lancedb")
+    store = make_store(tmp_path / "l", model, backend="lance")
+    ids = store.add(TEXTS[:3], show_progress=False)
+    data = sorted((tmp_path / "l" / "states.lance" / "data").glob("*.lance"), key=lambda p: p.stat().st_size)[-1]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) - 200 : len(raw) - 100] = bytes(100)  # the file's footer region: its page layout
+    data.write_bytes(bytes(raw))
+    reopened = make_store(tmp_path / "l", model, backend="lance")
+    try:
+        reopened.entries(ids)
+    except ValueError as error:  # either Lance cannot read it, or a row fails its seal: both name the fix
+        assert "restore" in str(error) or "re-add" in str(error) or "repair" in str(error)
+        assert "\n" not in str(error)
+    else:
+        pytest.fail("a damaged data file was read without an error")

@@ -142,8 +142,15 @@ class StateStore(abc.ABC):
     @staticmethod
     def _check_local_path(path: str) -> None:
         """Refuse a local path that is an existing file (a store is a folder)."""
-        if "://" not in path and os.path.exists(path) and not os.path.isdir(path):
+        if "://" in path:
+            return
+        if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{path} is a file, not a folder: a store is a folder (give a new or an existing store's folder)")
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            raise ValueError(f"cannot make a store at {path}: {parent} is a file, not a folder")
 
     def _check_query(self, query, k, exclude) -> tuple[int, list[str]]:
         """``retrieve``'s arguments checked: (k, the excluded ids)."""

@@ -290,10 +290,20 @@ class LanceStateStore(StateStore):
         self.table.checkout_latest()
 
     def __len__(self) -> int:
-        return self.table.count_rows()
+        return self._read(self.table.count_rows)
+
+    def _read(self, read):
+        """``read()``, a read of the table; a failure inside Lance (its files damaged: a flipped byte, a
+        truncated data file) is one clear error, not Lance's own message."""
+        try:
+            return read()
+        except Exception as error:  # noqa: BLE001 - whatever Lance raises on a damaged table
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ValueError(f"the Lance store at {self.uri} cannot be read ({first[:120]}): its files are damaged; "
+                             "restore the store from a backup (or re-encode its passages)") from None
 
     def ids(self) -> list[str]:
-        return list(dict.fromkeys(self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist()))
+        return list(dict.fromkeys(self._read(lambda: self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist())))
 
     def __contains__(self, entry_id) -> bool:
         try:
@@ -333,14 +343,15 @@ class LanceStateStore(StateStore):
         rows: dict[str, dict] = {}
         for start in range(0, len(wanted), 1024):  # filters of bounded length
             chunk = wanted[start : start + 1024]
-            rows.update(self._one_copy_each(self.table.search().where(f"id IN {self._in(chunk)}").select(columns).limit(None).to_arrow().to_pylist()))
+            query = self.table.search().where(f"id IN {self._in(chunk)}").select(columns).limit(None)
+            rows.update(self._one_copy_each(self._read(lambda: query.to_arrow().to_pylist())))
         return rows
 
     def entries(self, ids: Sequence[str] | None = None) -> list[StoreEntry]:
         """Text and metadata of entries (no state read), each row's seal checked."""
         columns = ["id", "text", "metadata", "num_tokens", "vector", "tensor_digest", "seal"]
         if ids is None:
-            rows = self._one_copy_each(self.table.search().select(columns).limit(None).to_arrow().to_pylist())
+            rows = self._one_copy_each(self._read(lambda: self.table.search().select(columns).limit(None).to_arrow().to_pylist()))
             return [self._entry(row) for row in rows.values()]
         ids = self._check_ids(ids, "ids")
         found = self._rows(ids, columns)
@@ -543,7 +554,7 @@ class LanceStateStore(StateStore):
         # an entry stored more than once (see repair) is one result: ask for more rows until k distinct ids
         limit = k
         while True:
-            rows = self._search(vector, excluded, exact).select(columns).limit(limit).to_arrow().to_pylist()
+            rows = self._read(lambda: self._search(vector, excluded, exact).select(columns).limit(limit).to_arrow().to_pylist())
             rows.sort(key=lambda r: r["_distance"])
             distinct = list(self._one_copy_each(rows).values())
             if len(distinct) >= k or len(rows) < limit:
