@@ -3,8 +3,9 @@
     python benchmarks/fingerprint_speed.py [--repeats 7] [--device cpu] [--threads 1]
 
 * fingerprint: the full hash (every weight's bytes; ``model_fingerprint(model, cache=False)``) against
-  the cached path (what every ``generate``/``encode`` pays: the cache key, i.e. config + tensor
-  identities + a content checksum, one sum and a 64-element strided sample per tensor), in fp32 and bf16;
+  the cached path (what every ``generate``/``encode`` and a store's open pay: the config, each tensor's
+  identity, storage, version and copy-on-write sentinel, and the exact bytes of the small tensors; see
+  ``hf_statecompose.state.fingerprint``), in fp32 and bf16, and against the bare identity key (the floor);
 * a state's checks: ``check_against_model`` (shapes, fingerprint comparison, ``A`` against the model's
   ``-exp(A_log)``) and ``check_state`` (full schema and values), against ``load`` of the same state file,
   which runs both.
@@ -32,8 +33,9 @@ from hf_statecompose.state.validation import check_against_model, check_state
 
 
 def identity_key(model):
-    """The cache key before content checksums: names, addresses, versions, shapes, dtypes."""
-    return tuple((n, t.data_ptr(), t._version, tuple(t.shape), str(t.dtype)) for n, t in _state_shaping_tensors(model))
+    """Names, storages, versions, shapes, dtypes alone (blind to ``.data`` edits): the floor of a check.
+    ``untyped_storage()``, not ``data_ptr()``: that asks for a writable pointer and ends the sentinel."""
+    return tuple((n, t.untyped_storage()._cdata, t._version, tuple(t.shape), str(t.dtype)) for n, t in _state_shaping_tensors(model))
 
 
 def interleaved(fns, repeats: int, device) -> list[float]:
@@ -67,7 +69,7 @@ def main(argv=None):
             args.repeats, args.device)
         rows.append({"what": f"fingerprint, cached path, {str(dtype)[6:]}", "baseline": "full hash", "baseline_s": full,
                      "s": cached, "ratio": cached / full, "params": params})
-        rows.append({"what": f"identity-only key, {str(dtype)[6:]} (the old cache key: misses .data edits)",
+        rows.append({"what": f"identity-only key, {str(dtype)[6:]} (the floor: misses .data edits)",
                      "baseline": "full hash", "baseline_s": full, "s": identity, "ratio": identity / full})
         if dtype != torch.float32:
             continue
