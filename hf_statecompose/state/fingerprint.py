@@ -209,9 +209,10 @@ def _full_fingerprint(model, architecture: str) -> str:
 #   pointer, e.g. ``numpy()`` or a save) and is armed again; one found materialized at two checks in a row is
 #   checked by the content checksum from then on (``volatile``), so a kernel that takes writable pointers to a
 #   weight on every forward costs the checksum of that weight per query, not a full hash;
-# * small tensors (at most ``_ARMED_ABOVE`` elements: norms, biases, ``D``, ``A_log``, conv weights; a few MB in
-#   all even at 2.7B) are not made copy-on-write (CPU kernels ask for writable pointers to several of them on
-#   every forward): their bytes are hashed exactly on every check;
+# * small tensors (1-D ones and those of at most ``_ARMED_ABOVE`` elements: norms, biases, ``D``, Mamba-2's
+#   ``A_log``; under 0.5% of the weights: 0.4 MB at 130M, a few MB at 2.7B) are not made copy-on-write (CPU
+#   kernels ask for writable pointers to several of them on every forward): their exact bytes are compared
+#   with a copy kept at the refresh, on their device, at every check;
 # * storages that cannot be copy-on-write (shared memory: ``share_memory_()``; allocators without a plain
 #   deleter) fall back to the content checksum (:func:`_content_checksum`) for that tensor.
 #
@@ -220,7 +221,7 @@ def _full_fingerprint(model, architecture: str) -> str:
 # / DLPack capsule / raw ``data_ptr()`` of a weight obtained before the check and written through after it, a
 # CUDA graph replay that writes weights, another process writing a shared-memory weight (the checksum path:
 # sums and samples, as before).
-_ARMED_ABOVE = 1 << 16
+_ARMED_ABOVE = 4096
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, _Cached]" = weakref.WeakKeyDictionary()
 _CACHE_LOCK = threading.Lock()
 _REFRESH_LOCK = threading.Lock()  # one full hash + arming at a time (arming swaps storages' data pointers)
@@ -229,7 +230,7 @@ _REFRESH_LOCK = threading.Lock()  # one full hash + arming at a time (arming swa
 class _Cached:
     """A model's fingerprint and what it was computed from (see the comment above)."""
 
-    __slots__ = ("fingerprint", "architecture", "config", "names", "refs", "identity", "armed", "small", "small_digest",
+    __slots__ = ("fingerprint", "architecture", "config", "names", "refs", "identity", "armed", "small", "small_bytes",
                  "checked", "checksum", "volatile", "lost")
 
     def __init__(self, fingerprint, architecture, config, named, identity, volatile, lost=frozenset()):
@@ -238,11 +239,11 @@ class _Cached:
         self.names = tuple(name for name, _ in named)
         self.refs = tuple(weakref.ref(t) for _, t in named)  # weak: a replaced parameter is freed as usual
         self.identity = identity
-        self.small = [i for i, (_, t) in enumerate(named) if t.numel() <= _ARMED_ABOVE]
-        self.small_digest = _exact_digest([named[i][1] for i in self.small])
+        self.small = [i for i, (_, t) in enumerate(named) if _is_small(t)]
+        self.small_bytes = _exact_bytes([named[i][1] for i in self.small])
         self.armed, self.checked = [], []
         for i, (name, t) in enumerate(named):
-            if t.numel() <= _ARMED_ABOVE:
+            if _is_small(t):
                 continue
             (self.armed if name not in volatile and _arm(t) else self.checked).append(i)
         self.checksum = _content_checksum([named[i][1] for i in self.checked])
@@ -255,7 +256,7 @@ class _Cached:
         for (name, t), expected_name, ref, expected in zip(named, self.names, self.refs, self.identity):
             if name != expected_name or ref() is not t or _identity(t) != expected:
                 return False
-        if _exact_digest([named[i][1] for i in self.small]) != self.small_digest:
+        if not _same_bytes(_exact_bytes([named[i][1] for i in self.small]), self.small_bytes):
             return False
         if self.checked and _content_checksum([named[i][1] for i in self.checked]) != self.checksum:
             return False
@@ -271,19 +272,23 @@ def _identity(t: torch.Tensor) -> tuple:
     return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
 
 
-def _exact_digest(tensors) -> bytes:
-    """blake2b of the exact bytes of ``tensors`` (one concatenation and one copy to the host per device)."""
+def _exact_bytes(tensors) -> dict:
+    """The exact bytes of ``tensors``: one uint8 tensor per device (a copy, concatenated on the device)."""
     by_device: dict = {}
     for t in tensors:
         data = t.detach()
         if data.numel():
-            by_device.setdefault(data.device, []).append(data.reshape(-1).view(torch.uint8) if data.dtype != torch.bool
-                                                         else data.reshape(-1).to(torch.uint8))
-    digest = hashlib.blake2b(digest_size=16)
-    for device in sorted(by_device, key=str):
-        digest.update(str(device).encode())
-        digest.update(torch.cat(by_device[device]).cpu().numpy().tobytes())
-    return digest.digest()
+            by_device.setdefault(str(data.device), []).append(data.reshape(-1).view(torch.uint8) if data.dtype != torch.bool
+                                                              else data.reshape(-1).to(torch.uint8))
+    return {device: torch.cat(parts) for device, parts in by_device.items()}
+
+
+def _same_bytes(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[device], b[device]) for device in a)
+
+
+def _is_small(t: torch.Tensor) -> bool:
+    return t.dim() <= 1 or t.numel() <= _ARMED_ABOVE
 
 
 def _arm(t: torch.Tensor) -> bool:
