@@ -186,9 +186,9 @@ def main(argv=None):
     for result in results:
         for row in result["rows"]:
             s = row["seconds"]
-            ms = lambda key: f"{s[key] * 1e3:.1f} ms"  # noqa: E731
+            ms = lambda key: f"{s[key] * 1e3:.1f} ms"
             base = "not run" if s["baseline_prefill"] is None else f"{s['baseline_prefill']:.2f} s"
-            speed = lambda v: "-" if v is None else f"{v:.0f}x"  # noqa: E731
+            speed = lambda v: "-" if v is None else f"{v:.0f}x"
             print(f"| {result['size']} | {row['k']} | {ms('ttft')} | {ms('ttft_store_open')} | {base} | "
                   f"{speed(row['speedup'])} | {speed(row['speedup_store_open'])} | {row['ttft_over_k1']:.2f} | {ms('store_open')} | "
                   f"{ms('retrieval')} | {ms('read_verify')} | {ms('compose')} | {ms('prefill_first_token')} | {ms('fingerprint_check')} |")

@@ -189,8 +189,7 @@ def test_the_cache_keeps_no_model_alive(path):
     ref = weakref.ref(model)
     del model
     gc.collect()
-    assert ref() is None
-    assert len(fingerprint._CACHE) == 0 or all(m is not None for m in fingerprint._CACHE.keys())
+    assert ref() is None  # the cache's entry (weak key; its value holds no reference to the model) went with it
 
 
 def test_copies_and_pickles_of_a_fingerprinted_model(path):
@@ -216,7 +215,7 @@ def test_threads_share_one_fingerprint(path, reads):
             for _ in range(5):
                 seen.append(model_fingerprint(model))
                 model.generate(random_ids(3), past_states=[state], max_new_tokens=1)
-        except Exception as error:  # pragma: no cover - reported below
+        except Exception as error:  # noqa: BLE001 - any error in a thread is reported below
             errors.append(error)
 
     threads = [threading.Thread(target=work) for _ in range(4)]

@@ -222,7 +222,7 @@ def _full_fingerprint(model, architecture: str) -> str:
 # CUDA graph replay that writes weights, another process writing a shared-memory weight (the checksum path:
 # sums and samples, as before).
 _ARMED_ABOVE = 4096
-_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, _Cached]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Cached
 _CACHE_LOCK = threading.Lock()
 _REFRESH_LOCK = threading.Lock()  # one full hash + arming at a time (arming swaps storages' data pointers)
 
@@ -230,8 +230,8 @@ _REFRESH_LOCK = threading.Lock()  # one full hash + arming at a time (arming swa
 class _Cached:
     """A model's fingerprint and what it was computed from (see the comment above)."""
 
-    __slots__ = ("fingerprint", "architecture", "config", "names", "refs", "identity", "armed", "small", "small_bytes",
-                 "checked", "checksum", "volatile", "lost")
+    __slots__ = ("architecture", "armed", "checked", "checksum", "config", "fingerprint", "identity", "lost", "names", "refs",
+                 "small", "small_bytes", "volatile")
 
     def __init__(self, fingerprint, architecture, config, named, identity, volatile, lost=frozenset()):
         self.fingerprint, self.architecture, self.config, self.volatile = fingerprint, architecture, config, volatile
@@ -300,11 +300,11 @@ def _arm(t: torch.Tensor) -> bool:
         with torch.no_grad():
             torch._lazy_clone(t.detach())
         return bool(torch._C._is_cow_tensor(t))
-    except Exception:
+    except (RuntimeError, TypeError, NotImplementedError):  # "Expected storage != nullptr": not copy-on-write-able
         return False
 
 
-def _lookup(model) -> "_Cached | None":
+def _lookup(model) -> _Cached | None:
     try:
         with _CACHE_LOCK:
             return _CACHE.get(model)
