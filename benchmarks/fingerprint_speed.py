@@ -3,8 +3,10 @@
     python benchmarks/fingerprint_speed.py [--repeats 7] [--device cpu] [--threads 1]
 
 * fingerprint: the full hash (every weight's bytes; ``model_fingerprint(model, cache=False)``) against
-  the cached path (what every ``generate``/``encode`` pays: the cache key, i.e. config + tensor
-  identities + a content checksum, one sum and a 64-element strided sample per tensor), in fp32 and bf16;
+  the cached path (what every ``generate``/``encode`` and a store's open pay: the config, each tensor's
+  identity, storage, version and copy-on-write sentinel, and the exact bytes of the small tensors; see
+  ``hf_statecompose.state.fingerprint``), in fp32 and bf16, against the bare identity key (the floor) and
+  the check before issue 21 (identity + a content checksum of every weight: one pass over the weights);
 * a state's checks: ``check_against_model`` (shapes, fingerprint comparison, ``A`` against the model's
   ``-exp(A_log)``) and ``check_state`` (full schema and values), against ``load`` of the same state file,
   which runs both.
@@ -27,13 +29,25 @@ from transformers import MambaConfig, MambaForCausalLM
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache
 from hf_statecompose.benchmarking import git_commit, median_time, write_result
-from hf_statecompose.state.fingerprint import _state_shaping_tensors, model_fingerprint
+from hf_statecompose.state.fingerprint import (
+    _content_checksum,
+    _state_shaping_tensors,
+    model_fingerprint,
+)
 from hf_statecompose.state.validation import check_against_model, check_state
 
 
 def identity_key(model):
-    """The cache key before content checksums: names, addresses, versions, shapes, dtypes."""
-    return tuple((n, t.data_ptr(), t._version, tuple(t.shape), str(t.dtype)) for n, t in _state_shaping_tensors(model))
+    """Names, storages, versions, shapes, dtypes alone (blind to ``.data`` edits): the floor of a check.
+    ``untyped_storage()``, not ``data_ptr()``: that asks for a writable pointer and ends the sentinel."""
+    return tuple((n, t.untyped_storage()._cdata, t._version, tuple(t.shape), str(t.dtype)) for n, t in _state_shaping_tensors(model))
+
+
+def checksum_key(model):
+    """The per-query check before issue 21: the identity key plus a content checksum of every weight
+    (one sum per row and a strided sample: a pass over all the weights)."""
+    named = list(_state_shaping_tensors(model))
+    return identity_key(model), _content_checksum([t for _, t in named])
 
 
 def interleaved(fns, repeats: int, device) -> list[float]:
@@ -62,12 +76,14 @@ def main(argv=None):
         model = hsc.enable(MambaForCausalLM(config).to(args.device, dtype).eval())
         params = sum(p.numel() for p in model.parameters())
         model_fingerprint(model)
-        full, cached, identity = interleaved(
-            [lambda: model_fingerprint(model, cache=False), lambda: model_fingerprint(model), lambda: identity_key(model)],
-            args.repeats, args.device)
+        full, cached, identity, checksum = interleaved(
+            [lambda: model_fingerprint(model, cache=False), lambda: model_fingerprint(model), lambda: identity_key(model),
+             lambda: checksum_key(model)], args.repeats, args.device)
         rows.append({"what": f"fingerprint, cached path, {str(dtype)[6:]}", "baseline": "full hash", "baseline_s": full,
                      "s": cached, "ratio": cached / full, "params": params})
-        rows.append({"what": f"identity-only key, {str(dtype)[6:]} (the old cache key: misses .data edits)",
+        rows.append({"what": f"identity + content checksum, {str(dtype)[6:]} (the cached path before issue 21)",
+                     "baseline": "full hash", "baseline_s": full, "s": checksum, "ratio": checksum / full})
+        rows.append({"what": f"identity-only key, {str(dtype)[6:]} (the floor: misses .data edits)",
                      "baseline": "full hash", "baseline_s": full, "s": identity, "ratio": identity / full})
         if dtype != torch.float32:
             continue

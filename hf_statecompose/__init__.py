@@ -24,6 +24,7 @@ _EXPORTS = {
     "ComposableMambaCache": "state",
     "ComposableSeRpEntCache": "state",
     "model_fingerprint": "state",
+    "refresh_fingerprint": "state",
     "encode": "models",
     "SeRpEntMambaConfig": "models",
     "SeRpEntMambaModel": "models",
@@ -89,6 +90,7 @@ __all__ = [
     "get_backend",
     "is_enabled",
     "model_fingerprint",
+    "refresh_fingerprint",
     "set_backend",
 ]
 

@@ -1,5 +1,5 @@
 from .cache import ComposableMambaCache
-from .fingerprint import model_fingerprint
+from .fingerprint import model_fingerprint, refresh_fingerprint
 from .serpent_cache import ComposableSeRpEntCache
 
-__all__ = ["ComposableMambaCache", "ComposableSeRpEntCache", "model_fingerprint"]
+__all__ = ["ComposableMambaCache", "ComposableSeRpEntCache", "model_fingerprint", "refresh_fingerprint"]
