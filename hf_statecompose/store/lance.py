@@ -213,7 +213,7 @@ class LanceStateStore(StateStore):
             "num_layers": expected_num_layers(model.config), "config": model.config.to_dict(),
             "A": "stored once per store (store_header row 'A')", "storage_dtype": self.header["storage_dtype"],
         }
-        self.table = self._db.open_table(STATES_TABLE)
+        self.table = self._read(lambda: self._db.open_table(STATES_TABLE))
 
     # ------------------------------------------------------------------------------------ creation
     def _table_names(self) -> list[str]:
