@@ -644,12 +644,17 @@ def gen_memory(rng, scale):
     return cases
 
 
-def run_memory_case(ctx, params):
-    arch, kind = params["arch"], params["mutation"]
-    rng = random.Random(params["seed"])
-    model, ref = ctx.models[arch], ctx.refs[arch]
+def _state_case(ctx, params):
+    """What a memory or API case starts from: its architecture, mutation, seeded rng, model, references, fresh
+    copies of the two reference states and the query."""
+    arch = params["arch"]
+    ref = ctx.refs[arch]
     s1, s2 = (s.clone() for s in ctx.states[arch])
-    query = ref["query"]
+    return arch, params["mutation"], random.Random(params["seed"]), ctx.models[arch], ref, s1, s2, ref["query"]
+
+
+def run_memory_case(ctx, params):
+    arch, kind, rng, model, ref, s1, s2, query = _state_case(ctx, params)
     layer = rng.randrange(s1.num_layers)
 
     def use_and_compare(states=None):
@@ -770,11 +775,7 @@ def gen_api(rng, scale):
 
 
 def run_api_case(ctx, params):
-    arch, kind = params["arch"], params["mutation"]
-    rng = random.Random(params["seed"])
-    model, ref = ctx.models[arch], ctx.refs[arch]
-    s1, s2 = (s.clone() for s in ctx.states[arch])
-    query = ref["query"]
+    arch, kind, rng, model, ref, s1, s2, query = _state_case(ctx, params)
     fwd = lambda states=None, q=query, **kw: logits_of(model, q, [s1, s2] if states is None else states, **kw)
 
     if kind == "past_states_empty":

@@ -25,10 +25,8 @@ Writes benchmarks/results/scale_store.json.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
-import re
 import shutil
 import statistics
 import sys
@@ -46,19 +44,6 @@ def sentence(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
 
 
-class BagOfWords:
-    """Hashed word counts: a deterministic, instant retriever (also a zero-argument factory for Ray)."""
-
-    name = "benchmark-bag-of-words"
-
-    def __call__(self, texts):
-        import torch
-
-        out = torch.full((len(texts), 64), 1e-3)
-        for row, text in enumerate(texts):
-            for word in re.findall(r"\w+", text.lower()):
-                out[row, int(hashlib.md5(word.encode()).hexdigest(), 16) % 64] += 1
-        return out
 
 
 class Lookup:
@@ -107,6 +92,7 @@ def encode_part(args, tmp: Path) -> dict:
     import torch
 
     import hf_statecompose as hsc
+    from hf_statecompose.benchmarking import BagOfWords
 
     rng = random.Random(1)
     passages = [{"text": " ".join(sentence(rng, rng.randint(6, 40)) for _ in range(2))[:400], "n": i} for i in range(args.passages)]

@@ -26,14 +26,12 @@ HERE = Path(__file__).resolve().parent
 
 
 import argparse
-import hashlib
-import re
 import tempfile
 
 import torch
 
 import hf_statecompose as hsc
-from hf_statecompose.benchmarking import git_commit, median_time, write_result
+from hf_statecompose.benchmarking import BagOfWords, git_commit, median_time, write_result
 
 LAYERS, D_INNER, N, CONV = 64, 5120, 16, 4
 
@@ -47,17 +45,6 @@ class CharTokenizer:
         return {"input_ids": [3 + ord(c) % 61 for c in text]}
 
 
-class BagOfWords:
-    """Hashed word counts: a deterministic, instant retriever."""
-
-    name = "benchmark-bag-of-words"
-
-    def __call__(self, texts):
-        out = torch.full((len(texts), 64), 1e-3)
-        for row, text in enumerate(texts):
-            for word in re.findall(r"\w+", text.lower()):
-                out[row, int(hashlib.md5(word.encode()).hexdigest(), 16) % 64] += 1
-        return out
 
 
 def touch(tensors) -> int:

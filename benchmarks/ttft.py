@@ -31,8 +31,6 @@ HERE = Path(__file__).resolve().parent
 
 
 import argparse
-import hashlib
-import re
 import statistics
 import tempfile
 import time
@@ -40,7 +38,7 @@ import time
 import torch
 
 import hf_statecompose as hsc
-from hf_statecompose.benchmarking import git_commit, median_time, write_result
+from hf_statecompose.benchmarking import BagOfWords, git_commit, median_time, write_result
 
 SIZES = {
     "tiny": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=4, head_dim=32,
@@ -63,17 +61,6 @@ class CharTokenizer:
         return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
 
 
-class BagOfWords:
-    """Hashed word counts: a deterministic, instant retriever."""
-
-    name = "benchmark-bag-of-words"
-
-    def __call__(self, texts):
-        out = torch.full((len(texts), 64), 1e-3)
-        for row, text in enumerate(texts):
-            for word in re.findall(r"\w+", text.lower()):
-                out[row, int(hashlib.md5(word.encode()).hexdigest(), 16) % 64] += 1
-        return out
 
 
 def passage(i: int) -> str:

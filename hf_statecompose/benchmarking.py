@@ -1,8 +1,10 @@
-"""Small helpers shared by the scripts in ``benchmarks/``: timing, provenance, writing results."""
+"""Small helpers shared by the scripts in ``benchmarks/``: timing, provenance, writing results, a toy retriever."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -52,3 +54,17 @@ def write_result(result: dict, path) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write(path, json.dumps(result, indent=2).encode())
     print(f"\nwrote {path}")
+
+
+class BagOfWords:
+    """Hashed word counts (64 buckets): a deterministic, instant retriever, so that store benchmarks time the
+    library rather than an embedding model; a zero-argument factory too (what ``encode_corpus`` takes)."""
+
+    name = "benchmark-bag-of-words"
+
+    def __call__(self, texts):
+        out = torch.full((len(texts), 64), 1e-3)
+        for row, text in enumerate(texts):
+            for word in re.findall(r"\w+", text.lower()):
+                out[row, int(hashlib.md5(word.encode()).hexdigest(), 16) % 64] += 1
+        return out
