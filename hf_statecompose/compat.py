@@ -51,6 +51,13 @@ GUARDED = {
     "transformers.models.mamba.modeling_mamba": ("MambaModel", "MambaForCausalLM"),
     "transformers.models.mamba2.modeling_mamba2": ("Mamba2Model", "Mamba2ForCausalLM"),
     "transformers.models.falcon_mamba.modeling_falcon_mamba": ("FalconMambaModel", "FalconMambaForCausalLM"),
+    # the hybrids (Mamba layers + attention layers)
+    "transformers.models.jamba.modeling_jamba": ("JambaModel", "JambaForCausalLM"),
+    "transformers.models.zamba2.modeling_zamba2": ("Zamba2Model", "Zamba2ForCausalLM"),
+    "transformers.models.bamba.modeling_bamba": ("BambaModel", "BambaForCausalLM"),
+    "transformers.models.granitemoehybrid.modeling_granitemoehybrid": ("GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM"),
+    "transformers.models.nemotron_h.modeling_nemotron_h": ("NemotronHModel", "NemotronHForCausalLM"),
+    "transformers.models.falcon_h1.modeling_falcon_h1": ("FalconH1Model", "FalconH1ForCausalLM"),
 }
 
 # model_type -> (module, mixer class) of transformers' stock mixers that the state-aware path replaces
@@ -58,9 +65,17 @@ MIXER_MODULES = {
     "mamba": ("transformers.models.mamba.modeling_mamba", "MambaMixer"),
     "mamba2": ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"),
     "falcon_mamba": ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer"),
+    "jamba": ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),
+    "zamba2": ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"),
+    "bamba": ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
+    "granitemoehybrid": ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+    "nemotron_h": ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
+    "falcon_h1": ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
 }
 
-CACHE_NAMES = ("cache", "cache_params")
+# the names a cache travels under: `cache` (transformers >= 5.24, every family), `cache_params` (the Mamba family
+# before 5.24), `past_key_values` (the hybrids, as every attention model, before 5.24)
+CACHE_NAMES = ("cache", "cache_params", "past_key_values")
 
 
 def _release(text: str) -> tuple[int, ...]:
@@ -142,8 +157,11 @@ def cache_given(kwargs: dict) -> bool:
     return any(kwargs.get(name) is not None for name in CACHE_NAMES)
 
 
-def cache_kwargs(cache) -> dict:
-    """``{name: cache}`` with the installed release's name for the Mamba-family cache argument."""
+def cache_kwargs(cache, hybrid: bool = False) -> dict:
+    """``{name: cache}`` with the installed release's name for the cache argument of the Mamba family (or, with
+    ``hybrid``, of the hybrid models: ``past_key_values`` before 5.24, ``cache`` since)."""
+    if hybrid and not cache_is_renamed():
+        return {"past_key_values": cache}
     return {_cache_arg(): cache}
 
 
@@ -297,6 +315,157 @@ def _make_ssm_layer_base():
     return SSMLayerBase
 
 
+def _make_attention_layer_base():
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    class AttentionLayerBase(DynamicLayer):
+        """transformers' ``DynamicLayer`` (an attention layer's keys and values, ``[B, heads, L, head_dim]``) that
+        also holds the position each key was encoded (and, for RoPE, rotated) at: ``positions`` ``[B, L]`` int64,
+        -1 where the slot is padding. transformers' attention calls :meth:`update` with the new keys and values
+        only (no positions): the new slots get the positions after the row's last one (taken as real tokens).
+        The batch operations generation calls on layers keep ``positions`` with its rows."""
+
+        _row_tensors: tuple[str, ...] = ("positions",)
+        _fixed_tensors: tuple[str, ...] = ()
+
+        def __init__(self):
+            DynamicLayer.__init__(self)
+            self.positions = None
+
+        @property
+        def has_keys(self) -> bool:
+            return bool(self.is_initialized) and self.keys is not None and self.keys.dim() == 4
+
+        def fill_keys(self, keys, values, positions) -> None:
+            """Hold these keys, values and positions (assigned, not copied) as the layer's."""
+            self.keys, self.values, self.positions = keys, values, positions
+            self.dtype, self.device = keys.dtype, keys.device
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = DynamicLayer.update(self, key_states, value_states, *args, **kwargs)
+            batch, length = key_states.shape[0], key_states.shape[-2]
+            step = torch.arange(length, device=key_states.device)
+            if self.positions is None or self.positions.shape[-1] + length != keys.shape[-2]:
+                self.positions = step.expand(batch, length).clone() if keys.shape[-2] == length else None
+            else:
+                last = self.positions.max(dim=-1, keepdim=True).values.clamp(min=-1)
+                self.positions = torch.cat([self.positions, last + 1 + step], dim=-1)
+            return keys, values
+
+        def _map_positions(self, fn) -> None:
+            if self.positions is not None:
+                self.positions = fn(self.positions)
+
+        def reorder_cache(self, beam_idx):
+            DynamicLayer.reorder_cache(self, beam_idx)
+            self._map_positions(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+        def batch_select_indices(self, indices):
+            DynamicLayer.batch_select_indices(self, indices)
+            self._map_positions(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
+
+        def batch_repeat_interleave(self, repeats: int):
+            DynamicLayer.batch_repeat_interleave(self, repeats)
+            self._map_positions(lambda t: t.repeat_interleave(repeats, dim=0))
+
+        def crop(self, tokens_to_remove: int) -> None:
+            DynamicLayer.crop(self, tokens_to_remove)
+            if self.positions is not None and self.keys is not None:
+                self.positions = self.positions[:, : self.keys.shape[-2]]
+
+        def offload(self):
+            DynamicLayer.offload(self)
+            self._map_positions(lambda t: t.to("cpu", non_blocking=True))
+
+        def prefetch(self):
+            DynamicLayer.prefetch(self)
+            if self.device is not None:
+                self._map_positions(lambda t: t.to(self.device, non_blocking=True))
+
+        def reset(self) -> None:
+            DynamicLayer.reset(self)
+            self.positions = None
+
+    AttentionLayerBase.__module__, AttentionLayerBase.__qualname__ = __name__, "AttentionLayerBase"
+    return AttentionLayerBase
+
+
+def _make_ssm_attention_layer_base():
+    ssm, attention = _lazy("SSMLayerBase"), _lazy("AttentionLayerBase")
+
+    class SSMAttentionLayerBase(ssm, attention):
+        """One layer with both an SSM state and attention keys / values (transformers'
+        ``LinearAttentionAndFullAttentionLayer``: Falcon-H1's parallel layers, Zamba2's hybrid layers): the SSM
+        accessors of :class:`SSMLayerBase` and the keys, values and positions of :class:`AttentionLayerBase`,
+        each batch operation applied to both parts."""
+
+        _row_tensors = ssm._row_tensors + attention._row_tensors
+
+        def __init__(self):
+            attention.__init__(self)
+            ssm.__init__(self)
+
+        def lazy_initialization(self, *args, **kwargs) -> None:
+            # as transformers' LinearAttentionAndFullAttentionLayer: keys / values come as 2 positional args
+            if len(args) == 2 and not kwargs:
+                attention.lazy_initialization(self, *args)
+            else:
+                ssm.lazy_initialization(self, *args, **kwargs)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return attention.update(self, key_states, value_states, *args, **kwargs)
+
+        def reorder_cache(self, beam_idx):
+            ssm.reorder_cache(self, beam_idx)
+            attention.reorder_cache(self, beam_idx)
+
+        def batch_select_indices(self, indices):
+            ssm.batch_select_indices(self, indices)
+            attention.batch_select_indices(self, indices)
+
+        def batch_repeat_interleave(self, repeats: int):
+            ssm.batch_repeat_interleave(self, repeats)
+            attention.batch_repeat_interleave(self, repeats)
+
+        def crop(self, tokens_to_remove: int) -> None:
+            attention.crop(self, tokens_to_remove)
+
+        def offload(self):
+            ssm.offload(self)
+            attention.offload(self)
+
+        def prefetch(self):
+            ssm.prefetch(self)
+            attention.prefetch(self)
+
+        def reset(self) -> None:
+            ssm.reset(self)
+            attention.reset(self)
+
+        def get_seq_length(self) -> int:
+            return attention.get_seq_length(self)
+
+        def get_mask_sizes(self, query_length: int):
+            return attention.get_mask_sizes(self, query_length)
+
+        def get_max_length(self) -> int:
+            return -1
+
+    SSMAttentionLayerBase.__module__, SSMAttentionLayerBase.__qualname__ = __name__, "SSMAttentionLayerBase"
+    return SSMAttentionLayerBase
+
+
+def _make_empty_layer():
+    import transformers.cache_utils as cache_utils
+
+    dummy = getattr(cache_utils, "DummyLayer", None)
+    if dummy is None:  # pragma: no cover - both tested releases have it
+        raise ImportError("transformers.cache_utils.DummyLayer is missing: this transformers is outside the tested range")
+    return dummy
+
+
 def _make_generation_mixin():
     import torch
     from transformers.generation import GenerationMixin
@@ -342,11 +511,19 @@ def _make_generation_mixin():
 _LAZY = {
     "CACHE_ARG": _cache_arg,
     "SSMLayerBase": _make_ssm_layer_base,
+    "AttentionLayerBase": _make_attention_layer_base,
+    "SSMAttentionLayerBase": _make_ssm_attention_layer_base,
+    "EmptyLayer": _make_empty_layer,
     "CacheGenerationMixin": _make_generation_mixin,
     "Cache": lambda: importlib.import_module("transformers.cache_utils").Cache,
     "DynamicCache": lambda: importlib.import_module("transformers.cache_utils").DynamicCache,
     "LinearAttentionLayer": lambda: importlib.import_module("transformers.cache_utils").LinearAttentionLayer,
 }
+
+
+def _lazy(name: str):
+    """A lazily made name, made once (a second ``__getattr__`` call would make a second class)."""
+    return globals()[name] if name in globals() else __getattr__(name)
 
 
 def __getattr__(name: str):

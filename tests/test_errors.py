@@ -162,7 +162,7 @@ def test_bad_encode_input(model):
 
 def test_other_architectures_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(TypeError, match=r"supports transformers' Mamba, Mamba-2 and FalconMamba models .*got model_type 'gpt2'"):
+    with pytest.raises(TypeError, match=r"supports transformers' Mamba, Mamba-2, FalconMamba and hybrid .*got model_type 'gpt2'"):
         hsc.enable(gpt2)
 
 

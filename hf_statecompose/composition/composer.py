@@ -43,6 +43,7 @@ from ..ops.backends import check_backend_name, compose_ssm, resolve
 from ..ops.compose import native as compose_native
 from ..ops.compose import MODEL_FREE_METHODS
 from ..state.architectures import architecture
+from .attention import ATTENTION_POLICIES, compose_attention
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import model_fingerprint
 from ..state.validation import check_against_model, check_compatible, check_finite, check_state_once
@@ -66,6 +67,11 @@ class StateComposer:
         backend (`str`, *optional*, defaults to `"auto"`): kernels of the model-free methods: ``"torch"``
             (blockwise, differentiable), ``"triton"`` (one fused pass on CUDA, no autograd) or ``"auto"``
             (Triton for CUDA states that need no gradient, else torch). See :mod:`hf_statecompose.ops.backends`.
+        attention (`str`, *optional*, defaults to `"concat"`): hybrid models only: how the attention layers'
+            keys and values of the states are placed, ``"concat"`` (one after another in list order, RoPE keys
+            re-rotated), ``"shared"`` (every context at its own positions, as APE) or ``"none"`` (no keys: the
+            attention layers see only the query). See :mod:`hf_statecompose.composition.attention`. The
+            model-based methods re-encode, so their keys are the concatenation's.
     """
 
     def __init__(
@@ -74,8 +80,12 @@ class StateComposer:
         conv: str | None = None,
         weights: Sequence[float] | None = None,
         backend: str = "auto",
+        attention: str = "concat",
     ):
         check_backend_name(backend)
+        if attention not in ATTENTION_POLICIES:
+            raise ValueError(f"unknown attention policy {attention!r}; choose one of {', '.join(ATTENTION_POLICIES)}")
+        self.attention = attention
         self.backend = backend
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"unknown composition method {method!r}; choose one of {', '.join(METHODS)}")
@@ -92,7 +102,8 @@ class StateComposer:
         self.weights = None if weights is None else _check_weights_values(weights)
 
     def __repr__(self):
-        return f"StateComposer(method={self.method!r}, conv={self.conv!r}, backend={self.backend!r})"
+        extra = f", attention={self.attention!r}" if self.attention != "concat" else ""
+        return f"StateComposer(method={self.method!r}, conv={self.conv!r}, backend={self.backend!r}{extra})"
 
     # ------------------------------------------------------------------------------------------
     def compose(self, states: Sequence[ComposableMambaCache], model=None, *, validated: bool = False) -> ComposableMambaCache:
@@ -133,10 +144,14 @@ class StateComposer:
         if self.method == "picaso_s":
             _check_picaso_s_cost(states)
         if n == 1:  # one state composes to itself, exactly (tensors shared; checked finite above)
-            return states[0]._map_rows(lambda t: t, fixed=lambda t: t)
+            composed = states[0]._map_rows(lambda t: t, fixed=lambda t: t)
+            if self.attention == "none":
+                compose_attention(composed, states, self.attention, model)
+            return composed
         composed, finite = _compose_model_free(states, self.method, self.conv, weights, self.backend, gathered)
         if not finite:  # None (not known: the torch / Triton paths) or False
             _check_finite_once(composed, states, name)
+        compose_attention(composed, states, self.attention, model)
         return composed
 
 
@@ -172,7 +187,7 @@ def _signature(state):
         (s.shape, s.dtype, s.device, c.shape, c.dtype, c.device)
         for s, c in zip(ssm, conv) if s is not None and c is not None
     )
-    return len(state.layers), state.model_dtype, state.fingerprint, layers
+    return len(state.state_layers), state.model_dtype, state.fingerprint, layers
 
 
 _shape, _dtype, _is_cpu = attrgetter("shape"), attrgetter("dtype"), attrgetter("is_cpu")
@@ -195,9 +210,9 @@ def _gather_uniform(states, first):
     one shape and dtype of SSM states and of conv windows throughout, else None (the caller then compares
     per layer). One pass of a few attribute reads per tensor."""
     ssm, conv, delta = [], [], []
-    nl, model_dtype, fingerprint = len(first.layers), first.model_dtype, first.fingerprint
+    nl, model_dtype, fingerprint = len(first.state_layers), first.model_dtype, first.fingerprint
     for state in states:
-        if len(state.layers) != nl or state.model_dtype != model_dtype or state.fingerprint != fingerprint:
+        if len(state.state_layers) != nl or state.model_dtype != model_dtype or state.fingerprint != fingerprint:
             return None
         s, c, d = state.layer_tensors()
         ssm += s
@@ -222,7 +237,8 @@ def _check_compatible_fast(states, name: str = "states"):
     are uniform CPU states (what the native kernel can take), else None."""
     if (
         isinstance(states, list) and states and all(isinstance(s, ComposableMambaCache) for s in states)
-        and states[0].layers and all(layer.filled for layer in states[0].layers)
+        and states[0].state_layers and all(layer.filled for layer in states[0].state_layers)
+        and all(type(s) is type(states[0]) for s in states)
     ):
         gathered = _gather_uniform(states, states[0])
         if gathered is not None:
@@ -286,7 +302,7 @@ def compose_model_free(
     :mod:`hf_statecompose.ops.compose`: the weights are computed from the decays block by block, in
     registers by the Triton kernel, or per row by the native CPU kernel, never as a tensor the size of
     all states)."""
-    gathered = _gather_uniform(states, states[0]) if states[0].layers else None
+    gathered = _gather_uniform(states, states[0]) if states[0].state_layers else None
     return _compose_model_free(states, method, conv, weights, backend, gathered)[0]
 
 
@@ -339,7 +355,7 @@ def _compose_native(states, method, conv, weights, backend, gathered):
         or resolve(backend, first.device, "compose_ssm") != "torch"
     ):
         return None
-    n, nl, mamba1 = len(states), len(first.layers), architecture(first.architecture).per_element_decay
+    n, nl, mamba1 = len(states), len(first.state_layers), architecture(first.architecture).per_element_decay
     ssm, convs, deltas, A = gathered.ssm, gathered.conv, gathered.delta, first.A
     shape = gathered.ssm_shape
     rows = shape[:2]
@@ -460,8 +476,12 @@ def _piconcat_r(states, model) -> ComposableMambaCache:
             A=encoded.A[i],
         )
     out.num_tokens = encoded.num_tokens.view(batch, n)[:, 0].clone()
-    # what else the state carries (SeRpEnt's resampling state): from the list-order concatenation of each row
-    out._finish_composition([encoded.select(list(range(0, batch * n, n)))])
+    # what else the state carries (SeRpEnt's resampling state; a hybrid's keys and values): from the list-order
+    # concatenation of each row
+    in_order = encoded.select(list(range(0, batch * n, n)))
+    out._finish_composition([in_order])
+    for target, source in zip(getattr(out, "attention_layers", ()), getattr(in_order, "attention_layers", ())):
+        target.fill_keys(source.keys, source.values, source.positions)
     return out
 
 

@@ -147,7 +147,8 @@ def _enabled_class(stock: type) -> type:
                 raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
             batch = _check_query(named, ("input_ids",), self)
             compat.pop_cache(named)
-            named.update(compat.cache_kwargs(compose_for_batch(self, past_states, composition, batch)))
+            composed = compose_for_batch(self, past_states, composition, batch, model_inputs=named)
+            named.update(compat.cache_kwargs(composed, hybrid=_is_hybrid(composed)))
             named["use_cache"] = True
             return stock.forward(self, **named)
 
@@ -174,10 +175,12 @@ def _enabled_class(stock: type) -> type:
                     named.get("num_beams", getattr(config, "num_beams", 1)) or 1,
                     named.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1,
                 )
-                composed = compose_for_batch(self, past_states, composition, batch)
+                composed = compose_for_batch(self, past_states, composition, batch, model_inputs=named,
+                                             pad_token_id=_pad_for_mask(named, config))
                 # generate() expands input_ids for beams / return sequences but never a user cache: do it here
                 compat.pop_cache(named)
-                named.update(compat.cache_kwargs(composed.repeat_interleave(expand) if expand > 1 else composed))
+                named.update(compat.cache_kwargs(composed.repeat_interleave(expand) if expand > 1 else composed,
+                                                 hybrid=_is_hybrid(composed)))
                 named["use_cache"] = True
                 return stock.generate(self, **named)
 
@@ -187,8 +190,56 @@ def _enabled_class(stock: type) -> type:
 
 
 # ---------------------------------------------------------------------------------------------- compose
-def compose_for_batch(model, past_states, composition, batch_size: int) -> ComposableMambaCache:
-    """One composed state row per query row, checked against ``model``."""
+def _is_hybrid(state) -> bool:
+    return bool(getattr(state, "attention_layer_indices", ()))
+
+
+def _pad_for_mask(named: dict, config):
+    """The pad id from which stock ``generate`` infers a mask when none is given (None when it infers none:
+    no pad id, or pad is also eos)."""
+    pad = named.get("pad_token_id", getattr(config, "pad_token_id", None))
+    eos = named.get("eos_token_id", getattr(config, "eos_token_id", None))
+    if pad is None or (pad in eos if isinstance(eos, (list, tuple)) else pad == eos):
+        return None
+    return int(pad)
+
+
+def _hybrid_query_inputs(composed, named: dict, pad_token_id=None) -> None:
+    """A hybrid's query continues after the composed keys: its attention mask is ``[key mask | query mask]``
+    (the query's left padding kept, the keys' padding masked) and its positions start after the composed
+    keys' last position, per row (``position_ids`` passed explicitly: stock Bamba would restart RoPE at 0, and
+    with the ``"shared"`` placement the start is not the number of keys). A user's ``position_ids`` are kept."""
+    ids = next((named[name] for name in ("inputs", "input_ids") if torch.is_tensor(named.get(name))), None)
+    embeds = named.get("inputs_embeds")
+    shape = tuple(ids.shape) if ids is not None else tuple(embeds.shape[:2])
+    device = (ids if ids is not None else embeds).device
+    query_mask = named.get("attention_mask")
+    if query_mask is None:
+        query_mask = ids.ne(pad_token_id).long() if ids is not None and pad_token_id is not None else \
+            torch.ones(shape, dtype=torch.long, device=device)
+    key_mask = composed.key_mask
+    if key_mask is None:
+        key_mask = torch.zeros(shape[0], 0, dtype=torch.long, device=device)
+    named["attention_mask"] = torch.cat([key_mask.to(device=device, dtype=query_mask.dtype), query_mask], dim=-1)
+    if named.get("position_ids") is None:
+        positions = composed.attention_layers[0].positions
+        start = (positions.max(dim=-1).values.clamp(min=-1) + 1) if positions.shape[-1] else \
+            torch.zeros(shape[0], dtype=torch.long, device=positions.device)
+        steps = (query_mask.long().cumsum(-1) - 1).masked_fill(query_mask == 0, 0)
+        named["position_ids"] = (start.to(device)[:, None] + steps).masked_fill(query_mask == 0, 0)
+
+
+def compose_for_batch(model, past_states, composition, batch_size: int, model_inputs: dict | None = None,
+                      pad_token_id=None) -> ComposableMambaCache:
+    """One composed state row per query row, checked against ``model``. For a hybrid model, ``model_inputs`` (the
+    call's arguments by name) get the attention mask and positions that continue after the composed keys."""
+    composed = _compose_for_batch(model, past_states, composition, batch_size)
+    if model_inputs is not None and _is_hybrid(composed):
+        _hybrid_query_inputs(composed, model_inputs, pad_token_id)
+    return composed
+
+
+def _compose_for_batch(model, past_states, composition, batch_size: int) -> ComposableMambaCache:
     composer = composition if isinstance(composition, StateComposer) else StateComposer(composition)
     fingerprint = model_fingerprint(model)
     if isinstance(past_states, ComposableMambaCache):

@@ -42,8 +42,17 @@ def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | No
         device = next(backbone.parameters()).device
         input_ids = input_ids.to(device)
         mask = attention_mask.to(device) if attention_mask is not None else None
+        hybrid = bool(getattr(cache, "attention_layer_indices", ()))
+        extra = {}
+        if hybrid:
+            # positions as generate(context + query) gives them (from the mask: padding does not count), so that a
+            # left-padded row's keys are rotated exactly as that row alone would rotate them
+            extra["position_ids"] = context_positions(mask, input_ids).clamp(min=0)
         with using_backend(model, backend):
-            backbone(input_ids=input_ids, attention_mask=mask, use_cache=True, **compat.cache_kwargs(cache))
+            backbone(input_ids=input_ids, attention_mask=mask, use_cache=True, **compat.cache_kwargs(cache, hybrid=hybrid),
+                     **extra)
+        if hybrid:
+            cache.set_positions(context_positions(mask, input_ids))
         token_ids = input_ids.clone()
         if mask is not None:
             token_ids = token_ids.masked_fill(mask == 0, -1)
@@ -93,3 +102,11 @@ def check_vocabulary(model, input_ids: torch.Tensor) -> None:
             f"input_ids hold id {bad}, outside the model's vocabulary [0, {size}): tokenize with the model's own "
             "tokenizer (and do not pass -100 labels or -1 padding as ids)"
         )
+
+
+def context_positions(mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` int64: each real token's position among its row's real tokens (0, 1, ...), -1 for padding."""
+    if mask is None:
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1).clone()
+    mask = mask.to(torch.long)
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, -1)

@@ -22,12 +22,18 @@ import torch
 from .. import compat
 from ..ops.backends import check_backend_name
 from ..state.cache import ComposableMambaCache
+from ..state.architectures import architecture
 from ..state.fingerprint import architecture_of, base_model_of
 from .mamba import mamba_mixer_forward
 from .mamba2 import mamba2_mixer_forward
 
 # model_type -> our initial-state-aware forward of that architecture's stock mixer (compat.mixer_classes())
-_PATH_FOR_MODEL_TYPE = {"mamba": mamba_mixer_forward, "mamba2": mamba2_mixer_forward, "falcon_mamba": mamba_mixer_forward}
+_PATH_FOR_MODEL_TYPE = {
+    "mamba": mamba_mixer_forward, "mamba2": mamba2_mixer_forward, "falcon_mamba": mamba_mixer_forward,
+    # the hybrids' Mamba mixers
+    "jamba": mamba_mixer_forward, "zamba2": mamba2_mixer_forward, "bamba": mamba2_mixer_forward,
+    "granitemoehybrid": mamba2_mixer_forward, "nemotron_h": mamba2_mixer_forward, "falcon_h1": mamba2_mixer_forward,
+}
 _COMPOSABLE_MIXER_CLASSES: dict[type, type] = {}
 
 
@@ -66,7 +72,7 @@ def _composable_mixer_class(base: type) -> type:
                 mask = attention_mask[:, -length:]
                 mask = None if bool((mask == 1).all()) else mask.to(hidden_states.dtype)
             out = path(self, hidden_states, cache, mask)
-            if self.layer_idx == 0:
+            if self.layer_idx == _first_ssm_layer(cache):
                 count = mask.sum(-1) if mask is not None else torch.full((hidden_states.shape[0],), length)
                 cache.add_tokens(count.to(device=hidden_states.device))
             return out
@@ -75,6 +81,21 @@ def _composable_mixer_class(base: type) -> type:
             f"Composable{base.__name__}", (_StateAwareMixer, base), {"forward": forward, "_hsc_stock_class": base}
         )
     return _COMPOSABLE_MIXER_CLASSES[base]
+
+
+def _first_ssm_layer(cache) -> int:
+    """The model layer of the first SSM state layer: its mixer counts the tokens (a hybrid's first layer may be attention)."""
+    indices = getattr(cache, "ssm_layer_indices", None)
+    return indices[0] if indices else 0
+
+
+def ssm_mixers(model) -> list:
+    """The SSM mixer modules of ``model``'s layers, in layer order (a hybrid's attention / MLP layers have none)."""
+    backbone = base_model_of(model)
+    layout = architecture(architecture_of(model))
+    if not layout.is_hybrid:
+        return [block.mixer for block in backbone.layers]
+    return [mixer for mixer in (layout.mixer_of(block) for block in backbone.layers) if mixer is not None]
 
 
 def _path_for(mixer_class: type):
@@ -97,8 +118,7 @@ def enable_state_path(model, backend: str | None = None):
         raise TypeError(f"{type(model).__name__}: {reason}")
     if backend is not None or get_backend(model) is None:
         set_backend(model, "auto" if backend is None else backend)
-    for block in backbone.layers:
-        mixer = block.mixer
+    for mixer in ssm_mixers(model):
         base = type(mixer)
         if isinstance(mixer, _StateAwareMixer) or getattr(mixer, "_hsc_runs_on_cache", False):
             continue
@@ -114,15 +134,13 @@ def enable_state_path(model, backend: str | None = None):
 def state_path_enabled(model) -> bool:
     """Whether ``model``'s mixers are the state-aware ones."""
     return all(
-        isinstance(block.mixer, _StateAwareMixer) or getattr(block.mixer, "_hsc_runs_on_cache", False)
-        for block in base_model_of(model).layers
+        isinstance(mixer, _StateAwareMixer) or getattr(mixer, "_hsc_runs_on_cache", False) for mixer in ssm_mixers(model)
     )
 
 
 def disable_state_path(model):
     """Give the mixers their stock classes back, and drop the backend choice: the mixers are stock again."""
-    for block in base_model_of(model).layers:
-        mixer = block.mixer
+    for mixer in ssm_mixers(model):
         if isinstance(mixer, _StateAwareMixer):
             mixer.__class__ = mixer._hsc_stock_class
         mixer.__dict__.pop("_hsc_backend", None)
@@ -131,14 +149,14 @@ def disable_state_path(model):
 
 def get_backend(model) -> str | None:
     """The backend the state-aware path of an enabled model uses (None before it is enabled)."""
-    return getattr(base_model_of(model).layers[0].mixer, "_hsc_backend", None)
+    return getattr(ssm_mixers(model)[0], "_hsc_backend", None)
 
 
 def set_backend(model, backend: str):
     """Choose the kernels (``"auto"``, ``"torch"``, ``"triton"``) of the state-aware path of ``model``."""
     check_backend_name(backend)
-    for block in base_model_of(model).layers:
-        object.__setattr__(block.mixer, "_hsc_backend", backend)
+    for mixer in ssm_mixers(model):
+        object.__setattr__(mixer, "_hsc_backend", backend)
     return model
 
 

@@ -51,6 +51,42 @@ class Architecture:
     check_extra_values: Callable | None = None
     # checks across the state layers, after each layer's: ([{attribute: tensor} of every layer], refuse) -> None
     check_extras_across_layers: Callable | None = None
+    # hybrids (Mamba layers + attention layers): the kind of every model layer, "ssm" (an SSM state layer),
+    # "attention" (keys and values), "both" (Falcon-H1's parallel layers, Zamba2's hybrid layers) or "none" (an
+    # MLP / MoE layer). None: every model layer is one SSM state layer (or, for SeRpEnt, several)
+    layer_kinds: Callable[[object], tuple] | None = None
+    # attribute paths from a decoder layer to its SSM mixer, tried in order
+    mixer_paths: tuple = (("mixer",),)
+    # per attention layer: (key / value heads, head dim)
+    attention_shape: Callable[[object], tuple] | None = None
+    # how many dims of a head RoPE rotates (0: attention without positional encoding)
+    rotary_dims: Callable[[object], int] = field(default=lambda c: 0)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.layer_kinds is not None
+
+    def ssm_layer_indices(self, config) -> tuple:
+        """The model layers that hold the SSM state layers, in state-layer order (hybrids; else 0..n-1)."""
+        if self.layer_kinds is None:
+            return tuple(range(self.num_state_layers(config)))
+        return tuple(i for i, kind in enumerate(self.layer_kinds(config)) if kind in ("ssm", "both"))
+
+    def attention_layer_indices(self, config) -> tuple:
+        """The model layers that hold keys and values (none for the pure SSM architectures)."""
+        if self.layer_kinds is None:
+            return ()
+        return tuple(i for i, kind in enumerate(self.layer_kinds(config)) if kind in ("attention", "both"))
+
+    def mixer_of(self, block):
+        """The SSM mixer module of decoder layer ``block`` (None if it has none)."""
+        for path in self.mixer_paths:
+            module = block
+            for name in path:
+                module = getattr(module, name, None)
+            if module is not None and hasattr(module, "A_log"):
+                return module
+        return None
 
     def cache_class(self) -> type:
         return getattr(importlib.import_module(f"{__package__}.{self.cache_module}"), self.cache_class_name)
@@ -268,7 +304,135 @@ COFFEE = Architecture(
     cache_class_name="ComposableMambaCache",
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, FALCON_MAMBA, SERPENT_MAMBA, COFFEE)}
+# ---------------------------------------------------------------------------------------------- hybrids
+# Mamba layers plus attention layers (transformers' jamba, zamba2, bamba, granitemoehybrid, nemotron_h, falcon_h1).
+# A state holds one SSM state layer per Mamba layer (as Mamba-2's, or Mamba-1's for Jamba) and, per attention
+# layer, the context's keys and values [B, kv heads, L, head dim] with their positions [B, L] (-1: padding); the
+# cache (.hybrid_cache) keeps one layer object per model layer, aligned with the model's layer indices.
+_SSM_KINDS = {"linear_attention": "ssm", "mamba": "ssm", "m": "ssm", "attention": "attention", "full_attention": "attention",
+              "*": "attention", "hybrid": "both", "mlp": "none", "moe": "none", "-": "none", "e": "none"}
+
+
+def _kinds(names) -> tuple:
+    kinds = []
+    for name in names:
+        kind = _SSM_KINDS.get(str(name).lower())
+        if kind is None:
+            raise ValueError(f"unknown layer type {name!r} in the config (hf_statecompose knows {sorted(_SSM_KINDS)})")
+        kinds.append(kind)
+    return tuple(kinds)
+
+
+def _listed_kinds(*keys):
+    def kinds(c):
+        for key in keys:
+            names = getattr(c, key, None)
+            if names:
+                return _kinds(names)
+        raise ValueError(f"the config lists no layer types ({' / '.join(keys)})")
+    return kinds
+
+
+def _jamba_kinds(c):
+    return tuple("attention" if i % c.attn_layer_period == c.attn_layer_offset else "ssm" for i in range(c.num_hidden_layers))
+
+
+def _bamba_kinds(c):
+    attention = set(getattr(c, "attn_layer_indices", None) or ())
+    return tuple("attention" if i in attention else "ssm" for i in range(c.num_hidden_layers))
+
+
+def _mamba2_hybrid(name, *, heads, head_dim, state, groups, kernel, kinds, mixer_paths, attention_shape, rotary_dims):
+    def shapes(c):
+        h, p, n, g = getattr(c, heads), getattr(c, head_dim), getattr(c, state), getattr(c, groups)
+        return (h, p, n), (h * p + 2 * g * n, getattr(c, kernel))
+
+    return Architecture(
+        name=name,
+        per_element_decay=False,
+        num_state_layers=lambda c: sum(kind in ("ssm", "both") for kind in kinds(c)),
+        state_shapes=shapes,
+        decay_shapes=lambda c: ((getattr(c, heads),), (getattr(c, heads),)),
+        A_log_of=None,  # set below (it reads the layout)
+        cache_module="hybrid_cache",
+        cache_class_name="ComposableHybridCache",
+        layer_kinds=kinds,
+        mixer_paths=mixer_paths,
+        attention_shape=attention_shape,
+        rotary_dims=rotary_dims,
+    )
+
+
+def _head_dim(c):
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def _kv_shape(c):
+    return (getattr(c, "num_key_value_heads", None) or c.num_attention_heads, _head_dim(c))
+
+
+def _rope_fraction(c) -> float:
+    parameters = getattr(c, "rope_parameters", None) or {}
+    return float(parameters.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)) or 1.0)
+
+
+BAMBA = _mamba2_hybrid("bamba", heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state", groups="mamba_n_groups",
+                       kernel="mamba_d_conv", kinds=_bamba_kinds, mixer_paths=(("mamba",),), attention_shape=_kv_shape,
+                       rotary_dims=lambda c: int(_head_dim(c) * _rope_fraction(c)))
+GRANITE_MOE_HYBRID = _mamba2_hybrid(
+    "granitemoehybrid", heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state", groups="mamba_n_groups",
+    kernel="mamba_d_conv", kinds=_listed_kinds("layer_types", "layers_block_type"), mixer_paths=(("mamba",),),
+    attention_shape=_kv_shape, rotary_dims=lambda c: _head_dim(c) if getattr(c, "position_embedding_type", None) == "rope" else 0)
+NEMOTRON_H = _mamba2_hybrid(
+    "nemotron_h", heads="mamba_num_heads", head_dim="mamba_head_dim", state="ssm_state_size", groups="n_groups",
+    kernel="conv_kernel", kinds=_listed_kinds("layers_block_type", "layer_types"), mixer_paths=(("mixer",),),
+    attention_shape=_kv_shape, rotary_dims=lambda c: 0)
+FALCON_H1 = _mamba2_hybrid(
+    "falcon_h1", heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state", groups="mamba_n_groups",
+    kernel="mamba_d_conv", kinds=lambda c: ("both",) * c.num_hidden_layers, mixer_paths=(("mamba",),),
+    attention_shape=_kv_shape, rotary_dims=_head_dim)
+ZAMBA2 = _mamba2_hybrid(
+    "zamba2", heads="n_mamba_heads", head_dim="mamba_headdim", state="mamba_d_state", groups="mamba_ngroups",
+    kernel="mamba_d_conv", kinds=_listed_kinds("layers_block_type", "layer_types"),
+    mixer_paths=(("mamba",), ("mamba_decoder", "mamba")),
+    attention_shape=lambda c: (getattr(c, "num_key_value_heads", None) or c.num_attention_heads, c.attention_head_dim),
+    rotary_dims=lambda c: c.attention_head_dim if getattr(c, "use_mem_rope", False) else 0)
+
+
+def _jamba_inner(c) -> int:
+    return int(c.mamba_expand * c.hidden_size)
+
+
+JAMBA = Architecture(
+    name="jamba",
+    per_element_decay=True,  # Mamba-1 mixers
+    num_state_layers=lambda c: sum(kind == "ssm" for kind in _jamba_kinds(c)),
+    state_shapes=lambda c: ((_jamba_inner(c), c.mamba_d_state), (_jamba_inner(c), c.mamba_d_conv)),
+    decay_shapes=lambda c: ((_jamba_inner(c),), (_jamba_inner(c), c.mamba_d_state)),
+    A_log_of=None,
+    cache_module="hybrid_cache",
+    cache_class_name="ComposableHybridCache",
+    layer_kinds=_jamba_kinds,
+    mixer_paths=(("mamba",),),
+    attention_shape=_kv_shape,
+)
+
+
+def _hybrid_A_log_of(layout):
+    def A_log_of(backbone, v):
+        layers = layout.ssm_layer_indices(backbone.config)
+        if not 0 <= v < len(layers):
+            return None
+        mixer = layout.mixer_of(backbone.layers[layers[v]])
+        return getattr(mixer, "A_log", None)
+    return A_log_of
+
+
+HYBRIDS = tuple(dataclasses.replace(a, A_log_of=_hybrid_A_log_of(a)) for a in (JAMBA, ZAMBA2, BAMBA, GRANITE_MOE_HYBRID, NEMOTRON_H, FALCON_H1))
+for _a in HYBRIDS:  # the A_log lookup closes over the first object: point it at the final one
+    object.__setattr__(_a, "A_log_of", _hybrid_A_log_of(_a))
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, FALCON_MAMBA, SERPENT_MAMBA, COFFEE, *HYBRIDS)}
 
 
 def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, model_dtype: torch.dtype, batch: int,

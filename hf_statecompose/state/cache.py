@@ -86,12 +86,7 @@ class ComposableMambaCache(compat.DynamicCache):
                 raise TypeError(f"{cls.__name__} cannot hold the states of a {name!r} model; use {target.__name__}")
             return target.empty_for(model)
         parameter = next(base_model_of(model).parameters())
-        info = {
-            "model_type": model.config.model_type,
-            "num_hidden_layers": model.config.num_hidden_layers,
-            "hidden_size": model.config.hidden_size,
-            "state_size": model.config.state_size,
-        }
+        info = cls._model_info(model)
         return cls(
             model.config,
             architecture=name,
@@ -99,6 +94,12 @@ class ComposableMambaCache(compat.DynamicCache):
             model_dtype=parameter.dtype,
             model_info=info,
         )
+
+    @classmethod
+    def _model_info(cls, model) -> dict:
+        config = model.config
+        return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
+                "hidden_size": config.hidden_size, "state_size": config.state_size}
 
     @classmethod
     def encode(
@@ -125,33 +126,42 @@ class ComposableMambaCache(compat.DynamicCache):
         return cls._encoder(model, input_ids, attention_mask=attention_mask, backend=backend, enable_grad=enable_grad)
 
     # ------------------------------------------------------------------ public contract
+    @property
+    def state_layers(self) -> list:
+        """The SSM state layers (state layer ``v`` is ``state_layers[v]``): every layer of a Mamba / Mamba-2 /
+        SeRpEnt / COFFEE cache; a hybrid's cache (:class:`~.hybrid_cache.ComposableHybridCache`) holds one layer
+        per model layer and lists its SSM layers here."""
+        return self.layers
+
     def layer_tensors(self) -> tuple[list, list, list]:
         """(SSM states, conv windows, ΣΔ), one list entry per layer, in one pass (no per-layer views)."""
-        layers = self.layers
+        layers = self.state_layers
         return [l.ssm_state for l in layers], [l.conv_state for l in layers], [l.delta_sum for l in layers]
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        """The number of SSM state layers."""
+        return len(self.state_layers)
 
     @property
     def batch_size(self) -> int:
-        state = self.layers[0].ssm_state if self.layers else None
+        layers = self.state_layers
+        state = layers[0].ssm_state if layers else None
         return -1 if state is None else state.shape[0]
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].ssm_state.device
+        return self.state_layers[0].ssm_state.device
 
     def is_filled(self) -> bool:
-        return all(layer.filled for layer in self.layers)
+        return all(layer.filled for layer in self.state_layers)
 
     def log_decay(self, layer_idx: int) -> torch.Tensor:
         """log of the context's accumulated decay for a layer, broadcastable to ``ssm_states[layer_idx]``.
 
         Mamba-1: ``ΣΔ[b, d] · A[d, n]`` as ``[B, D, N]``; Mamba-2: ``ΣΔ[b, h] · A[h]`` as ``[B, H, 1, 1]``.
         """
-        layer = self.layers[layer_idx]
+        layer = self.state_layers[layer_idx]
         delta_sum, A = layer.delta_sum, layer.A
         if delta_sum is None:
             raise ValueError(f"layer {layer_idx} of this cache holds no state yet; encode a context first")
@@ -161,25 +171,17 @@ class ComposableMambaCache(compat.DynamicCache):
 
     # ------------------------------------------------------------------ writes (used by the mixers)
     def set_layer(self, layer_idx: int, *, ssm_state, conv_state, delta_sum, A):
-        """Replace a layer's state (tensors are swapped, not copied in place, so autograd sees them)."""
-        layer = self.layers[layer_idx]
-        layer.fill(ssm_state, conv_state)
-        layer.delta_sum = delta_sum
-        layer.A = A
+        """Replace state layer ``layer_idx``'s state (tensors are swapped, not copied in place, so autograd sees them)."""
+        _fill_ssm(self.state_layers[layer_idx], ssm_state, conv_state, delta_sum, A)
 
     def advance_layer(self, layer_idx: int, *, ssm_state, conv_state, delta_sum, A):
-        """After a forward over more tokens: the new state, and ΣΔ of those tokens added to the total."""
+        """After a forward over more tokens: the new state, and ΣΔ of those tokens added to the total.
+        ``layer_idx`` is the *model's* layer index (what a mixer knows): ``cache.layers[layer_idx]``."""
         delta_sum = delta_sum.float()
         layer = self.layers[layer_idx]
         if layer.filled:
             delta_sum = layer.delta_sum + delta_sum
-        self.set_layer(
-            layer_idx,
-            ssm_state=ssm_state.float(),
-            conv_state=conv_state,
-            delta_sum=delta_sum,
-            A=A if torch.is_grad_enabled() else A.detach(),
-        )
+        _fill_ssm(layer, ssm_state.float(), conv_state, delta_sum, A if torch.is_grad_enabled() else A.detach())
 
     def add_tokens(self, count: torch.Tensor):
         """Account for ``count[b]`` more tokens per row; the stored token ids no longer describe the state."""
@@ -199,12 +201,15 @@ class ComposableMambaCache(compat.DynamicCache):
         fixed = (lambda t: t.clone()) if fixed is None else fixed
         out = self._empty_like()
         for source, target in zip(self.layers, out.layers):
-            if not source.filled:
+            if getattr(source, "has_keys", False):
+                target.fill_keys(fn(source.keys), fn(source.values), fn(source.positions))
+            if not getattr(source, "filled", False):
                 continue
             target.fill(fn(source.ssm_state), fn(source.conv_state))
             for name in source._row_tensors:
                 value = getattr(source, name)
-                setattr(target, name, fn(value) if value is not None else None)
+                if name != "positions":
+                    setattr(target, name, fn(value) if value is not None else None)
             target.A = fixed(source.A) if source.A is not None else None
         out.num_tokens = fn(self.num_tokens) if self.num_tokens is not None else None
         out.token_ids = fn(self.token_ids) if self.token_ids is not None else None
@@ -218,7 +223,7 @@ class ComposableMambaCache(compat.DynamicCache):
             fingerprint=self.fingerprint,
             model_dtype=self.model_dtype,
             model_info=self.model_info,
-            num_layers=len(self.layers),
+            num_layers=len(self.layers) if self.state_layers is self.layers else None,
         )
 
     def _filled_like(self, ssm_states, conv_states, delta_sums) -> "ComposableMambaCache":
@@ -243,8 +248,10 @@ class ComposableMambaCache(compat.DynamicCache):
         out = self._map_rows(move, fixed=move)
         if dtype is not None:
             for layer in out.layers:
-                if layer.filled:
+                if getattr(layer, "filled", False):
                     layer.fill(layer.ssm_state, layer.conv_state.to(dtype))
+                if getattr(layer, "has_keys", False):
+                    layer.fill_keys(layer.keys.to(dtype), layer.values.to(dtype), layer.positions)
             out.model_dtype = dtype
         return out
 
@@ -304,8 +311,14 @@ class ComposableMambaCache(compat.DynamicCache):
         out = first._empty_like()
         for i, target in enumerate(out.layers):
             layers = [c.layers[i] for c in caches]
+            if getattr(layers[0], "has_keys", False):
+                target.fill_keys(*_stack_keys(layers))
+            if not isinstance(target, compat.SSMLayerBase):
+                continue
             target.fill(torch.cat([l.ssm_state for l in layers]), torch.cat([l.conv_state for l in layers]))
             for name in target._row_tensors:
+                if name == "positions":
+                    continue
                 values = [getattr(l, name) for l in layers]
                 setattr(target, name, None if any(v is None for v in values) else torch.cat(values))
             target.A = layers[0].A.clone()
@@ -373,9 +386,32 @@ class ComposableMambaCache(compat.DynamicCache):
         return load_state(path, model=model, device=device)
 
     def __repr__(self):
-        filled = self.is_filled() if self.layers else False
+        filled = self.is_filled() if self.state_layers else False
         return (
             f"ComposableMambaCache(architecture={self.architecture!r}, layers={self.num_layers}, "
             f"batch={self.batch_size if filled else 0}, tokens={self.num_tokens.tolist() if self.num_tokens is not None else None}, "
             f"fingerprint={self.fingerprint[:12]}…)"
         )
+
+
+def _fill_ssm(layer, ssm_state, conv_state, delta_sum, A) -> None:
+    layer.fill(ssm_state, conv_state)
+    layer.delta_sum = delta_sum
+    layer.A = A
+
+
+def _stack_keys(layers) -> tuple:
+    """The keys, values and positions of attention layers (one per cache) along the batch, each left padded (keys
+    and values with zeros, positions with -1) to the longest."""
+    length = max(l.keys.shape[-2] for l in layers)
+
+    def pad(t, value, dim):
+        missing = length - t.shape[dim]
+        if not missing:
+            return t
+        shape = list(t.shape)
+        shape[dim] = missing
+        return torch.cat([t.new_full(shape, value), t], dim=dim)
+
+    return (torch.cat([pad(l.keys, 0, -2) for l in layers]), torch.cat([pad(l.values, 0, -2) for l in layers]),
+            torch.cat([pad(l.positions, -1, -1) for l in layers]))

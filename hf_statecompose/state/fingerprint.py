@@ -63,24 +63,39 @@ def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
     for _ in range(3):
         if hasattr(inner, "backbone") and hasattr(inner.backbone, "layers"):
             return inner.backbone
-        if hasattr(inner, "layers") and hasattr(inner, "embeddings"):
-            return inner
+        if hasattr(inner, "layers") and (hasattr(inner, "embeddings") or hasattr(inner, "embed_tokens")):
+            return inner  # Mamba's bare model, or a hybrid's (model.model)
         inner = getattr(inner, "base_model", None) if getattr(inner, "base_model", None) is not inner else None
         if inner is None:
             break
         inner = getattr(inner, "model", inner)
     raise TypeError(
-        f"{type(model).__name__} is not a Mamba, Mamba-2, SeRpEnt-Mamba or COFFEE model (no `.backbone.layers`); "
-        "pass a MambaForCausalLM, Mamba2ForCausalLM, SeRpEntMambaForCausalLM, CoffeeForCausalLM or their bare models"
+        f"{type(model).__name__} is not a Mamba, Mamba-2, SeRpEnt-Mamba, COFFEE or hybrid model (no `.backbone.layers` / "
+        "`.model.layers`); pass a MambaForCausalLM, Mamba2ForCausalLM, SeRpEntMambaForCausalLM, CoffeeForCausalLM, a "
+        "hybrid's ForCausalLM (Jamba, Zamba2, Bamba, GraniteMoeHybrid, NemotronH, FalconH1) or their bare models"
     )
+
+
+# hybrids whose states are refused, and why (README "Hybrid models")
+REFUSED_MODEL_TYPES = {
+    "qwen3_next": "its linear layers are gated DeltaNet: the state transition (I - beta k k^T) is not diagonal, so a "
+                  "context's decay is a matrix, not the per-channel accumulated decay (ΣΔ) that the composition rules weigh by",
+    "lfm2": "its recurrent layers are short gated convolutions without an SSM state or decay: there is nothing for the "
+            "decay-weighted rules to weigh, only a window of the last few inputs",
+}
+REFUSED_MODEL_TYPES.update({"qwen3_5": REFUSED_MODEL_TYPES["qwen3_next"], "qwen3_5_moe": REFUSED_MODEL_TYPES["qwen3_next"],
+                            "qwen3_next_moe": REFUSED_MODEL_TYPES["qwen3_next"], "lfm2_moe": REFUSED_MODEL_TYPES["lfm2"]})
 
 
 def architecture_of(model: torch.nn.Module) -> str:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED_MODEL_TYPES:
+        raise TypeError(f"hf_statecompose does not compose {model_type!r} states: {REFUSED_MODEL_TYPES[model_type]}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
-            "hf_statecompose supports transformers' Mamba, Mamba-2 and FalconMamba models and its own SeRpEnt-Mamba and "
+            "hf_statecompose supports transformers' Mamba, Mamba-2, FalconMamba and hybrid (Jamba, Zamba2, Bamba, "
+            "GraniteMoeHybrid, NemotronH, FalconH1) models and its own SeRpEnt-Mamba and "
             f"COFFEE (model_type {', '.join(map(repr, SUPPORTED_MODEL_TYPES))}), got model_type {model_type!r} "
             f"({type(model).__name__})"
         )

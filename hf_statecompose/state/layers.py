@@ -8,8 +8,9 @@
 ``prefetch``, ``reset``) keep it consistent with the SSM state by construction: there is no parallel list on
 the cache to forget. :class:`SeRpEntSSMLayer` adds SeRpEnt's resampling tensors the same way.
 
-A hybrid model's attention layers will be a second layer type of the same state (keys and values with their
-positions); a state is a list of layers, each composed by its own rule.
+A hybrid model's attention layers are a second layer type of the same state, :class:`ComposableAttentionLayer`
+(keys and values with the positions they were encoded at), and Falcon-H1's / Zamba2's layers with both parts a
+third, :class:`ComposableSSMAttentionLayer`; a state is a list of layers, each composed by its own rule.
 
 The cache keeps list-like per-layer views (``cache.ssm_states[l]``, ``cache.delta_sums[l]``, ``cache.A[l]``,
 SeRpEnt's ``cache.clocks[v]``, ...) for the documented API: reading and assigning an item reads and assigns
@@ -37,8 +38,20 @@ class SeRpEntSSMLayer(ComposableSSMLayer):
     _row_tensors = ComposableSSMLayer._row_tensors + tuple(extra.attribute for extra in SERPENT_MAMBA.extras)
 
 
+class ComposableAttentionLayer(compat.AttentionLayerBase):
+    """An attention layer's state: keys and values ``[B, kv heads, L, head dim]`` and their positions ``[B, L]``
+    (int64, -1 for padding slots)."""
+
+
+class ComposableSSMAttentionLayer(compat.SSMAttentionLayerBase):
+    """A layer with both parts (Falcon-H1, Zamba2's hybrid layers): an SSM layer's tensors and an attention layer's."""
+
+    _row_tensors = ("delta_sum", "positions")
+    _fixed_tensors = ("A",)
+
+
 class LayerView(Sequence):
-    """``cache.<name>[l]`` reads (and ``cache.<name>[l] = x`` sets) attribute ``attribute`` of layer ``l``."""
+    """``cache.<name>[l]`` reads (and ``cache.<name>[l] = x`` sets) attribute ``attribute`` of state layer ``l``."""
 
     __slots__ = ("_layers", "_attribute")
 
@@ -62,17 +75,18 @@ class LayerView(Sequence):
 
 
 def layer_attribute(attribute: str, doc: str) -> property:
-    """A cache property: a :class:`LayerView` of ``attribute`` over the cache's layers; assigning a list sets
-    the attribute of every layer."""
+    """A cache property: a :class:`LayerView` of ``attribute`` over the cache's state layers (``cache.state_layers``:
+    every layer of a pure SSM cache, the SSM layers of a hybrid's); assigning a list sets the attribute of every one."""
 
     def get(cache):
-        return LayerView(cache.layers, attribute)
+        return LayerView(cache.state_layers, attribute)
 
     def set_(cache, values):
         values = list(values)
-        if len(values) != len(cache.layers):
-            raise ValueError(f"{attribute}: {len(values)} values for {len(cache.layers)} layers")
-        for layer, value in zip(cache.layers, values):
+        layers = cache.state_layers
+        if len(values) != len(layers):
+            raise ValueError(f"{attribute}: {len(values)} values for {len(layers)} layers")
+        for layer, value in zip(layers, values):
             setattr(layer, attribute, value)
 
     return property(get, set_, doc=doc)

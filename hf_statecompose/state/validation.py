@@ -58,7 +58,7 @@ def _check_layer_values(state, where: str) -> None:
     the first problem. Per layer: SSM state, conv window and ΣΔ finite, ΣΔ >= 0, A finite and < 0."""
     with torch.no_grad():
         checks = []  # (flag: a 0-d bool tensor, True = passed; exact(): whether it passed; problem(): the error)
-        for i, layer in enumerate(state.layers):
+        for i, layer in enumerate(state.state_layers):
             delta_sum, A = layer.delta_sum, layer.A
             for name, tensor in (("SSM state", layer.ssm_state), ("conv window", layer.conv_state), ("ΣΔ", delta_sum)):
                 checks.append((_finite_flag(tensor), functools.partial(all_finite, tensor),
@@ -126,6 +126,7 @@ def check_compatible(states, *, same_batch: bool = True, where: str = "past_stat
                 f"{where}[{k}] was encoded by a different model ({_describe(state)}) than {where}[0] "
                 f"({_describe(first)}); encode every context with the same model"
             )
+        _check_keys_compatible(state, first, f"{where}[{k}]", f"{where}[0]")
         for i in range(first.num_layers):
             for name, a, b in (
                 ("SSM state", state.ssm_states[i], first.ssm_states[i]),
@@ -141,6 +142,68 @@ def check_compatible(states, *, same_batch: bool = True, where: str = "past_stat
                     raise ValueError(
                         f"{where}[{k}] is on {a.device}, {where}[0] on {b.device}; move them with .to(device)"
                     )
+
+
+def _check_keys_compatible(state, first, where: str, first_where: str) -> None:
+    """Two hybrid states' attention layers agree in heads, head dim, dtype and device (the lengths may differ)."""
+    for i, (a, b) in enumerate(zip(getattr(state, "attention_layers", ()), getattr(first, "attention_layers", ()))):
+        if not (a.has_keys and b.has_keys):
+            continue
+        if a.keys.shape[1] != b.keys.shape[1] or a.keys.shape[3] != b.keys.shape[3]:
+            raise ValueError(f"{where} attention layer {i} keys have shape {tuple(a.keys.shape)}, {first_where} "
+                             f"{tuple(b.keys.shape)} (heads and head dim must agree)")
+        if a.keys.dtype != b.keys.dtype:
+            raise ValueError(f"{where} attention layer {i} keys are {a.keys.dtype}, {first_where} {b.keys.dtype}")
+        if a.keys.device != b.keys.device:
+            raise ValueError(f"{where} is on {a.keys.device}, {first_where} on {b.keys.device}; move them with .to(device)")
+
+
+def check_attention_layers(state, where: str = "state", *, batch: int | None = None, device=None) -> None:
+    """A hybrid state's attention layers (:mod:`.hybrid_cache`): in every one, keys and values in the recorded
+    model dtype (or bfloat16 / float16 when stored so), of shape ``[B, kv heads, L, head dim]`` from the config
+    with one ``L`` for all layers, finite; ``positions`` int64 ``[B, L]``, the same in every layer, -1 exactly at
+    the padding slots, which come first in a row (left padding), the others ``>= 0``; on the states' device."""
+    layout = architecture(state.architecture)
+    batch = state.batch_size if batch is None else batch
+    device = state.device if device is None else device
+    heads, head_dim = layout.attention_shape(state.config)
+    first_positions, length = None, None
+    for i, layer in zip(state.attention_layer_indices, state.attention_layers):
+        if not getattr(layer, "has_keys", False):
+            _refuse(where, f"layer {i} (attention) holds no keys and values")
+        keys, values, positions = layer.keys, layer.values, layer.positions
+        for name, tensor in (("keys", keys), ("values", values)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+                _refuse(where, f"layer {i} (attention) {name} must be a [B, heads, L, head dim] tensor, got "
+                               f"{tuple(getattr(tensor, 'shape', ())) or type(tensor).__name__}")
+            if tensor.dtype not in (state.model_dtype, torch.bfloat16, torch.float16):
+                _refuse(where, f"layer {i} (attention) {name} are {tensor.dtype}, expected {state.model_dtype} (the model dtype)")
+            length = tensor.shape[2] if length is None else length
+            if tuple(tensor.shape) != (batch, heads, length, head_dim):
+                _refuse(where, f"layer {i} (attention) {name} have shape {tuple(tensor.shape)}, expected "
+                               f"{(batch, heads, length, head_dim)} (batch {batch}, {heads} key/value heads of {head_dim} "
+                               f"from the {state.architecture} config, the same length in every attention layer)")
+            if tensor.device != device:
+                _refuse(where, f"layer {i} (attention) {name} are on {tensor.device}, the states on {device}")
+            if not all_finite(tensor):
+                _raise(f"{where}: layer {i} (attention) {name} {_CORRUPTED}")
+        if keys.dtype != values.dtype:
+            _refuse(where, f"layer {i} (attention) keys are {keys.dtype}, values {values.dtype}")
+        if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or tuple(positions.shape) != (batch, length):
+            _refuse(where, f"layer {i} (attention) positions must be an int64 tensor of shape {(batch, length)}, got "
+                           f"{getattr(positions, 'dtype', type(positions).__name__)} {tuple(getattr(positions, 'shape', ()))}")
+        if positions.device != device:
+            _refuse(where, f"layer {i} (attention) positions are on {positions.device}, the states on {device}")
+        if first_positions is None:
+            first_positions = positions
+            real = positions >= 0
+            if (positions < -1).any():
+                _refuse(where, f"layer {i} (attention) positions hold values below -1 (-1 marks padding)")
+            if length > 1 and (real[:, :-1] & ~real[:, 1:]).any():
+                _refuse(where, f"layer {i} (attention) keys are not left padded (a padding slot after a real key)")
+        elif not torch.equal(positions, first_positions):
+            _refuse(where, f"layer {i} (attention) positions differ from layer {state.attention_layer_indices[0]}'s: every "
+                           "attention layer caches the same tokens")
 
 
 def expected_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -239,6 +302,8 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
     _check_layer_values(state, where)
     _check_token_counts(state, batch, device, where)
     check_extras(state, where, batch=batch, device=device)
+    if layout.is_hybrid:
+        check_attention_layers(state, where, batch=batch, device=device)
     _remember(state, snapshot)
     if model is not None:
         _check_A_against_model(state, model, where, A_rtol)
@@ -364,8 +429,9 @@ def _snapshot(state):
     (a value that is not a tensor, which check_state refuses anyway, or an inference-mode tensor)."""
     tensors = []
     for layer in state.layers:
-        tensors += (layer.ssm_state, layer.conv_state)
-        tensors += (getattr(layer, name, None) for name in layer._row_tensors + layer._fixed_tensors)
+        names = ("ssm_state", "conv_state", "keys", "values", *getattr(layer, "_row_tensors", ()),
+                 *getattr(layer, "_fixed_tensors", ()))
+        tensors += (getattr(layer, name, None) for name in names)
     tensors += (state.num_tokens, state.token_ids)
     try:
         versions = tuple(None if t is None else (t._version, t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors)

@@ -1,0 +1,105 @@
+"""``ComposableHybridCache``: the state of a hybrid model (Mamba layers plus attention layers).
+
+transformers' hybrids (``jamba``, ``zamba2``, ``bamba``, ``granitemoehybrid``, ``nemotron_h``, ``falcon_h1``) keep
+one cache layer per model layer in a ``DynamicCache``: a ``LinearAttentionLayer`` for a Mamba layer, a
+``DynamicLayer`` (keys and values) for an attention layer, a ``LinearAttentionAndFullAttentionLayer`` for a layer
+with both, a ``DummyLayer`` for an MLP / MoE layer. This cache *is* such a ``DynamicCache``, with our layer
+types in the same places (:mod:`.layers`), so it can be handed to the model's own forward and ``generate``:
+
+* a Mamba layer is a :class:`~.layers.ComposableSSMLayer`, exactly as in a Mamba / Mamba-2 state (SSM state,
+  conv window, ΣΔ, ``A``; Jamba's are Mamba-1 states, the others Mamba-2's);
+* an attention layer is a :class:`~.layers.ComposableAttentionLayer`: the context's keys and values
+  ``[B, kv heads, L, head dim]`` as the model cached them (for RoPE models: rotated to their positions) and the
+  position of each key, ``positions`` ``[B, L]`` (-1 for a padding slot);
+* a layer with both parts is a :class:`~.layers.ComposableSSMAttentionLayer`.
+
+The state-layer API of :class:`~.cache.ComposableMambaCache` (``ssm_states[v]``, ``delta_sums[v]``, ``A[v]``,
+``num_layers``, ``log_decay(v)``) indexes the SSM layers only (``state_layers``; state layer ``v`` lives in model
+layer ``ssm_layer_indices[v]``), so the composition rules, state files and checks of SSM states apply to them
+unchanged; :attr:`attention_layers` are the layers with keys and values, composed by their own rule
+(:mod:`hf_statecompose.composition.attention`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import compat
+from .architectures import architecture as layout_of
+from .cache import ComposableMambaCache
+from .layers import ComposableAttentionLayer, ComposableSSMAttentionLayer, ComposableSSMLayer
+
+
+def _new_layer(kind: str):
+    if kind == "ssm":
+        return ComposableSSMLayer()
+    if kind == "attention":
+        return ComposableAttentionLayer()
+    if kind == "both":
+        return ComposableSSMAttentionLayer()
+    return compat.EmptyLayer()
+
+
+class ComposableHybridCache(ComposableMambaCache):
+    """A hybrid model's state: one layer per model layer (SSM, attention, both, or empty), see the module doc."""
+
+    def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None,
+                 num_layers: int | None = None):
+        layout = layout_of(architecture)
+        kinds = layout.layer_kinds(config)
+        if num_layers is not None and num_layers != len(kinds):
+            raise ValueError(f"a {architecture} state has one layer per model layer ({len(kinds)}), not {num_layers}")
+        compat.Cache.__init__(self, layers=[_new_layer(kind) for kind in kinds])
+        self.config = config
+        self.architecture = architecture
+        self.fingerprint = fingerprint
+        self.model_dtype = model_dtype
+        self.model_info = dict(model_info or {})
+        self.num_tokens: torch.Tensor | None = None
+        self.token_ids: torch.Tensor | None = None
+        self.layer_kinds = kinds
+        self.ssm_layer_indices = layout.ssm_layer_indices(config)
+        self.attention_layer_indices = layout.attention_layer_indices(config)
+
+    @property
+    def state_layers(self) -> list:
+        return [self.layers[i] for i in self.ssm_layer_indices]
+
+    @property
+    def attention_layers(self) -> list:
+        """The layers that hold keys and values (attention layers and layers with both parts), in model order."""
+        return [self.layers[i] for i in self.attention_layer_indices]
+
+    @property
+    def key_mask(self) -> torch.Tensor | None:
+        """``[B, L]`` bool: which key slots hold a context token (not padding); None without attention layers or keys."""
+        layers = self.attention_layers
+        if not layers or layers[0].positions is None:
+            return None
+        return layers[0].positions >= 0
+
+    @property
+    def context_length(self) -> int:
+        """The number of key slots ``L`` (padding included) of the attention layers (0 without keys)."""
+        layers = self.attention_layers
+        return layers[0].keys.shape[-2] if layers and layers[0].has_keys else 0
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """Record ``positions`` ``[B, L]`` (-1 for padding) as every attention layer's."""
+        for layer in self.attention_layers:
+            layer.positions = positions
+
+    @classmethod
+    def _model_info(cls, model) -> dict:
+        config = model.config
+        return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
+                "hidden_size": config.hidden_size}
+
+    def __repr__(self):
+        filled = self.is_filled() if self.state_layers else False
+        return (
+            f"ComposableHybridCache(architecture={self.architecture!r}, layers={len(self.layers)} "
+            f"({len(self.ssm_layer_indices)} SSM, {len(self.attention_layer_indices)} attention), "
+            f"batch={self.batch_size if filled else 0}, keys={self.context_length}, "
+            f"tokens={self.num_tokens.tolist() if self.num_tokens is not None else None}, "
+            f"fingerprint={self.fingerprint[:12]}…)"
+        )
