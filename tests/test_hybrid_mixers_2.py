@@ -24,7 +24,8 @@ CONFIGS = {
                   mamba_n_groups=2, mamba_chunk_size=16),
     "granitemoehybrid": dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4,
                              mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=16,
-                             num_local_experts=0, shared_intermediate_size=48, position_embedding_type=None),
+                             num_local_experts=0, shared_intermediate_size=48, position_embedding_type=None,
+                             mamba_proj_bias=True),  # in_proj with a bias: padding reaches the conv as that bias
     "nemotron_h": dict(num_hidden_layers=4, hybrid_override_pattern="M*-M", mamba_num_heads=4, mamba_head_dim=16,
                        ssm_state_size=8, n_groups=2, chunk_size=16),
     # use_conv_bias=False: Zamba2's conv keeps its bias whatever that flag says (and uses it)
