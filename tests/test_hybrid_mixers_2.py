@@ -227,6 +227,7 @@ def test_state_shapes_from_config(built):
     hidden = torch.randn(3, 5, config.hidden_size)
     cache = new_cache(config, torch.float32)
     mixers = ssm_mixers(model)
+    assert len(mixers) >= 2
     for layer_idx, mixer in mixers:
         mamba2_mixer_forward(mixer, hidden, cache, None)
         layer = cache.layers[layer_idx]
