@@ -3,6 +3,11 @@
 Same contract as the Mamba-1 one: continue from the cached state for any input length, left padding
 inert (Δ = 0 after the clamp, conv window continued per row), ΣΔ accumulated per head. Δ is computed
 exactly as the mixer does: ``clamp(softplus(dt + dt_bias), *time_step_limit)``.
+
+The hybrid models' Mamba-2 style mixers do the same maths under other config field names, and run this forward as
+it is: Bamba's ``BambaMixer``, GraniteMoeHybrid's ``GraniteMoeHybridMambaLayer``, NemotronH's ``NemotronHMamba2Mixer``
+and Zamba2's ``Zamba2MambaMixer`` (NemotronH and Zamba2 with ``time_step_limit = (time_step_min, inf)``; all with the
+group-wise gated norm, ``group_size = intermediate_size // n_groups``). ``tests/test_hybrid_mixers_2.py`` checks them.
 """
 from __future__ import annotations
 
@@ -26,7 +31,9 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.
     xBC, conv_window = backends.causal_conv1d(
         xBC.transpose(1, 2),
         mixer.conv1d.weight.squeeze(1),
-        mixer.conv1d.bias if mixer.use_conv_bias else None,
+        # the conv's own bias (None when it has none), as every stock Mamba-2 style mixer passes it: Zamba2's conv
+        # always has one and uses it, whatever its `use_conv_bias` (config.use_conv_bias) says
+        mixer.conv1d.bias,
         conv_state=layer.conv_state if has_state else None,
         mask=mask,
         activation=mixer.activation,
