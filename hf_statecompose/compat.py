@@ -350,7 +350,8 @@ def _make_attention_layer_base():
             if self.positions is None or self.positions.shape[-1] + length != keys.shape[-2]:
                 self.positions = step.expand(batch, length).clone() if keys.shape[-2] == length else None
             else:
-                last = self.positions.max(dim=-1, keepdim=True).values.clamp(min=-1)
+                last = (self.positions.max(dim=-1, keepdim=True).values.clamp(min=-1) if self.positions.shape[-1]
+                        else self.positions.new_full((self.positions.shape[0], 1), -1))
                 self.positions = torch.cat([self.positions, last + 1 + step], dim=-1)
             return keys, values
 
