@@ -3,11 +3,13 @@
 FalconH1's ``FalconH1Mixer`` (Mamba-2 with µP multipliers, ``mamba_d_ssm`` inner size and an optional gated norm:
 :func:`falcon_h1_mixer_forward`).
 
-Each path is run on the mixer module of a tiny random model (float64, every parameter perturbed so that norm
+Each path is run on the mixer module of a tiny random model (float64 and float32, every parameter perturbed so that norm
 weights, biases and multipliers all matter) and checked against the stock mixer's own forward: from an empty
 state it is the stock forward; a prefix then a suffix (one or several tokens, or token by token) continuing
 from our state is the whole sequence; a left-padded row is that row alone; ΣΔ is the sum of the stock
 mixer's Δ over the real tokens; and the state layer has the shapes the architecture table lists."""
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -18,66 +20,73 @@ from hf_statecompose.state.cache import ComposableMambaCache
 
 from helpers import relative_error
 
-SMALL = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48)
+SMALL = {"vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
+# two groups; the stock chunk size 4 makes the stock scan cross chunks
+FALCON_H1 = {"num_hidden_layers": 2, "mamba_n_heads": 4, "mamba_d_head": 12, "mamba_d_ssm": 48, "mamba_d_state": 8,
+             "mamba_n_groups": 2, "mamba_chunk_size": 4, "head_dim": 8}
 CONFIGS = {
     # layers 0 and 2 are Mamba layers (attention at 1 and 3)
-    "jamba": dict(
-        num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-        num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
-        mamba_proj_bias=True, use_mamba_kernels=True,
-    ),
-    # the stock chunk size 4 makes the stock scan cross chunks; two groups; µP multipliers all different from 1
-    "falcon_h1": dict(
-        num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=12, mamba_d_ssm=48, mamba_d_state=8, mamba_n_groups=2,
-        mamba_chunk_size=4, head_dim=8, mamba_proj_bias=True, ssm_in_multiplier=0.7,
-        ssm_multipliers=[1.3, 0.6, 0.8, 1.2, 0.9],
-    ),
-    "falcon_h1-norm": dict(
-        num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=12, mamba_d_ssm=48, mamba_d_state=8, mamba_n_groups=2,
-        mamba_chunk_size=4, head_dim=8, mamba_rms_norm=True, mamba_norm_before_gate=False, ssm_in_multiplier=1.4,
-        ssm_multipliers=[0.9, 1.1, 0.7, 1.3, 0.8], time_step_limit=(0.05, 1.5),
-    ),
-    "falcon_h1-norm-first": dict(
-        num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=12, mamba_d_ssm=48, mamba_d_state=8, mamba_n_groups=2,
-        mamba_chunk_size=4, head_dim=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
-    ),
+    "jamba": {
+        "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+        "expert_layer_offset": 1, "num_experts": 2, "num_experts_per_tok": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_dt_rank": 4, "mamba_proj_bias": True, "use_mamba_kernels": True,
+    },
+    # µP multipliers all different from 1; no norm (y · silu(gate)); then the gated norm, gate first / norm first
+    "falcon_h1": {**FALCON_H1, "mamba_proj_bias": True, "ssm_in_multiplier": 0.7,
+                  "ssm_multipliers": [1.3, 0.6, 0.8, 1.2, 0.9]},
+    "falcon_h1-norm": {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": False, "ssm_in_multiplier": 1.4,
+                       "ssm_multipliers": [0.9, 1.1, 0.7, 1.3, 0.8], "time_step_limit": (0.05, 1.5)},
+    "falcon_h1-norm-first": {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": True},
 }
 PATHS = {"jamba": mamba_mixer_forward, "falcon_h1": falcon_h1_mixer_forward}
 LAYER = {"jamba": 2, "falcon_h1": 1}  # a mixer that is not the first layer's: its layer_idx indexes the cache
 HIDDEN = 32
-# float64 models, but the cache keeps SSM states, ΣΔ and A in float32 (and A = -exp(A_log.float()) as the stock
-# mixers compute it): agreement is to float32 rounding
-TOL = 1e-6
+# float64 models run the vectorized kernels, float32 ones the native CPU kernels used for inference. Even in float64
+# the cache keeps SSM states, ΣΔ and A in float32 (and A = -exp(A_log.float()) as the stock mixers compute it):
+# agreement is to float32 rounding
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
 
 
 def _model_type(name):
     return name.split("-")[0]
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@dataclasses.dataclass
+class Case:
+    """One architecture's stock mixer (layer LAYER of a tiny random model), our path for it and the tolerance."""
+
+    model_type: str
+    config: object
+    mixer: torch.nn.Module
+    path: object
+    dtype: torch.dtype
+    tol: float
+
+    def cache(self):
+        """An empty cache with one layer per model layer (the mixer's layer_idx indexes it)."""
+        architecture = "mamba" if self.model_type == "jamba" else "mamba2"
+        return ComposableMambaCache(self.config, architecture=architecture, fingerprint="x", model_dtype=self.dtype,
+                                    num_layers=self.config.num_hidden_layers)
+
+    def hidden(self, batch, length, seed=1):
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(batch, length, HIDDEN, generator=generator, dtype=torch.float64).to(self.dtype)
+
+
+@pytest.fixture(scope="module", params=[(name, dtype) for name in CONFIGS for dtype in TOLERANCE],
+                ids=lambda param: f"{param[0]}-{str(param[1]).removeprefix('torch.')}")
 def case(request):
-    """(model type, config, the stock mixer of layer LAYER, our path) for a tiny float64 model."""
-    name = request.param
+    """A tiny random model of each config, in float64 and float32, with every mixer parameter perturbed."""
+    name, dtype = request.param
     model_type = _model_type(name)
     config = AutoConfig.for_model(model_type, **SMALL, **CONFIGS[name])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     mixer = model.model.layers[LAYER[model_type]].mamba
     with torch.no_grad():
         for parameter in mixer.parameters():  # norm weights (ones), D, dt_bias, biases: all take part
             parameter.add_(0.2 * torch.randn_like(parameter))
-    return model_type, config, mixer, PATHS[model_type]
-
-
-def _cache(model_type, config):
-    architecture = "mamba" if model_type == "jamba" else "mamba2"
-    return ComposableMambaCache(config, architecture=architecture, fingerprint="x", model_dtype=torch.float64,
-                                num_layers=config.num_hidden_layers)
-
-
-def _hidden(batch, length, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, length, HIDDEN, generator=generator, dtype=torch.float64)
+    return Case(model_type, config, mixer, PATHS[model_type], dtype, TOLERANCE[dtype])
 
 
 def _stock_delta(model_type, mixer, hidden_states):
@@ -103,89 +112,90 @@ def _stock_delta(model_type, mixer, hidden_states):
 
 @torch.no_grad()
 def test_from_an_empty_state_it_is_the_stock_mixer(case):
-    model_type, config, mixer, path = case
-    hidden = _hidden(2, 11)
+    mixer, path, tol = case.mixer, case.path, case.tol
+    hidden = case.hidden(2, 11)
     expected = mixer(hidden)
-    ours = path(mixer, hidden, _cache(model_type, config), None)
-    assert relative_error(ours, expected) < TOL
+    ours = path(mixer, hidden, case.cache(), None)
+    assert relative_error(ours, expected) < tol
 
 
 @pytest.mark.parametrize("split", [1, 5, 10])
 @torch.no_grad()
 def test_prefix_then_suffix_is_the_whole_sequence(case, split):
-    model_type, config, mixer, path = case
-    hidden = _hidden(2, 11)
-    whole = path(mixer, hidden, _cache(model_type, config), None)
+    mixer, path, tol = case.mixer, case.path, case.tol
+    hidden = case.hidden(2, 11)
+    whole = path(mixer, hidden, case.cache(), None)
     assert relative_error(mixer(hidden[:, split:]), whole[:, split:]) > 1e-3  # the prefix matters
-    cache = _cache(model_type, config)
+    cache = case.cache()
     first = path(mixer, hidden[:, :split], cache, None)
     rest = path(mixer, hidden[:, split:], cache, None)
-    assert relative_error(torch.cat([first, rest], 1), whole) < TOL
+    assert relative_error(torch.cat([first, rest], 1), whole) < tol
     # and the state after both is the state after the whole sequence
-    reference = _cache(model_type, config)
+    reference = case.cache()
     path(mixer, hidden, reference, None)
     layer, expected = cache.layers[mixer.layer_idx], reference.layers[mixer.layer_idx]
     for name in ("ssm_state", "conv_state", "delta_sum"):
-        assert relative_error(getattr(layer, name), getattr(expected, name)) < TOL, name
+        assert relative_error(getattr(layer, name), getattr(expected, name)) < tol, name
 
 
 @torch.no_grad()
 def test_token_by_token_is_the_whole_sequence(case):
-    model_type, config, mixer, path = case
-    hidden = _hidden(2, 9)
+    mixer, path, tol = case.mixer, case.path, case.tol
+    hidden = case.hidden(2, 9)
     whole = mixer(hidden)
-    cache = _cache(model_type, config)
+    cache = case.cache()
     steps = [path(mixer, hidden[:, t:t + 1], cache, None) for t in range(hidden.shape[1])]
-    assert relative_error(torch.cat(steps, 1), whole) < TOL
+    assert relative_error(torch.cat(steps, 1), whole) < tol
 
 
 @torch.no_grad()
 def test_left_padding_is_inert(case):
-    model_type, config, mixer, path = case
+    mixer, path, tol = case.mixer, case.path, case.tol
     lengths = [9, 4, 1]
-    hidden = _hidden(3, 9)  # padding positions hold random hidden states: the mask alone must silence them
-    mask = torch.zeros(3, 9, dtype=torch.float64)
+    hidden = case.hidden(3, 9)  # padding positions hold random hidden states: the mask alone must silence them
+    mask = torch.zeros(3, 9, dtype=case.dtype)
     for row, length in enumerate(lengths):
         mask[row, 9 - length:] = 1
-    suffix = _hidden(3, 3, seed=2)
-    cache = _cache(model_type, config)
+    suffix = case.hidden(3, 3, seed=2)
+    cache = case.cache()
     padded = path(mixer, hidden, cache, mask)
     continued = path(mixer, suffix, cache, None)
     for row, length in enumerate(lengths):
-        alone_cache = _cache(model_type, config)
+        alone_cache = case.cache()
         alone = path(mixer, hidden[row:row + 1, 9 - length:], alone_cache, None)
         alone_continued = path(mixer, suffix[row:row + 1], alone_cache, None)
-        assert relative_error(padded[row:row + 1, 9 - length:], alone) < TOL, row
-        assert relative_error(continued[row:row + 1], alone_continued) < TOL, row
+        assert relative_error(padded[row:row + 1, 9 - length:], alone) < tol, row
+        assert relative_error(continued[row:row + 1], alone_continued) < tol, row
         layer, expected = cache.layers[mixer.layer_idx], alone_cache.layers[mixer.layer_idx]
         for name in ("ssm_state", "conv_state", "delta_sum"):
-            assert relative_error(getattr(layer, name)[row:row + 1], getattr(expected, name)) < TOL, (row, name)
+            assert relative_error(getattr(layer, name)[row:row + 1], getattr(expected, name)) < tol, (row, name)
 
 
 @torch.no_grad()
 def test_delta_sum_is_the_stock_mixers_delta_over_real_tokens(case):
-    model_type, config, mixer, path = case
-    hidden = _hidden(2, 10)
-    mask = torch.ones(2, 10, dtype=torch.float64)
+    mixer, path, tol = case.mixer, case.path, case.tol
+    hidden = case.hidden(2, 10)
+    mask = torch.ones(2, 10, dtype=case.dtype)
     mask[1, :4] = 0
-    cache = _cache(model_type, config)
+    cache = case.cache()
     path(mixer, hidden, cache, mask)
     delta_sum = cache.layers[mixer.layer_idx].delta_sum
-    whole = _stock_delta(model_type, mixer, hidden[:1]).sum(1)
-    alone = _stock_delta(model_type, mixer, hidden[1:, 4:]).sum(1)
-    assert relative_error(delta_sum, torch.cat([whole, alone])) < TOL
+    whole = _stock_delta(case.model_type, mixer, hidden[:1]).sum(1)
+    alone = _stock_delta(case.model_type, mixer, hidden[1:, 4:]).sum(1)
+    assert relative_error(delta_sum, torch.cat([whole, alone])) < tol
 
 
 @torch.no_grad()
 def test_state_layer_shapes(case):
-    model_type, config, mixer, path = case
-    cache = _cache(model_type, config)
-    path(mixer, _hidden(3, 5), cache, None)
+    mixer, path = case.mixer, case.path
+    cache = case.cache()
+    path(mixer, case.hidden(3, 5), cache, None)
     layer = cache.layers[mixer.layer_idx]
-    assert [cache.layers[i].filled for i in range(config.num_hidden_layers)] == [
-        i == mixer.layer_idx for i in range(config.num_hidden_layers)
+    assert [cache.layers[i].filled for i in range(case.config.num_hidden_layers)] == [
+        i == mixer.layer_idx for i in range(case.config.num_hidden_layers)
     ]
-    if model_type == "jamba":  # Mamba-1 layout: D = mamba_expand * hidden_size, N = mamba_d_state, K = mamba_d_conv
+    config = case.config
+    if case.model_type == "jamba":  # Mamba-1 layout: D = mamba_expand * hidden_size, N = mamba_d_state, K = mamba_d_conv
         inner = config.mamba_expand * config.hidden_size
         assert layer.ssm_state.shape == (3, inner, config.mamba_d_state)
         assert layer.conv_state.shape == (3, inner, config.mamba_d_conv)
@@ -199,4 +209,4 @@ def test_state_layer_shapes(case):
         assert layer.delta_sum.shape == (3, heads)
         assert layer.A.shape == (heads,)
     assert layer.ssm_state.dtype == layer.delta_sum.dtype == layer.A.dtype == torch.float32
-    assert layer.conv_state.dtype == torch.float64
+    assert layer.conv_state.dtype == case.dtype
