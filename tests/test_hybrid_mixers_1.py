@@ -210,3 +210,18 @@ def test_state_layer_shapes(case):
         assert layer.A.shape == (heads,)
     assert layer.ssm_state.dtype == layer.delta_sum.dtype == layer.A.dtype == torch.float32
     assert layer.conv_state.dtype == case.dtype
+
+
+def test_gradients_are_the_stock_mixers(case):
+    """Training through states (hf_statecompose.training) backpropagates through this path: its gradients with
+    respect to every mixer parameter and the input are the stock forward's."""
+    mixer, path = case.mixer, case.path
+    hidden = case.hidden(2, 7).requires_grad_()
+    weights = case.hidden(2, 7, seed=3)  # a loss that weighs every output differently
+    parameters = [hidden, *mixer.parameters()]
+    expected = torch.autograd.grad((mixer(hidden) * weights).sum(), parameters)
+    ours = torch.autograd.grad((path(mixer, hidden, case.cache(), None) * weights).sum(), parameters, allow_unused=True)
+    names = ["input", *(name for name, _ in mixer.named_parameters())]
+    for name, gradient, reference in zip(names, ours, expected):
+        assert gradient is not None, name
+        assert relative_error(gradient, reference) < 10 * case.tol, name  # A, Δ in float32 as the stock mixers
