@@ -9,10 +9,12 @@ state it is the stock forward; a prefix then a suffix (one or several tokens, or
 from our state is the whole sequence; a left-padded row is that row alone; ΣΔ is the sum of the stock
 mixer's Δ over the real tokens; and the state layer has the shapes the architecture table lists."""
 import dataclasses
+import inspect
+import types
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from hf_statecompose.models.falcon_h1 import falcon_h1_mixer_forward
 from hf_statecompose.models.mamba import mamba_mixer_forward
@@ -225,3 +227,72 @@ def test_gradients_are_the_stock_mixers(case):
     for name, gradient, reference in zip(names, ours, expected):
         assert gradient is not None, name
         assert relative_error(gradient, reference) < 10 * case.tol, name  # A, Δ in float32 as the stock mixers
+
+
+def _model_with_our_mixers(name):
+    """A tiny float32 model of ``name`` whose SSM mixers run our path on one ComposableMambaCache (attention keeps the
+    model's own cache), each mixer given the 2D mask as the decoder layer gives it: as the lead's wiring will."""
+    model_type = _model_type(name)
+    config = AutoConfig.for_model(model_type, **SMALL, **CONFIGS[name])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    states = {}
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        length = hidden_states.shape[1]
+        mask = None
+        if attention_mask is not None and attention_mask.dim() == 2 and length > 1:
+            mask = attention_mask[:, -length:].to(hidden_states.dtype)
+        return PATHS[model_type](self, hidden_states, states["cache"], mask)
+
+    mixers = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")]
+    with torch.no_grad():
+        for mixer in mixers:
+            for parameter in mixer.parameters():
+                parameter.add_(0.2 * torch.randn_like(parameter))
+    stock = model(torch.arange(3, 15)[None]).logits
+    for mixer in mixers:
+        mixer.forward = types.MethodType(forward, mixer)
+
+    # hybrid models name their cache argument `cache` from transformers 5.24, `past_key_values` before
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def run(ids, mask=None, fresh=False):
+        if fresh:
+            architecture = "mamba" if model_type == "jamba" else "mamba2"
+            states["cache"] = ComposableMambaCache(config, architecture=architecture, fingerprint="x",
+                                                   model_dtype=torch.float32, num_layers=config.num_hidden_layers)
+            states["kv"] = DynamicCache(config=config)
+        positions = None if mask is None else (mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1]:]
+        return model(ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_name: states["kv"]}).logits
+
+    return stock, run
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@torch.no_grad()
+def test_in_the_model_prefix_then_suffix_then_steps_is_the_whole_sequence(name):
+    stock, run = _model_with_our_mixers(name)
+    ids = torch.arange(3, 15)[None]
+    assert relative_error(run(ids, fresh=True), stock) < 1e-4
+    pieces = [run(ids[:, :5], fresh=True), run(ids[:, 5:9])] + [run(ids[:, t:t + 1]) for t in range(9, 12)]
+    assert relative_error(torch.cat(pieces, 1), stock) < 1e-4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@torch.no_grad()
+def test_in_the_model_a_left_padded_row_is_that_row_alone(name):
+    _, run = _model_with_our_mixers(name)
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 64, (2, 8), generator=generator)
+    suffix = torch.randint(3, 64, (2, 3), generator=generator)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    padded = run(ids, mask, fresh=True)
+    full_mask = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1)
+    continued = run(suffix, full_mask)
+    for row, start in enumerate([0, 3]):
+        alone = run(ids[row:row + 1, start:], fresh=True)
+        alone_continued = run(suffix[row:row + 1])
+        assert relative_error(padded[row, start:], alone[0]) < 1e-4, row
+        assert relative_error(continued[row], alone_continued[0]) < 1e-4, row
