@@ -7,7 +7,10 @@ Each path is run on the mixer module of a tiny random model (float64 and float32
 weights, biases and multipliers all matter) and checked against the stock mixer's own forward: from an empty
 state it is the stock forward; a prefix then a suffix (one or several tokens, or token by token) continuing
 from our state is the whole sequence; a left-padded row is that row alone; ΣΔ is the sum of the stock
-mixer's Δ over the real tokens; and the state layer has the shapes the architecture table lists."""
+mixer's Δ over the real tokens; the gradients are the stock forward's; and the state layer has the shapes the
+architecture table lists. Last, in the whole model (its mixers patched to our paths, the decoder layers passing the
+mask and cache as they do on 5.23 and 5.24): prefix, suffix and single steps give the whole sequence's logits, and a
+left-padded row gives that row's logits alone."""
 import dataclasses
 import inspect
 import types
