@@ -53,13 +53,14 @@ def selective_ssm(mixer, x: torch.Tensor, gate: torch.Tensor, initial_state, mas
     """The mixer's selective SSM on its conv output ``x`` ``[B, D, T]`` (gate ``[B, D, T]``): x_proj to
     (Δ, B, C), Δ exactly as the mixer computes it (``softplus(dt_proj(x) + bias)``, the bias added in the
     scan), then the scan from ``initial_state``. Returns ``(y [B, D, T], SSM state, ΣΔ, A)``; shared by the
-    Mamba-1 path above and SeRpEnt's branch SSMs."""
+    Mamba-1 path above (Mamba, FalconMamba and Jamba's ``JambaMambaMixer``) and SeRpEnt's branch SSMs."""
     ssm_parameters = mixer.x_proj(x.transpose(1, 2))  # [B, T, R + 2N]
     time_step, B, C = torch.split(
         ssm_parameters, [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
     )
     if getattr(mixer, "dt_layernorm", None) is not None:
-        # FalconMamba: weightless RMS norms on the time step, B and C (as its mixer applies them)
+        # FalconMamba (weightless) and Jamba (with weights) RMS norms on the time step, B and C, applied where
+        # their mixers apply them: after x_proj, before dt_proj
         time_step, B, C = mixer.dt_layernorm(time_step), mixer.b_layernorm(B), mixer.c_layernorm(C)
     # tokens-first [B, T, D] seen as [B, D, T]; the bias is added in the scan
     dt = time_step_projection(mixer.dt_proj, time_step).transpose(1, 2)

@@ -24,6 +24,7 @@ from ..ops.backends import check_backend_name
 from ..state.cache import ComposableMambaCache
 from ..state.architectures import architecture
 from ..state.fingerprint import architecture_of, base_model_of
+from .falcon_h1 import falcon_h1_mixer_forward
 from .mamba import mamba_mixer_forward
 from .mamba2 import mamba2_mixer_forward
 
@@ -32,7 +33,7 @@ _PATH_FOR_MODEL_TYPE = {
     "mamba": mamba_mixer_forward, "mamba2": mamba2_mixer_forward, "falcon_mamba": mamba_mixer_forward,
     # the hybrids' Mamba mixers
     "jamba": mamba_mixer_forward, "zamba2": mamba2_mixer_forward, "bamba": mamba2_mixer_forward,
-    "granitemoehybrid": mamba2_mixer_forward, "nemotron_h": mamba2_mixer_forward, "falcon_h1": mamba2_mixer_forward,
+    "granitemoehybrid": mamba2_mixer_forward, "nemotron_h": mamba2_mixer_forward, "falcon_h1": falcon_h1_mixer_forward,
 }
 _COMPOSABLE_MIXER_CLASSES: dict[type, type] = {}
 
