@@ -659,8 +659,7 @@ class FolderStateStore(StateStore):
         return self._A[expected]
 
     def _read_entry_tensors(self, handle, sid: str, entry_id: str, num_layers: int) -> dict[str, torch.Tensor]:
-        kinds = ("ssm", "conv", "delta_sum") + tuple(extra.file_key for extra in self._layout.extras)
-        names = [f"{kind}.{layer}" for layer in range(num_layers) for kind in kinds] + ["token_ids"]
+        names = self._entry_tensor_names(num_layers)
         return {name: self._tensor(handle, sid, f"{entry_id}.{name}") for name in names}
 
     def _verify_entry(self, sid: str, record: dict, tensors: dict, num_layers: int) -> None:
