@@ -217,3 +217,31 @@ def test_the_command_line_builds_and_queries_a_hybrid_store(saved_hybrid, tmp_pa
     assert result.text == answer["generated"]
     assert main(["stats", str(store)]) == 0
     assert json.loads(capsys.readouterr().out)["entries"] == 4
+
+
+def test_the_command_line_places_the_attention_keys(saved_hybrid, tmp_path, capsys, monkeypatch):
+    from hf_statecompose.cli import main
+    from hf_statecompose.composition.attention import ATTENTION_POLICIES
+
+    assert cli.ATTENTION_POLICIES == ATTENTION_POLICIES
+    monkeypatch.setattr("hf_statecompose.retrieval.default_retriever", BagOfWords)
+    store = tmp_path / "store"
+    assert main(["build", str(store), str(tmp_path / "passages.jsonl"), "--model", str(saved_hybrid)]) == 0
+    model, tokenizer = cli.load_model(str(saved_hybrid))
+    opened = StateStore(str(store), model, tokenizer, retriever=BagOfWords())
+    for attention in ("concat", "shared"):
+        capsys.readouterr()
+        assert main(["query", str(store), TEXTS[1][:20], "-k", "3", "--max-new-tokens", "4", "--json", "--attention", attention]) == 0
+        answer = json.loads(capsys.readouterr().out)
+        composer = hsc.StateComposer("picaso_r", attention=attention)
+        result = hsc.generate_with_retrieval(model, tokenizer, TEXTS[1][:20], opened, k=3, composition=composer, max_new_tokens=4)
+        assert answer["generated"] == result.text
+    # a store of a model without attention layers refuses the option in one line
+    (tmp_path / "one.txt").write_text(TEXTS[0])
+    assert main(["build", str(tmp_path / "mamba"), str(tmp_path / "one.txt")]) == 0  # the demo Mamba-2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["query", str(tmp_path / "mamba"), "red fox", "--attention", "shared"])
+    code = done.value.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--attention applies to hybrid models" in err
