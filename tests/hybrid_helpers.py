@@ -21,6 +21,9 @@ CONFIGS = {
                              num_local_experts=0, shared_intermediate_size=48, position_embedding_type="rope"),
     "nemotron_h": dict(num_hidden_layers=4, hybrid_override_pattern="M*-M", mamba_num_heads=4, mamba_head_dim=16,
                        ssm_state_size=8, n_groups=1, chunk_size=16),
+    # layers 1 and 3 are hybrid layers ("both": a shared attention block and a Mamba layer)
+    "zamba2": dict(num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=4,
+                   mamba_d_state=8, mamba_ngroups=1, chunk_size=16, num_mem_blocks=1, attention_head_dim=16),
     "falcon_h1": dict(num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8,
                       mamba_n_groups=1, mamba_chunk_size=16, head_dim=8),
     "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
@@ -32,10 +35,10 @@ PENDING = ("jamba", "falcon_h1")
 
 
 def hybrid_params():
-    """pytest params: the working hybrids, and the pending two marked xfail (mixer path pending)."""
+    """pytest params: the working hybrids, Zamba2 (layers with both parts), and the pending two marked xfail (mixer path pending)."""
     import pytest
 
-    return list(WORKING) + [pytest.param(arch, marks=pytest.mark.xfail(reason="mixer path pending", strict=False))
+    return list(WORKING) + ["zamba2"] + [pytest.param(arch, marks=pytest.mark.xfail(reason="mixer path pending", strict=False))
                             for arch in PENDING]
 
 

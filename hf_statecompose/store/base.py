@@ -218,7 +218,8 @@ class StateStore(abc.ABC):
             keys, values, positions = attention_tensor_names(i)
             out[keys] = layer.keys[row : row + 1, :, start:].detach().to("cpu", self._keys_dtype).contiguous()
             out[values] = layer.values[row : row + 1, :, start:].detach().to("cpu", self._keys_dtype).contiguous()
-            out[positions] = layer.positions[row : row + 1, start:].detach().to("cpu").contiguous()
+            # a copy: the attention layers of one state share one positions tensor, which safetensors refuses to write twice
+            out[positions] = layer.positions[row : row + 1, start:].detach().to("cpu").clone()
         out["token_ids"] = torch.tensor([tokens], dtype=torch.long)
         return out
 
