@@ -246,3 +246,22 @@ def test_the_command_line_places_the_attention_keys(saved_hybrid, tmp_path, caps
     code = done.value.code
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--attention applies to hybrid models" in err
+
+
+def test_continuation_losses_of_hybrid_states_of_different_lengths(models):
+    from hf_statecompose.pipeline import continuation_losses
+
+    from helpers import random_ids
+
+    model = models["nemotron_h"]
+    generator = torch.Generator().manual_seed(5)
+    contexts = [random_ids(n, generator=generator) for n in (5, 11)]
+    query, continuation = random_ids(3, generator=generator), random_ids(4, generator=generator)
+    states = [hsc.encode(model, ids) for ids in contexts]
+    together = continuation_losses(model, [states[0], None, states[1]], query, continuation)  # stacked: keys left padded
+    for k, state in ((0, states[0]), (2, states[1])):
+        assert torch.allclose(together[k], continuation_losses(model, [state], query, continuation)[0], atol=1e-6)
+    # and a state's loss is the loss after its context tokens (NemotronH's path is exact)
+    full = torch.cat([contexts[1], query, continuation], 1)
+    logits = model(full).logits[0, -5:-1].double()
+    assert torch.allclose(together[2], torch.nn.functional.cross_entropy(logits, continuation[0]), atol=1e-5)
