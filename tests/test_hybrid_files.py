@@ -177,7 +177,7 @@ CRAFTED = {
     "keys of an SSM layer": (_move_keys, r"attention keys for model layers \[0\], (its recorded config|the model) has attention layers \[1\]"),
     "an extra attention layer": (lambda t, m: t.update({f"attn.{k}.3": t[f"attn.{k}.1"] for k in ("keys", "values", "positions")}),
                                  r"model layers \[1, 3\]"),
-    "no keys_dtype": (lambda t, m: m.pop("keys_dtype"), "keys_dtype None is not the model dtype"),
+    "no keys_dtype": (lambda t, m: m.pop("keys_dtype"), "records no keys_dtype"),
     "keys_dtype int8": (_meta("keys_dtype", "torch.int8"), "keys_dtype 'torch.int8' is not the model dtype"),
 }
 

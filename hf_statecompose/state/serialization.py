@@ -244,6 +244,11 @@ def _check_metadata(meta, path) -> None:
         raise ValueError(f"{path}: unknown model dtype {meta['model_dtype']!r} (expected one of {sorted(_DTYPES)})")
     hybrid = ARCHITECTURES[meta["architecture"]].is_hybrid
     keys_dtype = meta.get("keys_dtype")
+    if hybrid and keys_dtype is None:
+        raise ValueError(
+            f"{path}: a {meta['architecture']!r} state file records no keys_dtype (written before hybrid state files held "
+            "their attention keys, or by hand); re-encode the context"
+        )
     if hybrid and keys_dtype not in {meta["model_dtype"], *map(str, _KEYS_DTYPES)}:
         raise ValueError(
             f"{path}: keys_dtype {keys_dtype!r} is not the model dtype {meta['model_dtype']} nor one of "

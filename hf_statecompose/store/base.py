@@ -38,8 +38,9 @@ class StateStore(abc.ABC):
 
     Args:
         path: the store's directory (created if missing), or for ``backend="lance"`` a LanceDB URI.
-        model: the Mamba / Mamba-2 model that encodes (and later consumes) the states. A store records
-            the model's fingerprint and refuses a different model.
+        model: the Mamba / Mamba-2 model (or hybrid: Bamba, GraniteMoeHybrid, NemotronH, Zamba2, ...) that encodes
+            (and later consumes) the states. A store records the model's fingerprint and refuses a different model.
+            A hybrid's entries also hold the keys, values and positions of their tokens at every attention layer.
         tokenizer: the model's tokenizer (a callable returning ``input_ids``, as transformers' are). The
             store records it (name, vocabulary size and hash, how it splits a probe text) and refuses
             another.

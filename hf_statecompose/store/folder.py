@@ -7,8 +7,10 @@ Layout of a store directory::
                                 retriever name and dimension, tokenizer record, free-form ``info``;
                                 sealed with a digest of its own canonical content
     shards/<sid>.safetensors    the states of one ``add`` batch: per entry and layer ``<id>.ssm.<l>``,
-                                ``<id>.conv.<l>``, ``<id>.delta_sum.<l>``, plus ``<id>.token_ids``; per
-                                shard ``A.<l>`` and ``embeddings`` [n, E]
+                                ``<id>.conv.<l>``, ``<id>.delta_sum.<l>``, plus ``<id>.token_ids``
+                                (a hybrid model's entries: per attention layer ``i`` also
+                                ``<id>.attn.keys.<i>``, ``<id>.attn.values.<i>``, ``<id>.attn.positions.<i>``,
+                                for the entry's own tokens); per shard ``A.<l>`` and ``embeddings`` [n, E]
     shards/<sid>.json           the shard's manifest: its shard id, the model fingerprint, the shard file's
                                 size, entries (id, text, metadata, tokens, checksum), the checksums of the
                                 embeddings and of ``A``, the shards it ``supersedes``; sealed with a digest

@@ -15,6 +15,8 @@ Layout of a Lance store at ``uri`` (a LanceDB database: a local folder or an obj
 ``hf_statecompose`` metadata with format version, architecture, fingerprint, model dtype, config and the
 blake2b ``tensor_digest`` of every tensor) for one entry, except that ``A`` is not repeated in every row
 (for Mamba-1 it is as large as the SSM state): the reader takes it from the header table, checksum-verified.
+A hybrid model's entries also hold the keys, values and positions of their own tokens at each attention layer
+(``attn.keys.i``, ...; ``keys_dtype`` in the metadata), as a hybrid state file does.
 ``seal`` is a blake2b digest over id, text, metadata, num_tokens, the vector's bytes and tensor_digest:
 a changed byte anywhere in a row is refused, never read as other text or another state.
 
