@@ -35,7 +35,7 @@ def main(argv=None):
     from hybrid_helpers import WORKING, tiny_hybrid
 
     rows = []
-    print(f"| model | keys | max abs dlogit | max abs logit | greedy same | file bytes |\n|---|---|---|---|---|---|")
+    print("| model | keys | max abs dlogit | max abs logit | greedy same | file bytes |\n|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():
         for arch in WORKING:
             model = tiny_hybrid(arch)

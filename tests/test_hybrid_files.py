@@ -11,7 +11,7 @@ from hf_statecompose.state.cache import ComposableMambaCache
 from hf_statecompose.state.hybrid_cache import ComposableHybridCache
 
 from helpers import random_ids, tiny_model
-from hybrid_helpers import WORKING, craft, hybrid_params, tiny_hybrid
+from hybrid_helpers import craft, hybrid_params, tiny_hybrid
 
 
 @pytest.fixture(scope="module")
