@@ -12,7 +12,7 @@ from helpers import VOCAB
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
              pad_token_id=0, eos_token_id=1, bos_token_id=2)
-# the hybrids whose mixer path runs today, and the two that are pending (jamba, falcon_h1)
+# tiny configs of every supported hybrid
 CONFIGS = {
     "bamba": dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
                   mamba_n_groups=1, mamba_chunk_size=16),
@@ -31,15 +31,11 @@ CONFIGS = {
                   mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False),
 }
 WORKING = ("nemotron_h", "granitemoehybrid", "bamba")
-PENDING = ("jamba", "falcon_h1")
 
 
 def hybrid_params():
-    """pytest params: the working hybrids, Zamba2 (layers with both parts), and the pending two marked xfail (mixer path pending)."""
-    import pytest
-
-    return list(WORKING) + ["zamba2"] + [pytest.param(arch, marks=pytest.mark.xfail(reason="mixer path pending", strict=False))
-                            for arch in PENDING]
+    """pytest params: every supported hybrid (Zamba2 and Falcon-H1 have layers with both parts)."""
+    return list(WORKING) + ["zamba2", "jamba", "falcon_h1"]
 
 
 def tiny_hybrid(arch: str, seed: int = 0, dtype=torch.float32, **overrides):
