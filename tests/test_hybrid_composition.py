@@ -112,9 +112,31 @@ def test_shared_placement_keeps_each_context_at_its_own_positions():
     assert shared["position_ids"].tolist() == [[9, 10, 11, 12], [0, 0, 9, 10]]
     assert concat["position_ids"].tolist() == [[21, 22, 23, 24], [0, 0, 21, 22]]
     assert shared["attention_mask"].tolist() == [[1] * 25, [1] * 21 + [0, 0, 1, 1]]
+    # generation's one-token steps go on from there (rows at 13 / 11, then 14 / 12), under every placement
+    model.generation_config.eos_token_id = None
+    for placement, first in (("shared", (13, 11)), ("concat", (25, 23)), ("none", (4, 2))):
+        calls, handle = capture_backbone_inputs(model)
+        try:
+            model.generate(queries, attention_mask=mask, past_states=states, max_new_tokens=3, do_sample=False,
+                           composition=StateComposer("picaso_r", attention=placement))
+        finally:
+            handle.remove()
+        steps = [call["position_ids"].tolist() for call in calls[1:]]
+        assert steps == [[[first[0]], [first[1]]], [[first[0] + 1], [first[1] + 1]]], placement
 
 
 # ------------------------------------------------------------------------------------- (d) no keys
+def ssm_only(composed, model):
+    """A fresh, empty state of ``model`` holding copies of the SSM layers of ``composed`` and no keys."""
+    manual = hsc.ComposableMambaCache.empty_for(model)
+    for v in range(composed.num_layers):
+        manual.set_layer(v, ssm_state=composed.ssm_states[v].clone(), conv_state=composed.conv_states[v].clone(),
+                         delta_sum=composed.delta_sums[v].clone(), A=composed.A[v])
+    manual.num_tokens = composed.num_tokens.clone()
+    assert not any(layer.has_keys for layer in manual.attention_layers)
+    return manual
+
+
 @pytest.mark.parametrize("arch", arch_params())
 @torch.no_grad()
 def test_none_placement_equals_the_ssm_state_without_keys(arch):
@@ -127,15 +149,16 @@ def test_none_placement_equals_the_ssm_state_without_keys(arch):
     with_keys = model(query, past_states=states, composition=StateComposer("picaso_r")).logits
     assert relative_error(with_keys, ours) > 1e-4  # the keys matter (Zamba2's shared block least: 2.5e-4)
     composed = StateComposer("picaso_r").compose(states, model=model)
-    manual = hsc.ComposableMambaCache.empty_for(model)
-    for v in range(composed.num_layers):
-        manual.set_layer(v, ssm_state=composed.ssm_states[v].clone(), conv_state=composed.conv_states[v].clone(),
-                         delta_sum=composed.delta_sums[v].clone(), A=composed.A[v])
-    manual.num_tokens = composed.num_tokens.clone()
-    assert not any(layer.has_keys for layer in manual.attention_layers)
     expected = model(query, attention_mask=torch.ones_like(query), position_ids=torch.arange(5)[None], use_cache=True,
-                     **compat.cache_kwargs(manual, hybrid=True)).logits
+                     **compat.cache_kwargs(ssm_only(composed, model), hybrid=True)).logits
     assert relative_error(ours, expected) < TOL64
+    # and generation: the query's keys, then each new token's, are all the attention layers see
+    model.generation_config.eos_token_id = None
+    generated = model.generate(query, past_states=states, composition=StateComposer("picaso_r", attention="none"),
+                               max_new_tokens=6, do_sample=False)
+    expected = model.generate(query, attention_mask=torch.ones_like(query), max_new_tokens=6, do_sample=False,
+                              use_cache=True, **compat.cache_kwargs(ssm_only(composed, model), hybrid=True))
+    assert torch.equal(generated, expected)
 
 
 # ------------------------------------------------------------------------------------- (e) model-based baselines
@@ -227,13 +250,13 @@ def test_linear_attention_hybrids_without_a_diagonal_decay_are_refused(model_typ
 
 @torch.no_grad()
 def test_states_of_another_hybrid_are_refused(bamba_state):
-    for arch in ("nemotron_h", "granitemoehybrid"):
+    for arch in ("nemotron_h", "granitemoehybrid", "zamba2"):
         model = hybrid_model(arch)
-        with pytest.raises((ValueError, TypeError), match=r"past_states\[0\]"):
+        with pytest.raises(ValueError, match=rf"past_states\[0\] is a state of a 'bamba' model .* this model is '{arch}'"):
             model(ids(3, seed=74), past_states=[bamba_state])
     # the same architecture with other weights too
     other = hybrid_model("bamba", seed=1)
-    with pytest.raises(ValueError, match=r"past_states\[0\]"):
+    with pytest.raises(ValueError, match=r"past_states\[0\] was encoded by bamba model .* re-encode the contexts"):
         other(ids(3, seed=74), past_states=[bamba_state])
 
 
@@ -245,9 +268,13 @@ def test_a_hybrid_state_and_a_mamba2_state_in_one_list_are_refused(bamba_state):
         n_groups=1, chunk_size=16)).double().eval())
     mamba2_state = hsc.encode(mamba2, ids(6, seed=75))
     model = hybrid_model("bamba")
-    with pytest.raises((ValueError, TypeError), match=r"past_states\[1\]"):
-        model(ids(3, seed=76), past_states=[bamba_state, mamba2_state])
-    with pytest.raises((ValueError, TypeError), match=r"states\[1\]"):
-        StateComposer("picaso_r").compose([bamba_state, mamba2_state])
-    with pytest.raises((ValueError, TypeError), match=r"past_states\[0\]"):
-        mamba2(ids(3, seed=76), past_states=[bamba_state, mamba2_state])
+    query = ids(3, seed=76)
+    with pytest.raises(ValueError, match=r"past_states\[1\] is a state of a 'mamba2' model .* this model is 'bamba'"):
+        model(query, past_states=[bamba_state, mamba2_state])
+    with pytest.raises(ValueError, match=r"past_states\[1\]\[0\] is a state of a 'mamba2' model"):
+        model(torch.cat([query, query]), past_states=[[bamba_state], [mamba2_state]])
+    with pytest.raises(ValueError, match=r"past_states\[1\] is a state of a 'bamba' model .* this model is 'mamba2'"):
+        mamba2(query, past_states=[mamba2_state, bamba_state])
+    for states, odd in (([bamba_state, mamba2_state], "a 'mamba2' model"), ([mamba2_state, bamba_state], "a 'bamba' model")):
+        with pytest.raises(ValueError, match=rf"states\[1\] was encoded by a different model \({odd}"):
+            StateComposer("picaso_r").compose(states)
