@@ -4,10 +4,10 @@ search, several return sequences, left-padded batches of contexts and queries, p
 The reference is always the stock model run on the concatenated ids (``generate(cat(context, query))[:,
 len(context):]``), on tiny random float64 hybrids (Mamba layers + attention layers, :mod:`hybrid_helpers`). Each test
 first shows that the context changes the result (the query alone gives other logits / tokens), so that "equals the
-concatenation" says the state carried the context. The SSM states are kept, and the state-aware scan run, in float32
-(as for Mamba-2), so float64 models agree to float32 rounding, not float64's: relative error <= 3.1e-7 on the
-logits of a forward, and over 16 one-token generation steps up to 2e-7 (Bamba, GraniteMoeHybrid, Jamba), 3.7e-6 (NemotronH), 2.3e-5 (Zamba2):
-the one-token steps run the mixers in float32 where the stock float64 model runs them in float64.
+concatenation" says the state carried the context. The states keep their SSM states in float32 (as for Mamba-2), so
+float64 models agree to float32 rounding, not float64's: relative error <= 3.1e-7 on the logits of a forward, and
+over 16 one-token generation steps up to 2e-7 (Bamba, GraniteMoeHybrid, Jamba), 3.7e-6 (NemotronH), 2.3e-5 (Zamba2):
+each step rounds the SSM state to float32 again, where the stock float64 cache keeps it in float64.
 """
 import pytest
 import torch
