@@ -90,6 +90,27 @@ def test_concat_placement_rerotates_keys_to_the_concatenations(arch, with_model)
     torch.testing.assert_close(raw[..., rotary:], whole.keys[:, :, 6:, rotary:], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("placement", ["concat", "shared"])
+@pytest.mark.parametrize("arch", arch_params(("bamba", "zamba2", "nemotron_h", "falcon_h1")))
+@torch.no_grad()
+def test_left_padded_batch_states_compose_as_their_rows_alone(arch, placement):
+    """Composing batch states whose rows are left padded: each state's padding leaves the middle of the composed keys
+    (which stay left padded per row), so every row's logits are those of its rows composed alone."""
+    model = hybrid_model(arch)
+    first, first_mask = left_pad([ids(3, seed=80)[0], ids(7, seed=81)[0]])
+    second, second_mask = left_pad([ids(5, seed=82)[0], ids(2, seed=83)[0]])
+    states = [hsc.encode(model, first, attention_mask=first_mask), hsc.encode(model, second, attention_mask=second_mask)]
+    composer = StateComposer("picaso_r", attention=placement)
+    composed = composer.compose(states, model=model)
+    real = composed.key_mask
+    assert real.tolist() == [[False] + [True] * 8, [True] * 9]  # 3 + 5 and 7 + 2 keys, left padded
+    queries, mask = left_pad([ids(4, seed=84)[0], ids(2, seed=85)[0]])
+    logits = model(queries, attention_mask=mask, past_states=states, composition=composer).logits
+    for r, length in enumerate((4, 2)):
+        alone = model(queries[r:r + 1, -length:], past_states=[s.select(r) for s in states], composition=composer).logits
+        assert relative_error(logits[r, -length:], alone[0]) < TOL64, r
+
+
 # ------------------------------------------------------------------------------------- (c) shared placement
 @torch.no_grad()
 def test_shared_placement_keeps_each_context_at_its_own_positions():
