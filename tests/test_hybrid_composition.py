@@ -57,6 +57,31 @@ def test_picaso_s_is_invariant_to_the_order_of_the_states_without_positional_enc
     assert max(relative_error(logits(order, "caso"), caso) for order in itertools.permutations(range(3))) > 1e-3
 
 
+@pytest.mark.parametrize("arch", ["bamba", "zamba2"])
+@torch.no_grad()
+def test_with_rope_only_the_shared_placement_is_order_free(arch):
+    """With RoPE the ``concat`` placement puts the keys at order-dependent positions, so PICASO-S alone does not make
+    the logits order-free; the ``shared`` placement (every context at its own positions) does."""
+    model = hybrid_model(arch)
+    assert architecture(arch).rotary_dims(model.config) > 0
+    with torch.no_grad():  # sharper attention than a random init's near-uniform one, so that key positions matter
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(4.0)
+    _, states = encode_all(model, (5, 9, 7), seed=10)
+    query = ids(4, seed=20)
+
+    def logits(order, placement):
+        composer = StateComposer("picaso_s", attention=placement)
+        return model(query, past_states=[states[i] for i in order], composition=composer).logits
+
+    orders = list(itertools.permutations(range(3)))
+    concat = max(relative_error(logits(order, "concat"), logits(orders[0], "concat")) for order in orders)
+    shared = max(relative_error(logits(order, "shared"), logits(orders[0], "shared")) for order in orders)
+    assert concat > 1e-5  # measured 6e-4 (Bamba), 8e-5 (Zamba2)
+    assert shared < TOL64  # measured 0
+
+
 # ------------------------------------------------------------------------------------- (b) RoPE: re-rotated keys
 # the attention layer first, so that its keys depend only on the tokens and their positions
 ROPE_FIRST = {
