@@ -140,7 +140,7 @@ def test_beam_search_equals_the_concatenation(model):
     assert torch.equal(ours.sequences[:, query.shape[1]:], expected.sequences[:, full.shape[1]:])
     assert relative_error(ours.sequences_scores, expected.sequences_scores) < TOL_STEPS
     alone = model.generate(query, **kwargs)
-    assert relative_error(alone.sequences_scores, expected.sequences_scores) > 1e-3  # the context matters
+    assert relative_error(alone.scores[0], expected.scores[0]) > 1e-2  # the context matters
 
 
 @torch.no_grad()
@@ -155,7 +155,7 @@ def test_beam_search_returning_several_sequences(model):
     assert torch.equal(ours.sequences[:, query.shape[1]:], expected.sequences[:, full.shape[1]:])
     assert relative_error(ours.sequences_scores, expected.sequences_scores) < TOL_STEPS
     alone = model.generate(query, **kwargs)
-    assert relative_error(alone.sequences_scores, expected.sequences_scores) > 1e-3  # the context matters
+    assert relative_error(alone.scores[0], expected.scores[0]) > 1e-2  # the context matters
 
 
 @torch.no_grad()
