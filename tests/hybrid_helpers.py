@@ -28,7 +28,7 @@ CONFIGS = {
                    mamba_d_state=8, mamba_ngroups=1, chunk_size=16, num_mem_blocks=1, use_mem_rope=True,
                    attention_head_dim=16),
 }
-PENDING = ("jamba", "falcon_h1")  # their state-aware mixers are being written (issue 22): the lead flips these
+PENDING = ()  # architectures whose state-aware mixer path is pending (xfail); Jamba's and Falcon-H1's landed (mix1)
 
 
 def arch_params(names=tuple(CONFIGS)):
