@@ -38,10 +38,9 @@ POSITION_BYTES = 8  # int64 position per key slot, shared by the attention layer
 CONFIGS = {
     # ibm-granite/granite-4.0-h-tiny, https://huggingface.co/ibm-granite/granite-4.0-h-tiny/blob/main/config.json
     # (7B MoE, 1B active): hidden 1536, 40 layers, 4 attention layers (5, 15, 25, 35) of 12 query / 4 kv heads of
-    # 1536 / 12 = 128, Mamba-2 layers of 48 heads x 64, state 128, 1 group, conv 4; NoPE
-    # (position_embedding_type "nope"). Values as quoted verbatim from that config in public test fixtures
-    # (e.g. GRANITE_H_TINY_HF of a hardware-model repository's hf_to_config tests), and the same widths in
-    # transformers' GraniteMoeHybrid integration test, which loads this checkpoint.
+    # 1536 / 12 = 128, Mamba-2 layers of 48 heads x 64, state 128, 1 group, conv 4. Values as quoted from that
+    # config in public test fixtures (e.g. GRANITE_H_TINY_HF of a hardware-model repository's hf_to_config tests).
+    # Granite 4.0-H's attention has no positional encoding (NoPE): it changes no byte here.
     "Granite-4.0-H-Tiny": ("granitemoehybrid", dict(
         hidden_size=1536, num_hidden_layers=40, num_attention_heads=12, num_key_value_heads=4,
         mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
