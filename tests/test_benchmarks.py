@@ -64,11 +64,9 @@ _HYBRID_CONFIGS = {
                   expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4,
                   mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False),
 }
-_PENDING = pytest.mark.xfail(reason="mixer path pending", strict=False)
 
 
-@pytest.mark.parametrize("model_type", [pytest.param(m, marks=_PENDING) if m in ("jamba", "falcon_h1") else m
-                                        for m in _HYBRID_CONFIGS])
+@pytest.mark.parametrize("model_type", list(_HYBRID_CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_hybrid_state_size_is_what_a_state_holds(model_type, dtype):
     """benchmarks/hybrid_state_size.py's figures (fixed bytes + bytes per token, from the package's shape functions)
