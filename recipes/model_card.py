@@ -4,7 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = {"mamba2": "Mamba-2", "mamba": "Mamba-1 (Mamba)"}
+NAMES = {"mamba2": "Mamba-2", "mamba": "Mamba-1 (Mamba)", "hybrid": "hybrid (Mamba-2 + attention, NemotronH)"}
+CLASSES = {"mamba2": "Mamba2ForCausalLM", "mamba": "MambaForCausalLM", "hybrid": "NemotronHForCausalLM"}
+LOAD_ARGS = {"mamba2": "", "mamba": 'arch="mamba"', "hybrid": '"hybrid"'}
 
 
 def render(summary: dict) -> str:
@@ -14,16 +16,16 @@ def render(summary: dict) -> str:
 license: cc-by-sa-4.0
 library_name: transformers
 pipeline_tag: text-generation
-tags: [mamba, {arch}, state-space-model, hf_statecompose, demo]
+tags: [mamba, {arch}, state-space-model, hf_statecompose, demo{', nemotron_h' if arch == 'hybrid' else ''}]
 ---
 
 # hf_statecompose demo {NAMES[arch]} ({s['parameters'] / 1e6:.2f}M parameters)
 
-A tiny {NAMES[arch]} causal LM shipped inside `hf_statecompose` (`hsc.load_demo({'' if arch == 'mamba2' else 'arch="mamba"'})`)
+A tiny {NAMES[arch]} causal LM shipped inside `hf_statecompose` (`hsc.load_demo({LOAD_ARGS[arch]})`)
 so that the state database, composition and evaluation run offline on a CPU. It is a **demo model**:
 it writes Wikipedia-flavoured English and recalls facts from its context; it knows little and should
 not be used for anything but exercising and measuring the library.
-
+{_architecture(s)}
 ## Training
 - Recipe: `python recipes/train_demo.py --arch {arch} --minutes {s['train_seconds'] / 60:.0f}` ({s['steps']} steps of
   {s['batch_size']} × {s['seq_len']} tokens = {s['tokens_seen'] / 1e6:.2f}M tokens, {s['train_seconds'] / 60:.1f} min on
@@ -38,7 +40,7 @@ not be used for anything but exercising and measuring the library.
     fact asked back (`Gasol river` → ` Iron.`), the loss taken on the answers only (the facts are
     random: predicting them is noise). A fresh random world per example, so facts can only come from
     the context.
-- Tokenizer: 4096-token byte-level BPE trained on the same training text (shared by both demo models).
+- Tokenizer: 4096-token byte-level BPE trained on the same training text (shared by the demo models).
 
 ## Measured at the end of training
 | metric | value |
@@ -53,7 +55,23 @@ repository README and `benchmarks/results/`.
 
 ## Licence and attribution
 Trained on, and evaluated with, Wikipedia text under CC BY-SA 4.0; the weights are released under the
-same licence. Architecture: transformers' `{'Mamba2ForCausalLM' if arch == 'mamba2' else 'MambaForCausalLM'}`.
+same licence. Architecture: transformers' `{CLASSES[arch]}`.
+"""
+
+
+def _architecture(s: dict) -> str:
+    """The hybrid's layer pattern (the Mamba models' architecture is their class name)."""
+    if s["arch"] != "hybrid":
+        return ""
+    return f"""
+## Architecture
+transformers' `NemotronHForCausalLM` (model_type `nemotron_h`), hidden size 256, layer pattern
+`{s['pattern']}` (`M`: a Mamba-2 layer with the Mamba-2 demo's settings, 8 heads × 64, state 64, one group;
+`*`: an attention layer, 4 heads × 64, **no positional encoding** (NemotronH's attention has none, the
+Mamba-2 layers before it carry the order); no MLP layers, like the Mamba-2 demo. Its lm_head is not
+tied to the embeddings (NemotronH does not tie them), hence four Mamba-2 layers instead of the Mamba-2
+demo's six, to stay under 20 MB. Same tokenizer as the Mamba-2 demo. Trained with transformers' stock
+forward; hf_statecompose composes its states once its hybrid support is in (`hsc.encode`).
 """
 
 
