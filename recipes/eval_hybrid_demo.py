@@ -1,8 +1,9 @@
 """Does the hybrid demo model (NemotronH: Mamba-2 layers + NoPE attention layers) use its contexts, and
 how much of that survives composing their states?
 
-    python recipes/eval_hybrid_demo.py                      # k = 1 and 4, every demo question
+    python recipes/eval_hybrid_demo.py                      # k = 1, 2, 4, every demo question
     python recipes/eval_hybrid_demo.py --k 4 --questions 8 --out /tmp/x
+    python recipes/eval_hybrid_demo.py --arch mamba2        # the same harness on the Mamba-2 demo, for comparison
 
 Questions and passages: the demo's bundled ones (``hf_statecompose/demo/data/``, those of
 ``python -m hf_statecompose.demo`` and of the PICASO evaluation): each question's answer is in one
@@ -23,7 +24,7 @@ composer) refuses the model they are reported "not available" and the rest still
 
 Metrics per condition: accuracy (the greedy answer, as many tokens as the reference, equals it exactly)
 and the answer's mean cross-entropy (nats/token; lower is better). Prints a markdown table; writes
-``hybrid_demo_eval.json`` and ``.md`` to ``--out``.
+``eval_hybrid_demo_<arch>.json`` and ``.md`` to ``--out``.
 """
 from __future__ import annotations
 
@@ -155,7 +156,8 @@ def table(result: dict) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 4], help="passages per question (the answer's and k - 1 others)")
+    parser.add_argument("--arch", default="hybrid", choices=["hybrid", "mamba2", "mamba"], help="which demo model (hsc.load_demo)")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4], help="passages per question (the answer's and k - 1 others)")
     parser.add_argument("--questions", type=int, default=None, help="the first N demo questions (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="picks the distractors and the passages' order")
     parser.add_argument("--threads", type=int, default=None)
@@ -166,15 +168,16 @@ def main(argv=None):
     sys.path.insert(0, str(ROOT))
     import hf_statecompose as hsc
 
-    model, tokenizer = hsc.load_demo("hybrid")
+    model, tokenizer = hsc.load_demo(args.arch)
     result = evaluate(model, tokenizer, args.k, args.seed, args.questions)
-    result.update(model="demo-hybrid", seed=args.seed, threads=torch.get_num_threads(), torch=torch.__version__)
+    result.update(model=f"demo-{args.arch}", seed=args.seed, threads=torch.get_num_threads(), torch=torch.__version__)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hybrid_demo_eval.json").write_text(json.dumps(result, indent=1))
-    (out / "hybrid_demo_eval.md").write_text(table(result) + "\n")
+    name = f"eval_hybrid_demo_{args.arch}"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(table(result) + "\n")
     print(table(result))
-    print(f"wrote {out}/hybrid_demo_eval.json and .md")
+    print(f"wrote {out}/{name}.json and .md")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import NemotronHForCausalLM
 
 import hf_statecompose as hsc
 from hf_statecompose.demo import DEMO_DIR
@@ -17,6 +18,11 @@ FOLDER = DEMO_DIR / "hybrid"
 @pytest.fixture(scope="module")
 def hybrid():
     return hsc.load_demo("hybrid")
+
+
+# measured on the shipped checkpoint (first 8 demo questions, k = 2): answer loss 1.626 without context,
+# 0.242 concatenated; 0 / 8 right without, 8 / 8 with. The test asks for about half of each gap.
+MARGIN, MIN_EXTRA_CORRECT = 0.7, 4
 
 
 def _recipe():
@@ -38,7 +44,7 @@ def test_checkpoint_is_small_safetensors_with_model_card():
 def test_is_nemotron_h_with_mamba2_and_two_attention_layers(hybrid):
     model, tokenizer = hybrid
     config = model.config
-    assert config.model_type == "nemotron_h" and type(model).__name__.startswith("NemotronHForCausalLM")
+    assert config.model_type == "nemotron_h" and isinstance(model, NemotronHForCausalLM)
     assert config.layers_block_type.count("full_attention") == 2
     assert set(config.layers_block_type) == {"linear_attention", "full_attention"}  # Mamba-2 and attention, no MLP
     assert (config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size) == (256, 8, 64, 64)
