@@ -4,7 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = {"mamba2": "Mamba-2", "mamba": "Mamba-1 (Mamba)"}
+NAMES = {"mamba2": "Mamba-2", "mamba": "Mamba-1 (Mamba)", "hybrid": "hybrid Mamba-2 + attention (NemotronH)"}
+CLASSES = {"mamba2": "Mamba2ForCausalLM", "mamba": "MambaForCausalLM", "hybrid": "NemotronHForCausalLM"}
+LOAD_ARGS = {"mamba2": "", "mamba": 'arch="mamba"', "hybrid": '"hybrid"'}
 
 
 def render(summary: dict) -> str:
@@ -14,18 +16,18 @@ def render(summary: dict) -> str:
 license: cc-by-sa-4.0
 library_name: transformers
 pipeline_tag: text-generation
-tags: [mamba, {arch}, state-space-model, hf_statecompose, demo]
+tags: [mamba, {arch}, state-space-model, hf_statecompose, demo{', nemotron_h' if arch == 'hybrid' else ''}]
 ---
 
 # hf_statecompose demo {NAMES[arch]} ({s['parameters'] / 1e6:.2f}M parameters)
 
-A tiny {NAMES[arch]} causal LM shipped inside `hf_statecompose` (`hsc.load_demo({'' if arch == 'mamba2' else 'arch="mamba"'})`)
+A tiny {NAMES[arch]} causal LM shipped inside `hf_statecompose` (`hsc.load_demo({LOAD_ARGS[arch]})`)
 so that the state database, composition and evaluation run offline on a CPU. It is a **demo model**:
 it writes Wikipedia-flavoured English and recalls facts from its context; it knows little and should
 not be used for anything but exercising and measuring the library.
-
+{_architecture(s)}
 ## Training
-- Recipe: `python recipes/train_demo.py --arch {arch} --minutes {s['train_seconds'] / 60:.0f}` ({s['steps']} steps of
+- Recipe: `python recipes/train_demo.py --arch {arch} --minutes {s['train_seconds'] / 60:.0f}{_hybrid_flags(s)}` ({s['steps']} steps of
   {s['batch_size']} × {s['seq_len']} tokens = {s['tokens_seen'] / 1e6:.2f}M tokens, {s['train_seconds'] / 60:.1f} min on
   {s['device']} with {s['threads']} threads; AdamW, lr {s['lr']}, warm-up + cosine; seed {s['seed']}).
 - Data: 3/8 of each batch Wikipedia, 5/8 synthetic recall:
@@ -38,7 +40,7 @@ not be used for anything but exercising and measuring the library.
     fact asked back (`Gasol river` → ` Iron.`), the loss taken on the answers only (the facts are
     random: predicting them is noise). A fresh random world per example, so facts can only come from
     the context.
-- Tokenizer: 4096-token byte-level BPE trained on the same training text (shared by both demo models).
+- Tokenizer: 4096-token byte-level BPE trained on the same training text (shared by the demo models).
 
 ## Measured at the end of training
 | metric | value |
@@ -48,12 +50,42 @@ not be used for anything but exercising and measuring the library.
 | recall accuracy, answer's passage in context (exact greedy answer, {s['recall_questions']} questions) | {s['recall_accuracy_with_context']:.1%} |
 | recall accuracy, no context (chance-level guessing) | {s['recall_accuracy_no_context']:.1%} |
 
-The composition evaluation (losses for k = 0…10 retrieved contexts, every method) is in the
-repository README and `benchmarks/results/`.
+{_evaluation(arch)}
 
 ## Licence and attribution
 Trained on, and evaluated with, Wikipedia text under CC BY-SA 4.0; the weights are released under the
-same licence. Architecture: transformers' `{'Mamba2ForCausalLM' if arch == 'mamba2' else 'MambaForCausalLM'}`.
+same licence. Architecture: transformers' `{CLASSES[arch]}`.
+"""
+
+
+def _hybrid_flags(s: dict) -> str:
+    return f" --lr {s['lr']} --threads {s['threads']}" if s["arch"] == "hybrid" else ""
+
+
+def _evaluation(arch: str) -> str:
+    if arch == "hybrid":
+        return ("Its evaluation with contexts (none / concatenated / composed states / SSM states only, on the demo\n"
+                "questions) is `python recipes/eval_hybrid_demo.py`: the repository README and `benchmarks/results/`.")
+    return ("The composition evaluation (losses for k = 0…10 retrieved contexts, every method) is in the\n"
+            "repository README and `benchmarks/results/`.")
+
+
+def _architecture(s: dict) -> str:
+    """The hybrid's layer pattern (the Mamba models' architecture is their class name)."""
+    if s["arch"] != "hybrid":
+        return ""
+    start = (f"It started from `{s['init_from']}` (the Mamba-2 demo: embeddings, lm_head = those embeddings, "
+             "its six Mamba-2 layers in order, final norm) with the attention layers' output projections at zero, "
+             "i.e. as exactly that model, and was then trained as below." if s.get("init_from") else "Trained from scratch.")
+    return f"""
+## Architecture
+transformers' `NemotronHForCausalLM` (model_type `nemotron_h`), hidden size 256, layer pattern
+`{s['pattern']}` (`M`: a Mamba-2 layer with the Mamba-2 demo's settings, 8 heads × 64, state 64, one group;
+`*`: an attention layer, 4 query heads × 32 and 2 key/value heads, **no positional encoding** (NemotronH's
+attention has none; the Mamba-2 layers before it carry the order); no MLP layers, like the Mamba-2 demo.
+NemotronH does not tie its lm_head to the embeddings, hence the small attention layers (the file stays
+under 20 MB). `time_step_min` is 1e-6: NemotronH clamps the SSM step from below at it (Mamba-2 does not).
+Same tokenizer as the Mamba-2 demo. {start} Trained with transformers' stock forward (no cache).
 """
 
 

@@ -1,16 +1,27 @@
-"""Train the embedded demo models: a small Mamba-2 and a small Mamba-1 causal LM.
+"""Train the embedded demo models: a small Mamba-2, a small Mamba-1 and a small hybrid causal LM.
 
     python recipes/train_demo.py --arch mamba2 --minutes 12
     python recipes/train_demo.py --arch mamba  --minutes 18
+    OMP_NUM_THREADS=1 python recipes/train_demo.py --arch hybrid --minutes 20 --threads 1 --lr 1e-3
 
 Data (offline, see :mod:`hf_statecompose.demo.corpora`): the training articles of the Wikipedia excerpt in
 the gensim wheel (CC BY-SA 4.0; held-out articles are never seen) and the synthetic multi-context
 fact-recall task (a fresh random world per example: passages, then every fact asked back, the loss on
 the answers only): 3/8 and 5/8 of every batch. The tokenizer is a 4096-token byte-level BPE trained on the same
-training text (deterministic), shared by both models.
+training text (deterministic), shared by all three models (the hybrid reuses the Mamba-2 demo's).
 
-Training runs through hf_statecompose's state-aware path (the same kernels ``encode`` uses; its Mamba-1
-scan has a hand-written backward), AdamW with warm-up and cosine decay over a step count fixed from the
+The hybrid is a transformers ``NemotronHForCausalLM`` (``HYBRID_PATTERN``: the Mamba-2 demo's six Mamba-2
+layers ``M``, same settings, and two small attention layers ``*`` without positional encoding, no MLP).
+Its lm_head is not tied to the embeddings (NemotronH does not tie), so its attention layers are small
+(4 query heads × 32, 2 key/value heads) to stay under 20 MB in float32. It starts from the trained Mamba-2
+demo (``--init-from``: embeddings, lm_head = the embeddings, the six Mamba-2 layers in order, final norm;
+the attention layers' output projections zero, so that the hybrid starts as exactly that model): a run
+from scratch on this CPU (``MM*MM*``, attention 4 × 64, lr 2e-3) had not begun to recall by step 400
+(answer loss 1.50 with the passage, 1.51 without), where the Mamba-2 demo had by step 200.
+
+The Mamba models train through hf_statecompose's state-aware path (the same kernels ``encode`` uses; its
+Mamba-1 scan has a hand-written backward); the hybrid through transformers' stock forward (no cache).
+AdamW with warm-up and cosine decay over a step count fixed from the
 measured speed of the first steps so that the run takes about ``--minutes``. Output: an HF checkpoint
 (safetensors) with tokenizer, ``training_log.json`` and a model card (README.md, also written to
 ``model_cards/``) whose figures are the ones this run measured.
@@ -30,6 +41,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 256
+# NemotronH's layer pattern: "M" a Mamba-2 layer, "*" an attention layer (NemotronH's attention has no
+# positional encoding: the Mamba layers before it carry the order)
+HYBRID_PATTERN = "MM*MM*MM"
 
 
 def build_tokenizer(train_articles, seed: int = 0):
@@ -58,9 +72,42 @@ def build_model(arch: str, vocab_size: int, eos: int):
 
     common = dict(vocab_size=vocab_size, hidden_size=256, num_hidden_layers=6, expand=2, conv_kernel=4,
                   tie_word_embeddings=True, pad_token_id=eos, bos_token_id=eos, eos_token_id=eos)
+    if arch == "hybrid":  # the Mamba-2 demo's SSM settings; attention 4 query heads x 32, 2 key/value heads, NoPE;
+        # NemotronH clamps dt from below at time_step_min (Mamba-2 at 0): 1e-6 computes what the Mamba-2 demo computes
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        del common["num_hidden_layers"]
+        common["tie_word_embeddings"] = False  # NemotronH never ties (no _tied_weights_keys): say so in the config
+        return NemotronHForCausalLM(NemotronHConfig(
+            **common, hybrid_override_pattern=HYBRID_PATTERN, ssm_state_size=64, mamba_num_heads=8, mamba_head_dim=64,
+            n_groups=1, chunk_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, residual_in_fp32=True, time_step_min=1e-6,
+        ))
     if arch == "mamba2":
         return Mamba2ForCausalLM(Mamba2Config(**common, state_size=64, num_heads=8, head_dim=64, n_groups=1, chunk_size=64))
     return MambaForCausalLM(MambaConfig(**common, state_size=16))
+
+
+@torch.no_grad()
+def warm_start(hybrid, folder) -> None:
+    """Load a trained Mamba-2 checkpoint (``folder``) into the hybrid: embeddings (and the untied lm_head,
+    from the tied embeddings), the Mamba-2 layers in order onto the ``M`` layers, the final norm; the
+    attention layers' output projections zero, so that the hybrid computes exactly the Mamba-2 model."""
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    mamba = [layer for layer in hybrid.model.layers if layer.block_type == "linear_attention"]
+    if len(mamba) != len(source.backbone.layers) or source.config.hidden_size != hybrid.config.hidden_size:
+        raise ValueError(f"{folder} has {len(source.backbone.layers)} Mamba-2 layers of width {source.config.hidden_size}; "
+                         f"the hybrid {len(mamba)} of width {hybrid.config.hidden_size}: they must match for --init-from")
+    hybrid.model.embeddings.load_state_dict(source.backbone.embeddings.state_dict())
+    hybrid.lm_head.weight.copy_(source.get_output_embeddings().weight)
+    hybrid.model.norm_f.load_state_dict(source.backbone.norm_f.state_dict())
+    for target, layer in zip(mamba, source.backbone.layers):
+        target.norm.load_state_dict(layer.norm.state_dict())
+        target.mixer.load_state_dict(layer.mixer.state_dict())
+    for layer in hybrid.model.layers:
+        if layer.block_type == "full_attention":
+            layer.mixer.o_proj.weight.zero_()
 
 
 class Batches:
@@ -170,13 +217,14 @@ def evaluate(model, tokenizer, held_out, seed: int = 1234):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="mamba2", choices=["mamba2", "mamba"])
+    parser.add_argument("--arch", default="mamba2", choices=["mamba2", "mamba", "hybrid"])
     parser.add_argument("--minutes", type=float, default=12.0, help="training time budget (excluding data prep and evaluation)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="default: hf_statecompose/demo/models/<arch>")
     parser.add_argument("--tokenizer-from", default=None, help="a folder with the tokenizer to reuse (default: another demo model's, if trained; else train one)")
+    parser.add_argument("--init-from", default=None, help="hybrid only: a Mamba-2 checkpoint to start from (default: the Mamba-2 demo's; 'none': from scratch)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -188,8 +236,10 @@ def main(argv=None):
     out = Path(args.out or ROOT / "hf_statecompose" / "demo" / "models" / args.arch)
     t0 = time.time()
     train_articles, held_out = wikipedia_split()
-    # BPE training breaks ties in no fixed order: train the tokenizer once, reuse it for the other model
-    shared = args.tokenizer_from or next(
+    # BPE training breaks ties in no fixed order: train the tokenizer once, reuse it for the other models
+    # (the hybrid: always the Mamba-2 demo's)
+    demos = ROOT / "hf_statecompose" / "demo" / "models"
+    shared = args.tokenizer_from or (str(demos / "mamba2") if args.arch == "hybrid" else None) or next(
         (str(p.parent) for p in sorted((ROOT / "hf_statecompose" / "demo" / "models").glob("*/tokenizer.json")) if p.parent != out), None
     )
     if shared:
@@ -202,7 +252,15 @@ def main(argv=None):
     batches = Batches(tokenizer, train_articles, args.batch_size, args.seed)
     print(f"data: {len(train_articles)} training articles ({len(batches.wiki)} tokens), {len(held_out)} held out "
           f"({', '.join(t for t, _ in held_out)}); prep {time.time() - t0:.0f}s", flush=True)
-    model = hsc.enable(build_model(args.arch, len(tokenizer), tokenizer.eos_token_id))
+    model = build_model(args.arch, len(tokenizer), tokenizer.eos_token_id)
+    stock = args.arch == "hybrid"  # trained with transformers' own forward, not hf_statecompose's state path
+    init_from = None
+    if stock and args.init_from != "none":
+        init_from = args.init_from or str(demos / "mamba2")
+        warm_start(model, init_from)
+        print(f"hybrid: started from {init_from}", flush=True)
+    if not stock:
+        model = hsc.enable(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device).train()
     params = sum(p.numel() for p in model.parameters())
@@ -214,8 +272,11 @@ def main(argv=None):
 
     def step_fn(batch):
         batch, labels = batch[0].to(device), batch[1].to(device)
-        cache = hsc.ComposableMambaCache.empty_for(model)
-        loss = model(input_ids=batch, labels=labels, use_cache=True, **hsc.compat.cache_kwargs(cache)).loss
+        if stock:
+            loss = model(input_ids=batch, labels=labels, use_cache=False).loss
+        else:
+            cache = hsc.ComposableMambaCache.empty_for(model)
+            loss = model(input_ids=batch, labels=labels, use_cache=True, **hsc.compat.cache_kwargs(cache)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -251,7 +312,8 @@ def main(argv=None):
     print(json.dumps(metrics, indent=1), flush=True)
 
     out.mkdir(parents=True, exist_ok=True)
-    hsc.disable(model)
+    if not stock:
+        hsc.disable(model)
     model.to("cpu").save_pretrained(out)
     tokenizer.save_pretrained(out)
     summary = {
@@ -261,6 +323,8 @@ def main(argv=None):
         "final_train_loss_mean_last_50": sum(r["loss"] for r in log[-50:]) / len(log[-50:]),
         "held_out_articles": [t for t, _ in held_out], **metrics,
     }
+    if stock:
+        summary.update(pattern=HYBRID_PATTERN, init_from=None if init_from is None else os.path.relpath(init_from, ROOT))
     (out / "training_log.json").write_text(json.dumps({"summary": summary, "log": log[:: max(1, len(log) // 400)]}, indent=1))
     from model_card import write_model_card
 
