@@ -7,7 +7,7 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent / "models"
 DEMO_ARCHS = ("mamba2", "mamba", "hybrid")
 # names that mean an embedded demo checkpoint (CLI --model, lm-eval pretrained=, recipes' model=)
-DEMO_SPECS = {"demo": "mamba2", "demo-mamba2": "mamba2", "demo-mamba": "mamba"}  # the hybrid joins once hsc.enable knows it
+DEMO_SPECS = {"demo": "mamba2", "demo-mamba2": "mamba2", "demo-mamba": "mamba", "demo-hybrid": "hybrid"}
 # a checkpoint folder holds one of these when it has a tokenizer (without any, transformers 5 makes an
 # empty one that turns every text into no tokens)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
@@ -36,8 +36,7 @@ def load_demo(arch: str = "mamba2", device=None):
     Small (3.6M parameters) Mamba-2 / Mamba-1 causal LMs and a 4.4M-parameter hybrid (transformers'
     NemotronH: Mamba-2 layers and two attention layers without positional encoding) trained by
     ``recipes/train_demo.py`` on the Wikipedia excerpt of the gensim wheel and a synthetic fact-recall
-    task; see ``model_cards/``. Loaded from the package's files, never from the Hub. The hybrid comes back
-    stock (not enabled) while this version of the library does not know its architecture.
+    task; see ``model_cards/``. Loaded from the package's files, never from the Hub.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,9 +51,4 @@ def load_demo(arch: str = "mamba2", device=None):
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if device is not None:
         model.to(device)
-    try:
-        return enable(model.eval()), tokenizer
-    except TypeError:
-        if arch != "hybrid":  # only the hybrid may come back stock, until hybrid support is wired in
-            raise
-        return model, tokenizer
+    return enable(model.eval()), tokenizer
