@@ -1,7 +1,7 @@
 """Command line: build a state store from a text / JSONL file, query it, inspect and maintain it.
 
     hf-statecompose build   STORE passages.jsonl [--model demo] [--storage-dtype bf16]
-    hf-statecompose query   STORE "Velmora product" [-k 5] [--composition picaso_r]
+    hf-statecompose query   STORE "Velmora product" [-k 5] [--composition picaso_r] [--attention concat]
     hf-statecompose stats   STORE
     hf-statecompose delete  STORE ID [ID ...]
     hf-statecompose compact STORE
@@ -32,6 +32,8 @@ from pathlib import Path
 # ``--composition`` choices: hf_statecompose.composition.METHODS, written out because importing it
 # would import torch before the arguments are even parsed (tests check that both agree)
 COMPOSITIONS = ("soup", "weighted", "caso", "picaso_s", "picaso_r", "concat", "piconcat_r")
+# ``--attention`` choices (hybrid models): hf_statecompose.composition.attention.ATTENTION_POLICIES, written out likewise
+ATTENTION_POLICIES = ("concat", "shared", "none")
 STORAGE_DTYPES = ("fp32", "bf16")
 PROG = "hf-statecompose"
 
@@ -330,8 +332,16 @@ def _query(args) -> None:
     from .pipeline import generate_with_retrieval
 
     store, model, tokenizer = open_store(args.store, args.model)
+    composition = args.composition
+    if args.attention is not None:
+        if not store._attention_layers:
+            raise CommandLineError(f"--attention applies to hybrid models (with attention layers); the store's model "
+                                   f"({store.header['model_type']}) has none: leave it out")
+        from .composition import StateComposer
+
+        composition = StateComposer(args.composition, attention=args.attention)
     result = generate_with_retrieval(
-        model, tokenizer, args.query, store, k=args.k, composition=args.composition, max_new_tokens=args.max_new_tokens, do_sample=False
+        model, tokenizer, args.query, store, k=args.k, composition=composition, max_new_tokens=args.max_new_tokens, do_sample=False
     )
     if args.json:
         print(json.dumps({"query": args.query, "generated": result.text,
@@ -414,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     query.add_argument("query", type=_query_text, help="the query text (retrieval and the start of generation)")
     query.add_argument("-k", type=_count(0), default=5, metavar="K", help="passages to retrieve (default 5; 0: the query alone)")
     query.add_argument("--composition", choices=COMPOSITIONS, default="picaso_r", help="how the states are composed (default picaso_r)")
+    query.add_argument("--attention", choices=ATTENTION_POLICIES, default=None,
+                       help="hybrid models: where the retrieved contexts' attention keys go: concat (default: one after another, "
+                            "the most relevant last), shared (each at its own positions) or none (no keys: the query attends to itself)")
     query.add_argument("--max-new-tokens", type=_count(1), default=32, metavar="N", help="tokens to generate (default 32)")
     query.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the store's)")
     query.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "*.py")))
@@ -34,3 +35,100 @@ def test_ttft_runs_at_tiny_size(tmp_path):
         assert row["baseline_tokens"] == row["k"] * 256 + 16 and row["speedup"] > 0
         assert set(row["seconds"]) >= {"ttft", "store_open", "retrieval", "read_verify", "compose", "prefill_first_token",
                                        "baseline_prefill", "fingerprint_check"}
+
+
+def _load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# tiny configs of the hybrids (hidden 32, 4 SSM heads of 16, state 8, 2 kv heads): jamba and falcon_h1 need their
+# mixer paths, which are being made (they fail to encode until then)
+_HYBRID_SMALL = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                     pad_token_id=0)
+_HYBRID_CONFIGS = {
+    "granitemoehybrid": dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4,
+                             mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=16, num_local_experts=0,
+                             shared_intermediate_size=48, position_embedding_type="nope"),
+    "nemotron_h": dict(num_hidden_layers=4, hybrid_override_pattern="M*-M", mamba_num_heads=4, mamba_head_dim=16,
+                       ssm_state_size=8, n_groups=2, chunk_size=16),
+    "bamba": dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                  mamba_n_groups=2, mamba_chunk_size=16),
+    "falcon_h1": dict(num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8,
+                      mamba_n_groups=1, mamba_chunk_size=16, head_dim=8),
+    "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False),
+}
+
+
+@pytest.mark.parametrize("model_type", list(_HYBRID_CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_hybrid_state_size_is_what_a_state_holds(model_type, dtype):
+    """benchmarks/hybrid_state_size.py's figures (fixed bytes + bytes per token, from the package's shape functions)
+    equal the bytes of the tensors of a state that hsc.encode makes, for two context lengths and both model dtypes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_statecompose as hsc
+
+    sizes = _load_script("hybrid_state_size")
+    config = AutoConfig.for_model(model_type, **_HYBRID_SMALL, **_HYBRID_CONFIGS[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval().to(dtype)
+    figures = sizes.state_bytes(model_type, config, dtype)
+    assert figures["attention_layers"] >= 1 and figures["ssm_layers"] >= 1
+    for length in (5, 12):
+        state = hsc.encode(model, torch.randint(3, 64, (1, length)))
+        tensors = {}
+        for layer in state.layers:
+            for name in ("ssm_state", "conv_state", "delta_sum", "A", "keys", "values", "positions"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor):
+                    tensors[tensor.data_ptr()] = tensor.numel() * tensor.element_size()  # shared positions counted once
+        assert sum(tensors.values()) == figures["fixed_bytes"] + length * figures["bytes_per_token"]
+
+
+def test_hybrid_state_size_table(tmp_path):
+    """The script's table and JSON: every checkpoint in both dtypes; the pure Mamba-2 never crosses over, each hybrid does."""
+    import json
+
+    out = tmp_path / "sizes.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hybrid_state_size.py"), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| Granite-4.0-H-Tiny | bfloat16 |" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["model"] for row in rows} >= {"Granite-4.0-H-Tiny", "Nemotron-H-8B", "Falcon-H1-7B", "Jamba-1.5-Mini"}
+    assert len(rows) == 2 * len({row["model"] for row in rows})
+    for row in rows:
+        hybrid = row["model_type"] != "mamba2"
+        assert (row["crossover_tokens"] is not None) == hybrid and (row["bytes_per_token"] > 0) == hybrid
+    granite = next(r for r in rows if r["model"] == "Granite-4.0-H-Tiny" and r["dtype"] == "bfloat16")
+    # 4 attention layers x (K + V) x 4 kv heads x 128 x 2 bytes, + an int64 position; 36 Mamba-2 layers of 48 x 64 x 128 float32
+    assert granite["bytes_per_token"] == 4 * 2 * 4 * 128 * 2 + 8
+    assert granite["fixed_parts"]["ssm_state"] == 36 * 48 * 64 * 128 * 4
+
+
+def test_hybrid_ttft_quick(tmp_path):
+    """benchmarks/hybrid_ttft.py --quick (a tiny GraniteMoeHybrid, seconds): its table, its JSON, the composed keys of
+    all k contexts, and one composed state giving the baseline's first token (one state composes to itself)."""
+    import json
+
+    out = tmp_path / "hybrid_ttft.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hybrid_ttft.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 10 |" in done.stdout
+    result = json.loads(out.read_text())
+    rows = result["result"]["rows"]
+    assert [row["k"] for row in rows] == [1, 4, 10] and result["threads"] == 1 and result["result"]["size"] == "tiny"
+    for row in rows:
+        assert row["baseline_tokens"] == row["k"] * 256 + 16 and row["composed_keys"] == row["k"] * 256
+        assert row["speedup"] > 0
+        assert set(row["seconds"]) >= {"ttft", "ttft_states_seen", "fingerprint", "state_checks", "ssm_compose",
+                                       "attention_compose", "query_prefill_first_token", "baseline_prefill"}
+    assert rows[0]["first_token"] == rows[0]["baseline_first_token"]

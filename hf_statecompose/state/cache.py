@@ -372,11 +372,13 @@ class ComposableMambaCache(compat.DynamicCache):
             self.token_ids = fn(self.token_ids)
 
     # ------------------------------------------------------------------ persistence
-    def save(self, path) -> None:
-        """Write this state to ``path`` as safetensors + JSON metadata, atomically."""
+    def save(self, path, keys_dtype=None) -> None:
+        """Write this state to ``path`` as safetensors + JSON metadata, atomically. ``keys_dtype``
+        (``torch.bfloat16`` / ``torch.float16``, hybrid states only) stores the attention keys and values in that
+        dtype (loading gives them back in the model dtype); ``None``: in the model dtype."""
         from .serialization import save_state
 
-        save_state(self, path)
+        save_state(self, path, keys_dtype=keys_dtype)
 
     @classmethod
     def load(cls, path, model=None, device=None) -> "ComposableMambaCache":

@@ -3,7 +3,12 @@
 A state file holds, per state layer ``l``: ``ssm.l``, ``conv.l``, ``delta_sum.l``, ``A.l``, and the extra
 tensors of the architecture (SeRpEnt-Mamba: ``resample.clock.l``, ``resample.inputs.l``,
 ``resample.times.l``, ``resample.valid.l``, ``resample.last_output.l``; see :mod:`.architectures`); plus
-``num_tokens`` and optionally ``token_ids``. The safetensors header's ``__metadata__`` holds one JSON document under
+``num_tokens`` and optionally ``token_ids``. A hybrid's state (:mod:`.hybrid_cache`) also holds, per attention
+layer (model layer ``i``, attention or both): ``attn.keys.i``, ``attn.values.i`` (``[B, kv heads, L, head dim]``) and
+``attn.positions.i`` (``[B, L]`` int64, -1 for left padding); which model layers these are follows from the
+recorded config (its layer kinds), and the keys' and values' dtype is recorded as ``keys_dtype`` (the model
+dtype, or bfloat16 / float16 when saved with ``keys_dtype=``; loading converts them back to the model dtype).
+The safetensors header's ``__metadata__`` holds one JSON document under
 ``hf_statecompose`` (format version, architecture, fingerprint, model dtype, model info) and a
 blake2b digest of all tensor bytes, so a file whose data was damaged after writing is refused.
 Writes go to a temporary file in the same folder, are fsynced, then renamed over the target: a crash
@@ -46,7 +51,30 @@ def _digest(tensors: dict) -> str:
     return digest.hexdigest()
 
 
-def state_to_tensors(state) -> dict:
+_KEYS_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _keys_dtype(state, keys_dtype) -> torch.dtype:
+    """The dtype a hybrid state's keys and values are written in: the model dtype (``keys_dtype=None``), or
+    ``keys_dtype`` (bfloat16 / float16, or the model dtype itself)."""
+    if keys_dtype is None:
+        return state.model_dtype
+    if not isinstance(keys_dtype, torch.dtype):
+        raise TypeError(f"keys_dtype must be a torch dtype (torch.bfloat16 or torch.float16) or None, got {type(keys_dtype).__name__} {keys_dtype!r:.40}")
+    if not architecture(state.architecture).is_hybrid:
+        raise ValueError(f"keys_dtype applies to the attention keys of a hybrid model's state; this {state.architecture!r} state has none (leave keys_dtype=None)")
+    if keys_dtype not in _KEYS_DTYPES + (state.model_dtype,):
+        raise ValueError(f"keys_dtype must be torch.bfloat16, torch.float16 or the model dtype {state.model_dtype}, got {keys_dtype}")
+    return keys_dtype
+
+
+def attention_tensor_names(index: int) -> tuple[str, str, str]:
+    """The file names of model layer ``index``'s keys, values and positions (a hybrid's attention layer)."""
+    return f"attn.keys.{index}", f"attn.values.{index}", f"attn.positions.{index}"
+
+
+def state_to_tensors(state, keys_dtype=None) -> dict:
+    """The tensors of ``state``'s file; a hybrid's keys and values in ``keys_dtype`` (default: as held, the model dtype)."""
     tensors = {}
     for i in range(state.num_layers):
         tensors[f"ssm.{i}"] = state.ssm_states[i]
@@ -55,20 +83,38 @@ def state_to_tensors(state) -> dict:
         tensors[f"A.{i}"] = state.A[i]
         for extra in architecture(state.architecture).extras:
             tensors[f"{extra.file_key}.{i}"] = getattr(state, extra.attribute)[i]
+    for i, layer in zip(getattr(state, "attention_layer_indices", ()), getattr(state, "attention_layers", ())):
+        keys, values, positions = attention_tensor_names(i)
+        tensors[keys] = layer.keys.to(keys_dtype) if keys_dtype is not None else layer.keys
+        tensors[values] = layer.values.to(keys_dtype) if keys_dtype is not None else layer.values
+        tensors[positions] = layer.positions
     if state.num_tokens is not None:
         tensors["num_tokens"] = state.num_tokens
     if state.token_ids is not None:
         tensors["token_ids"] = state.token_ids
-    return {k: _dense(v) for k, v in tensors.items()}
+    out, storages = {}, set()
+    for name, tensor in tensors.items():
+        tensor = _dense(tensor)
+        if tensor.numel():  # safetensors refuses tensors that share memory (a hybrid's layers share one positions tensor)
+            storage = tensor.untyped_storage().data_ptr()
+            tensor = tensor.clone() if storage in storages else tensor
+            storages.add(tensor.untyped_storage().data_ptr())
+        out[name] = tensor
+    return out
 
 
-def serialize_state(state) -> bytes:
+def serialize_state(state, keys_dtype=None) -> bytes:
     """The bytes of a state file for ``state`` (what :func:`save_state` writes)."""
-    from .validation import check_is_state, check_state_once
+    from .validation import all_finite, check_is_state, check_state_once
 
     check_is_state(state, "state")
     check_state_once(state, where="state to save")
-    tensors = state_to_tensors(state)
+    hybrid = architecture(state.architecture).is_hybrid
+    keys_dtype = _keys_dtype(state, keys_dtype) if hybrid or keys_dtype is not None else None
+    tensors = state_to_tensors(state, keys_dtype)
+    for name, tensor in tensors.items():  # float16's range is 65504: a key beyond it would load as inf
+        if name.startswith("attn.") and not all_finite(tensor):
+            raise ValueError(f"the state's {name} overflow {keys_dtype} (values beyond its range); save with keys_dtype=torch.bfloat16 or None")
     meta = {
         "format_version": FORMAT_VERSION,
         "architecture": state.architecture,
@@ -79,19 +125,23 @@ def serialize_state(state) -> bytes:
         "config": state.config.to_dict(),
         "tensor_digest": _digest(tensors),
     }
+    if hybrid:
+        meta["keys_dtype"] = str(keys_dtype)
     return save(tensors, metadata={"hf_statecompose": json.dumps(meta, default=repr)})
 
 
-def save_state(state, path) -> None:
+def save_state(state, path, keys_dtype=None) -> None:
     """Write ``state`` to ``path`` atomically. A state that would not load back (wrong dtypes, shapes,
-    NaN, negative ΣΔ, ...) is refused here already."""
+    NaN, negative ΣΔ, ...) is refused here already. ``keys_dtype`` (hybrid states only: ``torch.bfloat16`` or
+    ``torch.float16``) stores the attention layers' keys and values in that dtype (half the bytes of float32
+    keys, rounded: see the README for what it costs); ``None`` stores them in the model dtype."""
     path = _check_path(path, "path")
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a folder: give a file name for the state (e.g. {os.path.join(path, 'context.safetensors')})")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot save the state to {path}: the folder {folder} does not exist (create it first)")
-    atomic_write(path, serialize_state(state))
+    atomic_write(path, serialize_state(state, keys_dtype))
 
 
 def _check_path(path, name: str) -> str:
@@ -192,6 +242,20 @@ def _check_metadata(meta, path) -> None:
         )
     if meta["model_dtype"] not in _DTYPES:
         raise ValueError(f"{path}: unknown model dtype {meta['model_dtype']!r} (expected one of {sorted(_DTYPES)})")
+    hybrid = ARCHITECTURES[meta["architecture"]].is_hybrid
+    keys_dtype = meta.get("keys_dtype")
+    if hybrid and keys_dtype is None:
+        raise ValueError(
+            f"{path}: a {meta['architecture']!r} state file records no keys_dtype (written before hybrid state files held "
+            "their attention keys, or by hand); re-encode the context"
+        )
+    if hybrid and keys_dtype not in {meta["model_dtype"], *map(str, _KEYS_DTYPES)}:
+        raise ValueError(
+            f"{path}: keys_dtype {keys_dtype!r} is not the model dtype {meta['model_dtype']} nor one of "
+            f"{[str(d) for d in _KEYS_DTYPES]} (corrupted or hand-made file); re-encode the context"
+        )
+    if not hybrid and "keys_dtype" in meta:
+        raise ValueError(f"{path}: a {meta['architecture']!r} state has no keys, but its metadata records keys_dtype (hand-made file); re-encode the context")
     if meta["num_layers"] < 1:
         raise ValueError(f"{path}: num_layers is {meta['num_layers']}, a state has at least one layer")
     model_type = meta["config"].get("model_type")
@@ -207,9 +271,10 @@ def _check_metadata(meta, path) -> None:
         raise ValueError(f"{path}: the recorded config has {expected!r} layers, the metadata says {meta['num_layers']}")
 
 
-def _check_tensor_names(tensors: dict, num_layers: int, path, architecture_name: str = "mamba") -> None:
+def _check_tensor_names(tensors: dict, num_layers: int, path, architecture_name: str = "mamba", attention_layers=()) -> None:
     kinds = ("ssm", "conv", "delta_sum", "A") + tuple(e.file_key for e in architecture(architecture_name).extras)
     expected = {f"{kind}.{i}" for kind in kinds for i in range(num_layers)}
+    expected |= {name for i in attention_layers for name in attention_tensor_names(i)}
     missing = sorted(expected - set(tensors))
     unknown = sorted(set(tensors) - expected - {"num_tokens", "token_ids"})
     if missing:
@@ -263,7 +328,6 @@ def load_state(path, model=None, device=None):
     if _digest(tensors) != meta["tensor_digest"]:
         raise ValueError(f"{path}: tensor data does not match its recorded digest (corrupted file); re-encode the context")
     num_layers = meta["num_layers"]
-    _check_tensor_names(tensors, num_layers, path, meta["architecture"])
     if model is not None:
         config = model.config
     else:
@@ -285,6 +349,18 @@ def load_state(path, model=None, device=None):
             f"{path} holds {num_layers} layers, the model has {state.num_layers}; "
             "the state belongs to another model: re-encode the context with this model"
         )
+    attention_layers = tuple(getattr(state, "attention_layer_indices", ()))
+    if layout.is_hybrid:
+        stored = tuple(sorted({int(name.rsplit(".", 1)[1]) for name in tensors
+                               if name.startswith("attn.keys.") and name.rsplit(".", 1)[1].isdigit()}))
+        if stored != attention_layers:
+            owner = "the model has" if model is not None else "its recorded config has"
+            raise ValueError(
+                f"{path} holds attention keys for model layers {list(stored)}, {owner} attention layers {list(attention_layers)}; "
+                + ("the state belongs to another model: re-encode the context with this model" if model is not None
+                   else "the file was altered: re-encode the context")
+            )
+    _check_tensor_names(tensors, num_layers, path, meta["architecture"], attention_layers)
     if model is not None:
         device = device if device is not None else next(model.parameters()).device
     to = (lambda t: t.to(device)) if device is not None else (lambda t: t)
@@ -298,6 +374,16 @@ def load_state(path, model=None, device=None):
         )
         for extra in layout.extras:
             getattr(state, extra.attribute)[i] = to(tensors[f"{extra.file_key}.{i}"])
+    for i in attention_layers:
+        keys, values, positions = (tensors[name] for name in attention_tensor_names(i))
+        for name, tensor in (("keys", keys), ("values", values)):
+            if str(tensor.dtype) != meta["keys_dtype"]:
+                raise ValueError(
+                    f"{path}: layer {i} (attention) {name} are {tensor.dtype}, its metadata records keys_dtype "
+                    f"{meta['keys_dtype']} (corrupted or hand-made file); re-encode the context"
+                )
+        # back in the model dtype: the model's attention concatenates its new keys to these
+        state.layers[i].fill_keys(to(keys.to(state.model_dtype)), to(values.to(state.model_dtype)), to(positions))
     state.num_tokens = to(tensors["num_tokens"]) if "num_tokens" in tensors else None
     state.token_ids = to(tensors["token_ids"]) if "token_ids" in tensors else None
     if model is not None:

@@ -38,8 +38,9 @@ class StateStore(abc.ABC):
 
     Args:
         path: the store's directory (created if missing), or for ``backend="lance"`` a LanceDB URI.
-        model: the Mamba / Mamba-2 model that encodes (and later consumes) the states. A store records
-            the model's fingerprint and refuses a different model.
+        model: the Mamba / Mamba-2 model (or hybrid: Bamba, GraniteMoeHybrid, NemotronH, Zamba2, ...) that encodes
+            (and later consumes) the states. A store records the model's fingerprint and refuses a different model.
+            A hybrid's entries also hold the keys, values and positions of their tokens at every attention layer.
         tokenizer: the model's tokenizer (a callable returning ``input_ids``, as transformers' are). The
             store records it (name, vocabulary size and hash, how it splits a probe text) and refuses
             another.
@@ -104,6 +105,9 @@ class StateStore(abc.ABC):
         self._layout = architecture(template.architecture)  # what else its states carry (SeRpEnt: resampling)
         self._state_template = {"architecture": template.architecture, "fingerprint": template.fingerprint,
                                 "model_dtype": template.model_dtype, "model_info": dict(template.model_info)}
+        # a hybrid model's attention layers (model layer indices): each entry also holds their keys, values and positions
+        self._attention_layers = tuple(getattr(template, "attention_layer_indices", ()))
+        self._attention_shape = self._layout.attention_shape(model.config) if self._attention_layers else None
         return tokenizer_info, checked_json(dict(info or {}), "info")
 
     # ------------------------------------------------------------------------------------ argument checks
@@ -179,9 +183,27 @@ class StateStore(abc.ABC):
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
         return input_ids, mask, ids
 
+    @property
+    def _keys_dtype(self) -> torch.dtype:
+        """The dtype of a hybrid entry's stored keys and values: bfloat16 in a ``"bf16"`` store, else the model
+        dtype (no rounding); they are read back in the model dtype."""
+        return torch.bfloat16 if self.storage_dtype == torch.bfloat16 else self._state_template["model_dtype"]
+
+    def _entry_tensor_names(self, num_layers: int) -> list[str]:
+        """The names of one entry's tensors (without the entry id): per state layer its state, ΣΔ and the
+        architecture's extras, per attention layer (hybrids) its keys, values and positions, and the token ids."""
+        from ..state.serialization import attention_tensor_names
+
+        kinds = ("ssm", "conv", "delta_sum") + tuple(extra.file_key for extra in self._layout.extras)
+        names = [f"{kind}.{layer}" for layer in range(num_layers) for kind in kinds]
+        return names + [name for i in self._attention_layers for name in attention_tensor_names(i)] + ["token_ids"]
+
     def _entry_tensors(self, state: ComposableMambaCache, row: int, tokens: list[int]) -> dict[str, torch.Tensor]:
         """The tensors stored for row ``row`` of ``state`` (its state in the storage dtype, ΣΔ in fp32,
-        architecture extras in their own dtypes, its token ids); ``A`` is stored once per shard / store."""
+        architecture extras in their own dtypes, a hybrid's keys and values of the row's tokens (no padding
+        slots) in :attr:`_keys_dtype` with their positions, its token ids); ``A`` is stored once per shard / store."""
+        from ..state.serialization import attention_tensor_names
+
         out = {}
         for layer in range(state.num_layers):
             out[f"ssm.{layer}"] = state.ssm_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
@@ -190,6 +212,15 @@ class StateStore(abc.ABC):
             for extra in self._layout.extras:  # in their own dtypes (int64 clocks, bool masks): never rounded
                 tensor = getattr(state, extra.attribute)[layer][row : row + 1].detach().to("cpu")
                 out[f"{extra.file_key}.{layer}"] = tensor.new_empty(tensor.shape).copy_(tensor)  # standard strides
+        for i in self._attention_layers:
+            layer = state.layers[i]
+            real = int((layer.positions[row] >= 0).sum())  # left padded: the row's keys are its last ``real`` slots
+            start = layer.keys.shape[-2] - real
+            keys, values, positions = attention_tensor_names(i)
+            out[keys] = layer.keys[row : row + 1, :, start:].detach().to("cpu", self._keys_dtype).contiguous()
+            out[values] = layer.values[row : row + 1, :, start:].detach().to("cpu", self._keys_dtype).contiguous()
+            # a copy: the attention layers of one state share one positions tensor, which safetensors refuses to write twice
+            out[positions] = layer.positions[row : row + 1, start:].detach().to("cpu").clone()
         out["token_ids"] = torch.tensor([tokens], dtype=torch.long)
         return out
 
@@ -207,6 +238,14 @@ class StateStore(abc.ABC):
             )
             for extra in self._layout.extras:
                 getattr(state, extra.attribute)[layer] = tensors[f"{extra.file_key}.{layer}"].to(device)
+        if self._attention_layers:
+            from ..state.serialization import attention_tensor_names
+
+            positions = None
+            for i in self._attention_layers:
+                keys, values, names = attention_tensor_names(i)
+                positions = tensors[names].to(device) if positions is None else positions  # one tensor, as encode makes it
+                state.layers[i].fill_keys(tensors[keys].to(device, model_dtype), tensors[values].to(device, model_dtype), positions)
         state.num_tokens = torch.tensor([record["num_tokens"]], device=device)
         state.token_ids = tensors["token_ids"].to(device)
         return state
@@ -228,9 +267,33 @@ class StateStore(abc.ABC):
                 check_extra_tensors(self._layout, extras, layer, config=self.model.config,
                                     model_dtype=self._state_template["model_dtype"], batch=1, device=None,
                                     refuse=lambda problem: _refuse_entry(where, problem))
+        if self._attention_layers:
+            self._check_entry_keys(where, tensors, num_tokens)
         tokens = tensors["token_ids"]
         if tokens.dtype != torch.long or tuple(tokens.shape) != (1, num_tokens):
             raise ValueError(f"{where}: token_ids {tokens.dtype} {tuple(tokens.shape)} do not match its {num_tokens} tokens")
+
+    def _check_entry_keys(self, where: str, tensors: dict, num_tokens: int) -> None:
+        """A hybrid entry's attention layers: keys and values in the store's keys dtype, ``[1, kv heads, num_tokens,
+        head dim]`` from the model's config, finite; positions int64 ``0 .. num_tokens - 1`` (an entry is one context,
+        encoded alone: no padding, every layer at the same positions)."""
+        from ..state.serialization import attention_tensor_names
+
+        heads, head_dim = self._attention_shape
+        expected_positions = torch.arange(num_tokens).unsqueeze(0)
+        for i in self._attention_layers:
+            keys, values, positions = attention_tensor_names(i)
+            for name, kind in ((keys, "keys"), (values, "values")):
+                tensor = tensors[name]
+                if tensor.dtype != self._keys_dtype or tuple(tensor.shape) != (1, heads, num_tokens, head_dim):
+                    raise ValueError(f"{where}: layer {i} (attention) {kind} are {tensor.dtype} {tuple(tensor.shape)}, not the "
+                                     f"{self._keys_dtype} {(1, heads, num_tokens, head_dim)} keys of this model for its {num_tokens} tokens")
+                if not all_finite(tensor):
+                    raise ValueError(f"{where}: layer {i} (attention) {kind} hold NaN/inf; delete and re-add it")
+            tensor = tensors[positions]
+            if tensor.dtype != torch.long or not torch.equal(tensor, expected_positions):
+                raise ValueError(f"{where}: layer {i} (attention) positions are not 0 .. {num_tokens - 1} (an entry is one "
+                                 "context, encoded alone); delete and re-add it")
 
     # ------------------------------------------------------------------------------------ what each backend implements
     @abc.abstractmethod

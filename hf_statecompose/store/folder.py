@@ -7,8 +7,10 @@ Layout of a store directory::
                                 retriever name and dimension, tokenizer record, free-form ``info``;
                                 sealed with a digest of its own canonical content
     shards/<sid>.safetensors    the states of one ``add`` batch: per entry and layer ``<id>.ssm.<l>``,
-                                ``<id>.conv.<l>``, ``<id>.delta_sum.<l>``, plus ``<id>.token_ids``; per
-                                shard ``A.<l>`` and ``embeddings`` [n, E]
+                                ``<id>.conv.<l>``, ``<id>.delta_sum.<l>``, plus ``<id>.token_ids``
+                                (a hybrid model's entries: per attention layer ``i`` also
+                                ``<id>.attn.keys.<i>``, ``<id>.attn.values.<i>``, ``<id>.attn.positions.<i>``,
+                                for the entry's own tokens); per shard ``A.<l>`` and ``embeddings`` [n, E]
     shards/<sid>.json           the shard's manifest: its shard id, the model fingerprint, the shard file's
                                 size, entries (id, text, metadata, tokens, checksum), the checksums of the
                                 embeddings and of ``A``, the shards it ``supersedes``; sealed with a digest
@@ -659,8 +661,7 @@ class FolderStateStore(StateStore):
         return self._A[expected]
 
     def _read_entry_tensors(self, handle, sid: str, entry_id: str, num_layers: int) -> dict[str, torch.Tensor]:
-        kinds = ("ssm", "conv", "delta_sum") + tuple(extra.file_key for extra in self._layout.extras)
-        names = [f"{kind}.{layer}" for layer in range(num_layers) for kind in kinds] + ["token_ids"]
+        names = self._entry_tensor_names(num_layers)
         return {name: self._tensor(handle, sid, f"{entry_id}.{name}") for name in names}
 
     def _verify_entry(self, sid: str, record: dict, tensors: dict, num_layers: int) -> None:

@@ -15,6 +15,8 @@ Layout of a Lance store at ``uri`` (a LanceDB database: a local folder or an obj
 ``hf_statecompose`` metadata with format version, architecture, fingerprint, model dtype, config and the
 blake2b ``tensor_digest`` of every tensor) for one entry, except that ``A`` is not repeated in every row
 (for Mamba-1 it is as large as the SSM state): the reader takes it from the header table, checksum-verified.
+A hybrid model's entries also hold the keys, values and positions of their own tokens at each attention layer
+(``attn.keys.i``, ...; ``keys_dtype`` in the metadata), as a hybrid state file does.
 ``seal`` is a blake2b digest over id, text, metadata, num_tokens, the vector's bytes and tensor_digest:
 a changed byte anywhere in a row is refused, never read as other text or another state.
 
@@ -213,6 +215,8 @@ class LanceStateStore(StateStore):
             "num_layers": expected_num_layers(model.config), "config": model.config.to_dict(),
             "A": "stored once per store (store_header row 'A')", "storage_dtype": self.header["storage_dtype"],
         }
+        if self._attention_layers:  # a hybrid's keys and values, as a state file records their dtype
+            self._blob_meta["keys_dtype"] = str(self._keys_dtype)
         self.table = self._read(lambda: self._db.open_table(STATES_TABLE))
 
     # ------------------------------------------------------------------------------------ creation
@@ -518,8 +522,7 @@ class LanceStateStore(StateStore):
         if _digest(tensors) != meta["tensor_digest"]:
             raise ValueError(f"{where}: the state's tensor data does not match its digest (corrupted); delete and re-add it")
         num_layers = len(self._A)
-        kinds = ("ssm", "conv", "delta_sum") + tuple(extra.file_key for extra in self._layout.extras)
-        expected = {f"{kind}.{layer}" for layer in range(num_layers) for kind in kinds} | {"token_ids", "num_tokens"}
+        expected = set(self._entry_tensor_names(num_layers)) | {"num_tokens"}
         if set(tensors) != expected:
             raise ValueError(f"{where}: the state holds tensors {sorted(set(tensors) ^ expected)[:4]} it should not (or lacks them)")
         if tensors["num_tokens"].tolist() != [row["num_tokens"]]:

@@ -88,4 +88,7 @@ def _same_state(a, b) -> bool:
                  (a.delta_sums[layer], b.delta_sums[layer]), (a.A[layer], b.A[layer])]
         if not all(x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs):
             return False
+    for x, y in zip(getattr(a, "attention_layers", ()), getattr(b, "attention_layers", ())):  # a hybrid's keys
+        if not all(u.dtype == v.dtype and torch.equal(u, v) for u, v in ((x.keys, y.keys), (x.values, y.values), (x.positions, y.positions))):
+            return False
     return True
