@@ -1,12 +1,13 @@
-"""pytest plugin (``-p enable_plugin``, with this folder importable): every Mamba, Mamba-2 and FalconMamba model
-that the tests of the session build is ``hf_statecompose.enable``d as soon as it is built.
+"""pytest plugin (``-p enable_plugin``, with this folder importable): every Mamba, Mamba-2, FalconMamba and hybrid
+(Jamba, Zamba2, Bamba, GraniteMoeHybrid, NemotronH, FalconH1) model that the tests of the session build is
+``hf_statecompose.enable``d as soon as it is built.
 
 test_transformers_suites.py runs transformers' own test modules for those models once without and once with this
 plugin: ``enable`` must change nothing for calls without ``past_states``, so the outcomes must be the same.
 
-How: the ``__init__`` of each class in :data:`hf_statecompose.compat.GUARDED` (MambaModel, MambaForCausalLM, ...) is
-wrapped so that the outermost model built (a causal LM, not the backbone it builds inside) is enabled when its
-``__init__`` returns, as a user would enable it right after ``from_pretrained`` / ``from_config``. At the end the
+How: the ``__init__`` of each class in :data:`hf_statecompose.compat.GUARDED` (MambaModel, MambaForCausalLM, ...,
+JambaModel, ...) is wrapped so that the outermost model built (a causal LM, not the backbone it builds inside) is
+enabled when its ``__init__`` returns, as a user would enable it right after ``from_pretrained`` / ``from_config``. At the end the
 plugin writes how many models it enabled to the file named by ``HSC_ENABLED_COUNT_FILE`` (if set).
 """
 from __future__ import annotations

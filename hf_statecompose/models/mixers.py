@@ -149,8 +149,10 @@ def disable_state_path(model):
 
 
 def get_backend(model) -> str | None:
-    """The backend the state-aware path of an enabled model uses (None before it is enabled)."""
-    return getattr(ssm_mixers(model)[0], "_hsc_backend", None)
+    """The backend the state-aware path of an enabled model uses (None before it is enabled, and for a hybrid
+    configured without SSM layers: no mixer to run it)."""
+    mixers = ssm_mixers(model)
+    return getattr(mixers[0], "_hsc_backend", None) if mixers else None
 
 
 def set_backend(model, backend: str):

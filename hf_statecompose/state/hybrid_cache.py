@@ -48,6 +48,9 @@ class ComposableHybridCache(ComposableMambaCache):
         kinds = layout.layer_kinds(config)
         if num_layers is not None and num_layers != len(kinds):
             raise ValueError(f"a {architecture} state has one layer per model layer ({len(kinds)}), not {num_layers}")
+        if "ssm" not in kinds and "both" not in kinds:
+            raise ValueError(f"this {architecture} model has no SSM layer (layer kinds {kinds}): it has no state to "
+                             "encode or compose; use transformers' own cache (past_key_values) for its attention layers")
         compat.Cache.__init__(self, layers=[_new_layer(kind) for kind in kinds])
         self.config = config
         self.architecture = architecture
