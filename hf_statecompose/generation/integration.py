@@ -1,4 +1,4 @@
-"""``enable(model)``: ``past_states=`` for ``generate`` and ``forward`` of Mamba / Mamba-2 / SeRpEnt-Mamba models.
+"""``enable(model)``: ``past_states=`` for ``generate`` and ``forward`` of Mamba / Mamba-2 / SeRpEnt-Mamba / COFFEE and hybrid models.
 
 What ``enable`` changes, and why it changes nothing else:
 
@@ -71,7 +71,8 @@ def is_enabled(model) -> bool:
 
 
 def enable(model, backend: str | None = None):
-    """Teach a Mamba / Mamba-2 / SeRpEnt-Mamba model ``past_states=`` (idempotent; returns the model).
+    """Teach a Mamba / Mamba-2 / FalconMamba / SeRpEnt-Mamba / COFFEE or hybrid (Jamba, Zamba2, Bamba, GraniteMoeHybrid,
+    NemotronH, FalconH1) model ``past_states=`` (idempotent; returns the model).
 
     Calls without ``past_states`` behave exactly as before. ``backend`` (``"auto"``, ``"torch"`` or
     ``"triton"``, see :mod:`hf_statecompose.ops.backends`) picks the kernels of the state-aware path;
