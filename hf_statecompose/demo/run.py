@@ -27,7 +27,7 @@ from ..composition import METHODS, StateComposer
 from ..pipeline import context_order, generate_with_retrieval
 from ..state.cache import ComposableMambaCache
 from ..store import StateStore
-from . import load_demo
+from . import DEMO_ARCHS, load_demo
 
 
 def bundled(name: str) -> list[dict]:
@@ -37,7 +37,7 @@ def bundled(name: str) -> list[dict]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="mamba2", choices=["mamba2", "mamba"])
+    parser.add_argument("--arch", default="mamba2", choices=list(DEMO_ARCHS))
     parser.add_argument("--method", default="picaso_r", choices=[m for m in METHODS if m != "weighted"])
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--questions", type=int, default=4)
