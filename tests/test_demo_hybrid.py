@@ -88,3 +88,14 @@ def test_context_helps_when_concatenated(hybrid):
 def test_unknown_architectures_are_still_refused_by_load_demo():
     with pytest.raises(ValueError, match="arch"):
         hsc.load_demo("jamba")
+
+
+def test_the_main_job_runs_on_the_hybrid(tmp_path, capsys):
+    """`python -m hf_statecompose.demo --arch hybrid`: store, retrieve, compose, generate, leave-one-out and the
+    exactness check, end to end on the embedded hybrid."""
+    from hf_statecompose.demo.run import main
+
+    main(["--arch", "hybrid", "--questions", "2", "--store", str(tmp_path / "store")])
+    printed = capsys.readouterr().out
+    assert "model: demo hybrid" in printed
+    assert "one stored state + query == generate(context + query): True" in printed
