@@ -20,56 +20,17 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import backends
+from .mamba2 import mamba2_ssm
 
 
 def falcon_h1_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.Tensor | None):
     """hidden_states [B, T, hidden] -> [B, T, hidden]; updates layer ``mixer.layer_idx`` of ``cache``."""
-    layer_idx = mixer.layer_idx
     dtype = hidden_states.dtype
-    batch, length, _ = hidden_states.shape
-    layer = cache.layers[layer_idx]
-    has_state = layer.filled
-    backend = getattr(mixer, "_hsc_backend", "auto")
     if mask is not None:
         hidden_states = hidden_states * mask[:, :, None].to(dtype)
-
     # µP: input multiplier, then one multiplier per slice of the projection (as the stock mixer applies them)
     projected = mixer.in_proj(hidden_states * mixer.ssm_in_multiplier) * mixer.mup_vector
-    gate, xBC, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
-    xBC, conv_window = backends.causal_conv1d(
-        xBC.transpose(1, 2),
-        mixer.conv1d.weight.squeeze(1),
-        mixer.conv1d.bias if mixer.use_conv_bias else None,
-        conv_state=layer.conv_state if has_state else None,
-        mask=mask,
-        activation=mixer.activation,
-        backend=backend,
-    )
-    xBC = xBC.transpose(1, 2)
-    if mask is not None:
-        xBC = xBC * mask[:, :, None].to(xBC.dtype)
-    group_state = mixer.n_groups * mixer.ssm_state_size
-    x, B, C = torch.split(xBC, [mixer.intermediate_size, group_state, group_state], dim=-1)
-    A = -torch.exp(mixer.A_log.float())  # [H]
-    limit = mixer.time_step_limit
-    y, ssm_state, delta_sum = backends.ssd_scan(
-        x.reshape(batch, length, mixer.num_heads, mixer.head_dim),
-        dt,
-        A,
-        B.reshape(batch, length, mixer.n_groups, mixer.ssm_state_size),
-        C.reshape(batch, length, mixer.n_groups, mixer.ssm_state_size),
-        D=mixer.D,
-        dt_bias=mixer.dt_bias,
-        dt_softplus=True,
-        dt_limit=tuple(limit) if limit is not None else None,
-        initial_state=layer.ssm_state if has_state else None,
-        mask=mask,
-        backend=backend,
-        chunk_size=min(mixer.chunk_size, 64),
-    )
-    cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)
-    y = y.reshape(batch, length, -1)
+    y, gate = mamba2_ssm(mixer, projected, cache, mask)
     if mixer.mamba_rms_norm:
         # FalconH1RMSNormGated, called as the stock mixer calls it: its gate may come after the norm
         # (mamba_norm_before_gate), which the Mamba-2 gated-norm kernels do not do
