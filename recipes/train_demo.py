@@ -88,10 +88,15 @@ def build_model(arch: str, vocab_size: int, eos: int):
 
 
 @torch.no_grad()
-def warm_start(hybrid, folder) -> None:
+def warm_start(hybrid, folder, attn_init_std: float = 0.0, qk_init_std: float | None = None) -> None:
     """Load a trained Mamba-2 checkpoint (``folder``) into the hybrid: embeddings (and the untied lm_head,
     from the tied embeddings), the Mamba-2 layers in order onto the ``M`` layers, the final norm; the
-    attention layers' output projections zero, so that the hybrid computes exactly the Mamba-2 model."""
+    attention layers' output projections zero (``attn_init_std`` 0), so that the hybrid computes exactly
+    the Mamba-2 model, or drawn from N(0, attn_init_std²) (then the attention layers' query / key weights
+    get gradients from the first step: with a zero output projection they get none until it moves).
+    ``qk_init_std``: the query / key projections drawn from N(0, qk_init_std²) instead of the config's
+    init (std 0.02 gives near-uniform attention scores, ~0.1, whose query and key gradients are each
+    proportional to the other weight: a slow start; 0.1 gives scores of about ±2.5)."""
     from transformers import AutoModelForCausalLM
 
     source = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
@@ -107,14 +112,17 @@ def warm_start(hybrid, folder) -> None:
         target.mixer.load_state_dict(layer.mixer.state_dict())
     for layer in hybrid.model.layers:
         if layer.block_type == "full_attention":
-            layer.mixer.o_proj.weight.zero_()
+            layer.mixer.o_proj.weight.normal_(0.0, attn_init_std) if attn_init_std else layer.mixer.o_proj.weight.zero_()
+            if qk_init_std:
+                layer.mixer.q_proj.weight.normal_(0.0, qk_init_std)
+                layer.mixer.k_proj.weight.normal_(0.0, qk_init_std)
 
 
 class Batches:
     """3/8 random windows of the Wikipedia training stream, 5/8 packed synthetic recall examples."""
 
-    def __init__(self, tokenizer, train_articles, batch_size: int, seed: int):
-        self.tokenizer, self.batch_size = tokenizer, batch_size
+    def __init__(self, tokenizer, train_articles, batch_size: int, seed: int, max_towns: int = 8):
+        self.tokenizer, self.batch_size, self.max_towns = tokenizer, batch_size, max_towns
         self.rng = random.Random(seed)
         eos = tokenizer.eos_token_id
         stream = []
@@ -131,7 +139,7 @@ class Batches:
         from hf_statecompose.demo.corpora import recall_training_text
 
         while len(self.recall_buffer) < SEQ_LEN:
-            text = recall_training_text(self.rng, max_towns=8)
+            text = recall_training_text(self.rng, max_towns=self.max_towns)
             ids, labels = [], []
             for line_number, line in enumerate(text.split("\n")):
                 piece = self.tokenizer(("\n" if line_number else "") + line)["input_ids"]
@@ -183,6 +191,42 @@ def recall_probe(model, tokenizer, seed: int = 4242):
     return sum(out[True]) / len(out[True]), sum(out[False]) / len(out[False])
 
 
+def attention_layers(model) -> list:
+    """The hybrid's attention layers (NemotronH ``full_attention`` blocks); [] for the Mamba models."""
+    return [layer for layer in getattr(getattr(model, "model", None), "layers", []) if layer.block_type == "full_attention"]
+
+
+@torch.no_grad()
+def attention_probe(model, tokenizer, seed: int = 4343, towns: int = 16):
+    """Does the hybrid's recall go through its attention layers? Mean answer loss of every question of a
+    fixed unseen ``towns``-town world with all its passages as the prefix, as trained and with the
+    attention layers' output projections zeroed (the attention layers then add nothing)."""
+    from hf_statecompose.demo.corpora import recall_world
+
+    world = recall_world(seed, towns=towns)
+    device = next(model.parameters()).device
+    prefix = tokenizer("".join(world.passages))["input_ids"]
+
+    def mean_loss():
+        losses = []
+        for q in world.questions:
+            answer = tokenizer(q.answer)["input_ids"]
+            ids = torch.tensor([prefix + tokenizer(q.query)["input_ids"] + answer], device=device)
+            labels = ids.clone()
+            labels[:, : -len(answer)] = -100
+            losses.append(float(model(input_ids=ids, labels=labels).loss))
+        return sum(losses) / len(losses)
+
+    with_attention = mean_loss()
+    saved = [layer.mixer.o_proj.weight.clone() for layer in attention_layers(model)]
+    for layer in attention_layers(model):
+        layer.mixer.o_proj.weight.zero_()
+    ablated = mean_loss()
+    for layer, weight in zip(attention_layers(model), saved):
+        layer.mixer.o_proj.weight.copy_(weight)
+    return with_attention, ablated
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, held_out, seed: int = 1234):
     """Held-out Wikipedia loss (first 4096 tokens of each held-out article, in 256-token windows, no
@@ -226,6 +270,13 @@ def main(argv=None):
     parser.add_argument("--tokenizer-from", default=None, help="a folder with the tokenizer to reuse (default: another demo model's, if trained; else train one)")
     parser.add_argument("--init-from", default=None, help="hybrid only: a Mamba-2 checkpoint to start from (default: the Mamba-2 demo's; 'none': from scratch)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--max-towns", type=int, default=8, help="recall examples have 2 to this many towns (facts) in context")
+    parser.add_argument("--attn-init-std", type=float, default=0.0,
+                        help="hybrid warm start: std of the attention output projections' normal init (0: zero, the hybrid starts as the Mamba-2 model)")
+    parser.add_argument("--qk-init-std", type=float, default=None, help="hybrid warm start: std of the attention query / key projections' init (default: the config's, 0.02)")
+    parser.add_argument("--attn-lr-mult", type=float, default=1.0, help="hybrid: the attention layers' learning rate is --lr times this")
+    parser.add_argument("--freeze-ssm-steps", type=int, default=0,
+                        help="hybrid: for the first N steps train the attention layers only (everything else frozen), so the loss can only fall through attention")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -249,7 +300,7 @@ def main(argv=None):
         print(f"tokenizer: reused from {shared}", flush=True)
     else:
         tokenizer = build_tokenizer(train_articles)
-    batches = Batches(tokenizer, train_articles, args.batch_size, args.seed)
+    batches = Batches(tokenizer, train_articles, args.batch_size, args.seed, args.max_towns)
     print(f"data: {len(train_articles)} training articles ({len(batches.wiki)} tokens), {len(held_out)} held out "
           f"({', '.join(t for t, _ in held_out)}); prep {time.time() - t0:.0f}s", flush=True)
     model = build_model(args.arch, len(tokenizer), tokenizer.eos_token_id)
@@ -257,7 +308,7 @@ def main(argv=None):
     init_from = None
     if stock and args.init_from != "none":
         init_from = args.init_from or str(demos / "mamba2")
-        warm_start(model, init_from)
+        warm_start(model, init_from, args.attn_init_std, args.qk_init_std)
         print(f"hybrid: started from {init_from}", flush=True)
     if not stock:
         model = hsc.enable(model)
@@ -265,10 +316,19 @@ def main(argv=None):
     model.to(device).train()
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.arch}, {params / 1e6:.2f}M parameters, device {device}", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95))
+    attention = {id(p) for layer in attention_layers(model) for p in layer.parameters()}
+    groups = []  # (weight decay, lr multiplier): matrices but the embeddings decay; the attention layers' lr x --attn-lr-mult
+    for is_attention in (False, True):
+        named = [(n, p) for n, p in model.named_parameters() if (id(p) in attention) == is_attention]
+        mult = args.attn_lr_mult if is_attention else 1.0
+        groups += [{"params": [p for n, p in named if p.dim() >= 2 and "embed" not in n], "weight_decay": 0.1, "lr_mult": mult},
+                   {"params": [p for n, p in named if not (p.dim() >= 2 and "embed" not in n)], "weight_decay": 0.0, "lr_mult": mult}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95))
+    frozen = [p for p in model.parameters() if id(p) not in attention] if args.freeze_ssm_steps and attention else []
+    for p in frozen:
+        p.requires_grad_(False)
+    if frozen:
+        print(f"attention layers only for the first {args.freeze_ssm_steps} steps", flush=True)
 
     def step_fn(batch):
         batch, labels = batch[0].to(device), batch[1].to(device)
@@ -290,7 +350,11 @@ def main(argv=None):
         progress = 0.0 if total_steps is None else step / total_steps
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_mult"]
+        if frozen and step == args.freeze_ssm_steps:
+            for p in frozen:
+                p.requires_grad_(True)
+            print(f"step {step}: every layer trains from here", flush=True)
         loss = step_fn(next(batches))
         step += 1
         if step == probe:
@@ -306,6 +370,12 @@ def main(argv=None):
             model.train()
             log[-1].update(recall_answer_loss_with_context=with_context, recall_answer_loss_without=without)
             print(f"  recall answer loss: with its passage {with_context:.3f}, without {without:.3f}", flush=True)
+        if step % 50 == 0 and attention:
+            model.eval()
+            with_attention, ablated = attention_probe(model, tokenizer)
+            model.train()
+            log[-1].update(recall16_answer_loss=with_attention, recall16_answer_loss_attention_zeroed=ablated)
+            print(f"  16-town recall answer loss: {with_attention:.3f}, attention o_proj zeroed {ablated:.3f}", flush=True)
     train_seconds = time.time() - start
     model.eval()
     metrics = evaluate(model, tokenizer, held_out)
@@ -319,12 +389,13 @@ def main(argv=None):
     summary = {
         "arch": args.arch, "parameters": params, "steps": step, "batch_size": args.batch_size, "seq_len": SEQ_LEN,
         "tokens_seen": step * args.batch_size * SEQ_LEN, "train_seconds": round(train_seconds, 1), "device": device,
-        "threads": args.threads, "lr": args.lr, "seed": args.seed,
+        "threads": args.threads, "lr": args.lr, "seed": args.seed, "max_towns": args.max_towns,
         "final_train_loss_mean_last_50": sum(r["loss"] for r in log[-50:]) / len(log[-50:]),
         "held_out_articles": [t for t, _ in held_out], **metrics,
     }
     if stock:
-        summary.update(pattern=HYBRID_PATTERN, init_from=None if init_from is None else os.path.relpath(init_from, ROOT))
+        summary.update(pattern=HYBRID_PATTERN, init_from=None if init_from is None else os.path.relpath(init_from, ROOT),
+                       attn_init_std=args.attn_init_std, qk_init_std=args.qk_init_std, attn_lr_mult=args.attn_lr_mult, freeze_ssm_steps=args.freeze_ssm_steps)
     (out / "training_log.json").write_text(json.dumps({"summary": summary, "log": log[:: max(1, len(log) // 400)]}, indent=1))
     from model_card import write_model_card
 
