@@ -91,7 +91,7 @@ def _architecture(s: dict) -> str:
         start += f" The attention layers' learning rate is {s['attn_lr_mult']} × the rest's."
     if s.get("freeze_ssm_steps"):
         start += (f" For the first {s['freeze_ssm_steps']} steps only the attention layers trained (everything else frozen, "
-                  "so that the loss could only fall through attention), then every layer.")
+                  "every row a recall row, so that the recall loss could only fall through attention), then every layer on the mix below.")
     return f"""
 ## Architecture
 transformers' `NemotronHForCausalLM` (model_type `nemotron_h`), hidden size 256, layer pattern

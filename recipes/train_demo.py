@@ -130,6 +130,7 @@ class Batches:
             stream += tokenizer(text)["input_ids"] + [eos]
         self.wiki = torch.tensor(stream)
         self.recall_buffer: list[int] = []
+        self.recall_only = False  # every row a recall row (the hybrid's attention-only phase: the Wikipedia rows teach attention no recall)
 
     def recall_row(self):
         """A row of packed recall examples; labels only on the answers (everything else is -100).
@@ -159,7 +160,7 @@ class Batches:
     def __next__(self):
         rows, labels = [], []
         for i in range(self.batch_size):
-            if i % 8 < 3:  # 3/8 Wikipedia, 5/8 recall
+            if i % 8 < 3 and not self.recall_only:  # 3/8 Wikipedia, 5/8 recall
                 start = self.rng.randrange(len(self.wiki) - SEQ_LEN)
                 rows.append(self.wiki[start : start + SEQ_LEN])
                 labels.append(rows[-1])
@@ -276,7 +277,7 @@ def main(argv=None):
     parser.add_argument("--qk-init-std", type=float, default=None, help="hybrid warm start: std of the attention query / key projections' init (default: the config's, 0.02)")
     parser.add_argument("--attn-lr-mult", type=float, default=1.0, help="hybrid: the attention layers' learning rate is --lr times this")
     parser.add_argument("--freeze-ssm-steps", type=int, default=0,
-                        help="hybrid: for the first N steps train the attention layers only (everything else frozen), so the loss can only fall through attention")
+                        help="hybrid: for the first N steps train the attention layers only (everything else frozen), on recall rows only, so the recall loss can only fall through attention")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -328,7 +329,8 @@ def main(argv=None):
     for p in frozen:
         p.requires_grad_(False)
     if frozen:
-        print(f"attention layers only for the first {args.freeze_ssm_steps} steps", flush=True)
+        batches.recall_only = True
+        print(f"attention layers only, recall rows only, for the first {args.freeze_ssm_steps} steps", flush=True)
 
     def step_fn(batch):
         batch, labels = batch[0].to(device), batch[1].to(device)
@@ -354,6 +356,7 @@ def main(argv=None):
         if frozen and step == args.freeze_ssm_steps:
             for p in frozen:
                 p.requires_grad_(True)
+            batches.recall_only = False
             print(f"step {step}: every layer trains from here", flush=True)
         loss = step_fn(next(batches))
         step += 1
