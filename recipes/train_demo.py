@@ -118,6 +118,66 @@ def warm_start(hybrid, folder, attn_init_std: float = 0.0, qk_init_std: float | 
                 layer.mixer.k_proj.weight.normal_(0.0, qk_init_std)
 
 
+@torch.no_grad()
+def induction_init(model, tokenizer, scale: float = 16.0, gain: float = 4.0, worlds: int = 60, rank: int = 64) -> None:
+    """Give the hybrid's first attention layer a recall lookup before training (NoPE attention trained by
+    gradient from a random init did not learn one here within hundreds of steps). Fitted by ridge least
+    squares on that layer's input hidden states ``h`` over ``worlds`` fixed 16-town recall worlds: with
+    ``h_q`` at a question's last token and ``h_a`` at its answer's first token in the passage, ``A`` maps
+    ``h_a`` to ``h_q`` and ``M`` maps ``h_a`` to the answer's output embedding. Queries ``P h`` and keys
+    ``P Aᵀ h`` (``P`` a random orthonormal 32-row projection times ``scale``) make a question attend to
+    its answer's position; values and output projection are ``M``'s best rank-``rank`` factors (times
+    ``gain``), so the attended answer token is written into the residual stream. The layer's other
+    weights are left as they are; training goes on from there."""
+    from hf_statecompose.demo.corpora import recall_world
+
+    layer = attention_layers(model)[0]
+    mixer, config = layer.mixer, model.config
+    if (config.num_attention_heads, config.num_key_value_heads, config.head_dim) != (4, 2, 32):
+        raise ValueError("--induction-init is written for the demo hybrid's attention (4 query heads, 2 key/value heads of 32)")
+    captured = {}
+    hook = mixer.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.__setitem__("h", (args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True)
+    h_q, h_a, answers = [], [], []
+    was_training = model.training
+    model.eval()
+    for seed in range(worlds):
+        world = recall_world(10_000 + seed, towns=16)
+        ids, answer_at = [], {}
+        for passage in world.passages:  # the passages' tokens, line by line as in training
+            for line in passage.strip("\n").split("\n"):
+                head, value = line.rsplit(" ", 1)
+                ids += tokenizer(head)["input_ids"]
+                answer_at[head] = len(ids)
+                ids += tokenizer(" " + value)["input_ids"] + tokenizer("\n")["input_ids"]
+        pairs = []
+        for q in world.questions:
+            ids += tokenizer(q.query)["input_ids"]
+            pairs.append((len(ids) - 1, answer_at[q.query], tokenizer(q.answer)["input_ids"][0]))
+            ids += tokenizer(q.answer)["input_ids"] + tokenizer("\n")["input_ids"]
+        model(input_ids=torch.tensor([ids], device=model.device))
+        h = captured["h"][0].float().cpu()
+        for at_query, at_answer, answer in pairs:
+            h_q.append(h[at_query]), h_a.append(h[at_answer]), answers.append(answer)
+    hook.remove()
+    model.train(was_training)
+    h_q, h_a = torch.stack(h_q), torch.stack(h_a)
+    width = h_a.shape[1]
+    gram = h_a.T @ h_a + 1e-2 * torch.eye(width)
+    A = torch.linalg.solve(gram, h_a.T @ h_q)  # h_a @ A ≈ h_q
+    M = torch.linalg.solve(gram, h_a.T @ model.lm_head.weight[answers].detach().float().cpu())  # h_a @ M ≈ answer embedding
+    U, S, Vh = torch.linalg.svd(M.T)
+    P = torch.linalg.qr(torch.randn(width, 32))[0].T * scale
+    dtype, device = mixer.q_proj.weight.dtype, mixer.q_proj.weight.device
+    mixer.q_proj.weight.copy_(torch.cat([P] * 4).to(device, dtype))
+    mixer.k_proj.weight.copy_(torch.cat([P @ A.T] * 2).to(device, dtype))
+    mixer.v_proj.weight.copy_((Vh[:rank].T * S[:rank].sqrt()).T.to(device, dtype))  # key/value head 0: factors 0..31, head 1: 32..63
+    out = torch.zeros(width, 128)
+    factors = U[:, :rank] * S[:rank].sqrt() * gain
+    out[:, 0:32], out[:, 64:96] = factors[:, :32], factors[:, 32:64]  # query head 0 reads key/value head 0, query head 2 head 1
+    mixer.o_proj.weight.copy_(out.to(device, dtype))
+
+
 class Batches:
     """3/8 random windows of the Wikipedia training stream, 5/8 packed synthetic recall examples."""
 
@@ -275,6 +335,7 @@ def main(argv=None):
     parser.add_argument("--attn-init-std", type=float, default=0.0,
                         help="hybrid warm start: std of the attention output projections' normal init (0: zero, the hybrid starts as the Mamba-2 model)")
     parser.add_argument("--qk-init-std", type=float, default=None, help="hybrid warm start: std of the attention query / key projections' init (default: the config's, 0.02)")
+    parser.add_argument("--induction-init", action="store_true", help="hybrid warm start: fit the first attention layer as a recall lookup (induction_init) before training")
     parser.add_argument("--attn-lr-mult", type=float, default=1.0, help="hybrid: the attention layers' learning rate is --lr times this")
     parser.add_argument("--freeze-ssm-steps", type=int, default=0,
                         help="hybrid: for the first N steps train the attention layers only (everything else frozen), on recall rows only, so the recall loss can only fall through attention")
@@ -310,6 +371,10 @@ def main(argv=None):
     if stock and args.init_from != "none":
         init_from = args.init_from or str(demos / "mamba2")
         warm_start(model, init_from, args.attn_init_std, args.qk_init_std)
+        if args.induction_init:
+            induction_init(model, tokenizer)
+            print(f"induction init: 16-town recall answer loss {attention_probe(model, tokenizer)[0]:.3f}, "
+                  f"attention o_proj zeroed {attention_probe(model, tokenizer)[1]:.3f}", flush=True)
         print(f"hybrid: started from {init_from}", flush=True)
     if not stock:
         model = hsc.enable(model)
@@ -398,7 +463,7 @@ def main(argv=None):
     }
     if stock:
         summary.update(pattern=HYBRID_PATTERN, init_from=None if init_from is None else os.path.relpath(init_from, ROOT),
-                       attn_init_std=args.attn_init_std, qk_init_std=args.qk_init_std, attn_lr_mult=args.attn_lr_mult, freeze_ssm_steps=args.freeze_ssm_steps)
+                       attn_init_std=args.attn_init_std, qk_init_std=args.qk_init_std, induction_init=args.induction_init, attn_lr_mult=args.attn_lr_mult, freeze_ssm_steps=args.freeze_ssm_steps)
     (out / "training_log.json").write_text(json.dumps({"summary": summary, "log": log[:: max(1, len(log) // 400)]}, indent=1))
     from model_card import write_model_card
 
