@@ -62,9 +62,11 @@ def _hybrid_flags(s: dict) -> str:
     if s["arch"] != "hybrid":
         return ""
     flags = f" --lr {s['lr']} --threads {s['threads']}"
-    for key, default in (("max_towns", 8), ("attn_init_std", 0.0), ("attn_lr_mult", 1.0), ("freeze_ssm_steps", 0)):
+    for key, default in (("max_towns", 8), ("attn_init_std", 0.0), ("qk_init_std", None), ("attn_lr_mult", 1.0), ("freeze_ssm_steps", 0)):
         if s.get(key, default) != default:
             flags += f" --{key.replace('_', '-')} {s[key]}"
+    if s.get("induction_init"):
+        flags += " --induction-init"
     return flags
 
 
@@ -85,8 +87,19 @@ def _architecture(s: dict) -> str:
                   "queries and keys learn from the first step)")
     else:
         o_proj = "with the attention layers' output projections at zero, i.e. as exactly that model,"
-    start = (f"It started from `{s['init_from']}` (the Mamba-2 demo: embeddings, lm_head = those embeddings, "
-             f"its six Mamba-2 layers in order, final norm) {o_proj} and was then trained as below." if s.get("init_from") else "Trained from scratch.")
+    if not s.get("init_from"):
+        start = "Trained from scratch."
+    else:
+        start = (f"It started from `{s['init_from']}` (the Mamba-2 demo: embeddings, lm_head = those embeddings, "
+                 f"its six Mamba-2 layers in order, final norm) {o_proj.rstrip(',')}.")
+        if s.get("qk_init_std"):
+            start += f" The attention layers' query / key projections were drawn from N(0, {s['qk_init_std']}²) (scores of order 1, not ~0.1)."
+        if s.get("induction_init"):
+            start += (" Then the first attention layer was given a recall lookup by least squares (`induction_init` in the recipe: "
+                      "on its input hidden states over 60 fixed 16-town recall worlds, keys map an answer's position onto its "
+                      "question's query, values and output projection write the answer token's embedding), because NoPE attention "
+                      "trained from a random init learnt no lookup within a few hundred steps here.")
+        start += " It was then trained as below."
     if s.get("attn_lr_mult", 1.0) != 1.0:
         start += f" The attention layers' learning rate is {s['attn_lr_mult']} × the rest's."
     if s.get("freeze_ssm_steps"):
