@@ -18,6 +18,13 @@ demo (``--init-from``: embeddings, lm_head = the embeddings, the six Mamba-2 lay
 the attention layers' output projections zero, so that the hybrid starts as exactly that model): a run
 from scratch on this CPU (``MM*MM*``, attention 4 × 64, lr 2e-3) had not begun to recall by step 400
 (answer loss 1.50 with the passage, 1.51 without), where the Mamba-2 demo had by step 200.
+The shipped hybrid's attention layers carry no recall (zeroing their output projections changes nothing:
+``eval_hybrid_demo.py --zero-attention``). Flags to make them matter (issue 22), none of which did within
+~20 minutes of this CPU (the 16-town probe printed every 50 steps, ``attention_probe``, is the test):
+``--max-towns`` (harder recall for a fixed-size state), ``--attn-init-std`` / ``--qk-init-std`` (attention
+that gets gradients from step 0), ``--attn-lr-mult``, ``--freeze-ssm-steps`` (attention alone first) and
+``--induction-init`` (a least-squares recall lookup for the first attention layer: it lowers the probe's
+loss before training, 0.69 vs 0.75 with attention zeroed, but training, even of attention alone, undoes it).
 
 The Mamba models train through hf_statecompose's state-aware path (the same kernels ``encode`` uses; its
 Mamba-1 scan has a hand-written backward); the hybrid through transformers' stock forward (no cache).
