@@ -88,3 +88,32 @@ def test_context_helps_when_concatenated(hybrid):
 def test_unknown_architectures_are_still_refused_by_load_demo():
     with pytest.raises(ValueError, match="arch"):
         hsc.load_demo("jamba")
+
+
+def test_zero_attention_ablation(hybrid):
+    """``eval_hybrid_demo.py --zero-attention``: the attention layers' output projections become zero (the
+    model then computes what its Mamba-2 layers alone compute); a model without attention layers is refused."""
+    model, _ = hybrid
+    model = type(model)(model.config)  # a fresh copy: the fixture's model is shared
+    recipe = _recipe()
+    recipe.zero_attention(model)
+    attention = [layer for layer in model.model.layers if layer.block_type == "full_attention"]
+    assert len(attention) == 2 and all(not layer.mixer.o_proj.weight.any() for layer in attention)
+    mamba2, _ = hsc.load_demo()
+    with pytest.raises(ValueError, match="no attention layers"):
+        recipe.zero_attention(mamba2)
+
+
+def test_model_card_names_the_hybrid_training_flags():
+    """The card's recipe line repeats every non-default hybrid flag, so it says exactly how it was trained."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from model_card import render
+
+    summary = json.loads((FOLDER / "training_log.json").read_text())["summary"]
+    assert "--max-towns" not in render(summary)
+    card = render({**summary, "max_towns": 24, "qk_init_std": 0.1, "induction_init": True, "freeze_ssm_steps": 300})
+    assert "--max-towns 24 --qk-init-std 0.1 --freeze-ssm-steps 300 --induction-init" in card
+    assert "2–24 fictional towns" in card and "least squares" in card and "first 300 steps" in card
