@@ -4,6 +4,7 @@ how much of that survives composing their states?
     python recipes/eval_hybrid_demo.py                      # k = 1, 2, 4, every demo question
     python recipes/eval_hybrid_demo.py --k 4 --questions 8 --out /tmp/x
     python recipes/eval_hybrid_demo.py --arch mamba2        # the same harness on the Mamba-2 demo, for comparison
+    python recipes/eval_hybrid_demo.py --k 2 4 --zero-attention   # ablation: the attention layers' output projections zeroed
 
 Questions and passages: the demo's bundled ones (``hf_statecompose/demo/data/``, those of
 ``python -m hf_statecompose.demo`` and of the PICASO evaluation): each question's answer is in one
@@ -21,6 +22,9 @@ are that passage and k - 1 others (distractors, other towns' facts), in an order
 
 ``composed`` and ``ssm_only`` need hf_statecompose's hybrid support; while ``hsc.encode`` (or the
 composer) refuses the model they are reported "not available" and the rest still runs.
+
+``--zero-attention`` zeroes the attention layers' output projections first (they then add nothing to the
+residual stream): the drop from the plain run is how much of the recall goes through attention.
 
 Metrics per condition: accuracy (the greedy answer, as many tokens as the reference, equals it exactly)
 and the answer's mean cross-entropy (nats/token; lower is better). Prints a markdown table; writes
@@ -142,6 +146,16 @@ def evaluate(model, tokenizer, ks=(1, 4), seed: int = 0, limit: int | None = Non
     return result
 
 
+@torch.no_grad()
+def zero_attention(model) -> None:
+    """Zero the output projection of every attention layer (NemotronH's ``full_attention`` blocks), in place."""
+    layers = [layer for layer in getattr(getattr(model, "model", None), "layers", []) if getattr(layer, "block_type", None) == "full_attention"]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no attention layers to zero: --zero-attention is for the hybrid demo")
+    for layer in layers:
+        layer.mixer.o_proj.weight.zero_()
+
+
 def table(result: dict) -> str:
     lines = ["| k | condition | accuracy | answer loss (nats/token) |", "|---|---|---:|---:|"]
     for k, per_k in result["k"].items():
@@ -161,6 +175,7 @@ def main(argv=None):
     parser.add_argument("--questions", type=int, default=None, help="the first N demo questions (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="picks the distractors and the passages' order")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--zero-attention", action="store_true", help="ablation: zero the attention layers' output projections (hybrid)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     if args.threads:
@@ -169,11 +184,14 @@ def main(argv=None):
     import hf_statecompose as hsc
 
     model, tokenizer = hsc.load_demo(args.arch)
+    if args.zero_attention:
+        zero_attention(model)
     result = evaluate(model, tokenizer, args.k, args.seed, args.questions)
-    result.update(model=f"demo-{args.arch}", seed=args.seed, threads=torch.get_num_threads(), torch=torch.__version__)
+    result.update(model=f"demo-{args.arch}", seed=args.seed, threads=torch.get_num_threads(), torch=torch.__version__,
+                  attention_zeroed=args.zero_attention)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"eval_hybrid_demo_{args.arch}"
+    name = f"eval_hybrid_demo_{args.arch}" + ("_zero_attention" if args.zero_attention else "")
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     (out / f"{name}.md").write_text(table(result) + "\n")
     print(table(result))

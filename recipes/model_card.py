@@ -35,7 +35,7 @@ not be used for anything but exercising and measuring the library.
     (`gensim/test/test_data/enwiki-latest-pages-articles1*.bz2`). Text © Wikipedia contributors,
     licensed [CC BY-SA 4.0](https://creativecommons.org/licenses/by-sa/4.0/); the held-out articles
     ({', '.join(s['held_out_articles'])}) were never trained on;
-  - a synthetic multi-context fact-recall task (`hf_statecompose.demo.corpora`): 2–8 fictional towns with
+  - a synthetic multi-context fact-recall task (`hf_statecompose.demo.corpora`): 2–{s.get('max_towns', 8)} fictional towns with
     one fact each (terse records, `Gasol river Iron.`, two towns per passage), shuffled, then every
     fact asked back (`Gasol river` → ` Iron.`), the loss taken on the answers only (the facts are
     random: predicting them is noise). A fresh random world per example, so facts can only come from
@@ -59,7 +59,15 @@ same licence. Architecture: transformers' `{CLASSES[arch]}`.
 
 
 def _hybrid_flags(s: dict) -> str:
-    return f" --lr {s['lr']} --threads {s['threads']}" if s["arch"] == "hybrid" else ""
+    if s["arch"] != "hybrid":
+        return ""
+    flags = f" --lr {s['lr']} --threads {s['threads']}"
+    for key, default in (("max_towns", 8), ("attn_init_std", 0.0), ("qk_init_std", None), ("attn_lr_mult", 1.0), ("freeze_ssm_steps", 0)):
+        if s.get(key, default) != default:
+            flags += f" --{key.replace('_', '-')} {s[key]}"
+    if s.get("induction_init"):
+        flags += " --induction-init"
+    return flags
 
 
 def _evaluation(arch: str) -> str:
@@ -74,9 +82,29 @@ def _architecture(s: dict) -> str:
     """The hybrid's layer pattern (the Mamba models' architecture is their class name)."""
     if s["arch"] != "hybrid":
         return ""
-    start = (f"It started from `{s['init_from']}` (the Mamba-2 demo: embeddings, lm_head = those embeddings, "
-             "its six Mamba-2 layers in order, final norm) with the attention layers' output projections at zero, "
-             "i.e. as exactly that model, and was then trained as below." if s.get("init_from") else "Trained from scratch.")
+    if s.get("attn_init_std"):
+        o_proj = (f"with the attention layers' output projections drawn from N(0, {s['attn_init_std']}²) (so that their "
+                  "queries and keys learn from the first step)")
+    else:
+        o_proj = "with the attention layers' output projections at zero, i.e. as exactly that model,"
+    if not s.get("init_from"):
+        start = "Trained from scratch."
+    else:
+        start = (f"It started from `{s['init_from']}` (the Mamba-2 demo: embeddings, lm_head = those embeddings, "
+                 f"its six Mamba-2 layers in order, final norm) {o_proj.rstrip(',')}.")
+        if s.get("qk_init_std"):
+            start += f" The attention layers' query / key projections were drawn from N(0, {s['qk_init_std']}²) (scores of order 1, not ~0.1)."
+        if s.get("induction_init"):
+            start += (" Then the first attention layer was given a recall lookup by least squares (`induction_init` in the recipe: "
+                      "on its input hidden states over 60 fixed 16-town recall worlds, keys map an answer's position onto its "
+                      "question's query, values and output projection write the answer token's embedding), because NoPE attention "
+                      "trained from a random init learnt no lookup within a few hundred steps here.")
+        start += " It was then trained as below."
+    if s.get("attn_lr_mult", 1.0) != 1.0:
+        start += f" The attention layers' learning rate is {s['attn_lr_mult']} × the rest's."
+    if s.get("freeze_ssm_steps"):
+        start += (f" For the first {s['freeze_ssm_steps']} steps only the attention layers trained (everything else frozen, "
+                  "every row a recall row, so that the recall loss could only fall through attention), then every layer on the mix below.")
     return f"""
 ## Architecture
 transformers' `NemotronHForCausalLM` (model_type `nemotron_h`), hidden size 256, layer pattern

@@ -18,6 +18,13 @@ demo (``--init-from``: embeddings, lm_head = the embeddings, the six Mamba-2 lay
 the attention layers' output projections zero, so that the hybrid starts as exactly that model): a run
 from scratch on this CPU (``MM*MM*``, attention 4 × 64, lr 2e-3) had not begun to recall by step 400
 (answer loss 1.50 with the passage, 1.51 without), where the Mamba-2 demo had by step 200.
+The shipped hybrid's attention layers carry no recall (zeroing their output projections changes nothing:
+``eval_hybrid_demo.py --zero-attention``). Flags to make them matter (issue 22), none of which did within
+~20 minutes of this CPU (the 16-town probe printed every 50 steps, ``attention_probe``, is the test):
+``--max-towns`` (harder recall for a fixed-size state), ``--attn-init-std`` / ``--qk-init-std`` (attention
+that gets gradients from step 0), ``--attn-lr-mult``, ``--freeze-ssm-steps`` (attention alone first) and
+``--induction-init`` (a least-squares recall lookup for the first attention layer: it lowers the probe's
+loss before training, 0.69 vs 0.75 with attention zeroed, but training, even of attention alone, undoes it).
 
 The Mamba models train through hf_statecompose's state-aware path (the same kernels ``encode`` uses; its
 Mamba-1 scan has a hand-written backward); the hybrid through transformers' stock forward (no cache).
@@ -88,10 +95,15 @@ def build_model(arch: str, vocab_size: int, eos: int):
 
 
 @torch.no_grad()
-def warm_start(hybrid, folder) -> None:
+def warm_start(hybrid, folder, attn_init_std: float = 0.0, qk_init_std: float | None = None) -> None:
     """Load a trained Mamba-2 checkpoint (``folder``) into the hybrid: embeddings (and the untied lm_head,
     from the tied embeddings), the Mamba-2 layers in order onto the ``M`` layers, the final norm; the
-    attention layers' output projections zero, so that the hybrid computes exactly the Mamba-2 model."""
+    attention layers' output projections zero (``attn_init_std`` 0), so that the hybrid computes exactly
+    the Mamba-2 model, or drawn from N(0, attn_init_std²) (then the attention layers' query / key weights
+    get gradients from the first step: with a zero output projection they get none until it moves).
+    ``qk_init_std``: the query / key projections drawn from N(0, qk_init_std²) instead of the config's
+    init (std 0.02 gives near-uniform attention scores, ~0.1, whose query and key gradients are each
+    proportional to the other weight: a slow start; 0.1 gives scores of about ±2.5)."""
     from transformers import AutoModelForCausalLM
 
     source = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
@@ -107,14 +119,77 @@ def warm_start(hybrid, folder) -> None:
         target.mixer.load_state_dict(layer.mixer.state_dict())
     for layer in hybrid.model.layers:
         if layer.block_type == "full_attention":
-            layer.mixer.o_proj.weight.zero_()
+            layer.mixer.o_proj.weight.normal_(0.0, attn_init_std) if attn_init_std else layer.mixer.o_proj.weight.zero_()
+            if qk_init_std:
+                layer.mixer.q_proj.weight.normal_(0.0, qk_init_std)
+                layer.mixer.k_proj.weight.normal_(0.0, qk_init_std)
+
+
+@torch.no_grad()
+def induction_init(model, tokenizer, scale: float = 16.0, gain: float = 4.0, worlds: int = 60, rank: int = 64) -> None:
+    """Give the hybrid's first attention layer a recall lookup before training (NoPE attention trained by
+    gradient from a random init did not learn one here within hundreds of steps). Fitted by ridge least
+    squares on that layer's input hidden states ``h`` over ``worlds`` fixed 16-town recall worlds: with
+    ``h_q`` at a question's last token and ``h_a`` at its answer's first token in the passage, ``A`` maps
+    ``h_a`` to ``h_q`` and ``M`` maps ``h_a`` to the answer's output embedding. Queries ``P h`` and keys
+    ``P Aᵀ h`` (``P`` a random orthonormal 32-row projection times ``scale``) make a question attend to
+    its answer's position; values and output projection are ``M``'s best rank-``rank`` factors (times
+    ``gain``), so the attended answer token is written into the residual stream. The layer's other
+    weights are left as they are; training goes on from there."""
+    from hf_statecompose.demo.corpora import recall_world
+
+    layer = attention_layers(model)[0]
+    mixer, config = layer.mixer, model.config
+    if (config.num_attention_heads, config.num_key_value_heads, config.head_dim) != (4, 2, 32):
+        raise ValueError("--induction-init is written for the demo hybrid's attention (4 query heads, 2 key/value heads of 32)")
+    captured = {}
+    hook = mixer.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.__setitem__("h", (args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True)
+    h_q, h_a, answers = [], [], []
+    was_training = model.training
+    model.eval()
+    for seed in range(worlds):
+        world = recall_world(10_000 + seed, towns=16)
+        ids, answer_at = [], {}
+        for passage in world.passages:  # the passages' tokens, line by line as in training
+            for line in passage.strip("\n").split("\n"):
+                head, value = line.rsplit(" ", 1)
+                ids += tokenizer(head)["input_ids"]
+                answer_at[head] = len(ids)
+                ids += tokenizer(" " + value)["input_ids"] + tokenizer("\n")["input_ids"]
+        pairs = []
+        for q in world.questions:
+            ids += tokenizer(q.query)["input_ids"]
+            pairs.append((len(ids) - 1, answer_at[q.query], tokenizer(q.answer)["input_ids"][0]))
+            ids += tokenizer(q.answer)["input_ids"] + tokenizer("\n")["input_ids"]
+        model(input_ids=torch.tensor([ids], device=model.device))
+        h = captured["h"][0].float().cpu()
+        for at_query, at_answer, answer in pairs:
+            h_q.append(h[at_query]), h_a.append(h[at_answer]), answers.append(answer)
+    hook.remove()
+    model.train(was_training)
+    h_q, h_a = torch.stack(h_q), torch.stack(h_a)
+    width = h_a.shape[1]
+    gram = h_a.T @ h_a + 1e-2 * torch.eye(width)
+    A = torch.linalg.solve(gram, h_a.T @ h_q)  # h_a @ A ≈ h_q
+    M = torch.linalg.solve(gram, h_a.T @ model.lm_head.weight[answers].detach().float().cpu())  # h_a @ M ≈ answer embedding
+    U, S, Vh = torch.linalg.svd(M.T)
+    P = torch.linalg.qr(torch.randn(width, 32))[0].T * scale
+    dtype, device = mixer.q_proj.weight.dtype, mixer.q_proj.weight.device
+    mixer.q_proj.weight.copy_(torch.cat([P] * 4).to(device, dtype))
+    mixer.k_proj.weight.copy_(torch.cat([P @ A.T] * 2).to(device, dtype))
+    mixer.v_proj.weight.copy_((Vh[:rank].T * S[:rank].sqrt()).T.to(device, dtype))  # key/value head 0: factors 0..31, head 1: 32..63
+    out = torch.zeros(width, 128)
+    factors = U[:, :rank] * S[:rank].sqrt() * gain
+    out[:, 0:32], out[:, 64:96] = factors[:, :32], factors[:, 32:64]  # query head 0 reads key/value head 0, query head 2 head 1
+    mixer.o_proj.weight.copy_(out.to(device, dtype))
 
 
 class Batches:
     """3/8 random windows of the Wikipedia training stream, 5/8 packed synthetic recall examples."""
 
-    def __init__(self, tokenizer, train_articles, batch_size: int, seed: int):
-        self.tokenizer, self.batch_size = tokenizer, batch_size
+    def __init__(self, tokenizer, train_articles, batch_size: int, seed: int, max_towns: int = 8):
+        self.tokenizer, self.batch_size, self.max_towns = tokenizer, batch_size, max_towns
         self.rng = random.Random(seed)
         eos = tokenizer.eos_token_id
         stream = []
@@ -122,6 +197,7 @@ class Batches:
             stream += tokenizer(text)["input_ids"] + [eos]
         self.wiki = torch.tensor(stream)
         self.recall_buffer: list[int] = []
+        self.recall_only = False  # every row a recall row (the hybrid's attention-only phase: the Wikipedia rows teach attention no recall)
 
     def recall_row(self):
         """A row of packed recall examples; labels only on the answers (everything else is -100).
@@ -131,7 +207,7 @@ class Batches:
         from hf_statecompose.demo.corpora import recall_training_text
 
         while len(self.recall_buffer) < SEQ_LEN:
-            text = recall_training_text(self.rng, max_towns=8)
+            text = recall_training_text(self.rng, max_towns=self.max_towns)
             ids, labels = [], []
             for line_number, line in enumerate(text.split("\n")):
                 piece = self.tokenizer(("\n" if line_number else "") + line)["input_ids"]
@@ -151,7 +227,7 @@ class Batches:
     def __next__(self):
         rows, labels = [], []
         for i in range(self.batch_size):
-            if i % 8 < 3:  # 3/8 Wikipedia, 5/8 recall
+            if i % 8 < 3 and not self.recall_only:  # 3/8 Wikipedia, 5/8 recall
                 start = self.rng.randrange(len(self.wiki) - SEQ_LEN)
                 rows.append(self.wiki[start : start + SEQ_LEN])
                 labels.append(rows[-1])
@@ -181,6 +257,42 @@ def recall_probe(model, tokenizer, seed: int = 4242):
             labels[:, : -len(answer)] = -100
             out[with_context].append(float(model(input_ids=ids, labels=labels).loss))
     return sum(out[True]) / len(out[True]), sum(out[False]) / len(out[False])
+
+
+def attention_layers(model) -> list:
+    """The hybrid's attention layers (NemotronH ``full_attention`` blocks); [] for the Mamba models."""
+    return [layer for layer in getattr(getattr(model, "model", None), "layers", []) if layer.block_type == "full_attention"]
+
+
+@torch.no_grad()
+def attention_probe(model, tokenizer, seed: int = 4343, towns: int = 16):
+    """Does the hybrid's recall go through its attention layers? Mean answer loss of every question of a
+    fixed unseen ``towns``-town world with all its passages as the prefix, as trained and with the
+    attention layers' output projections zeroed (the attention layers then add nothing)."""
+    from hf_statecompose.demo.corpora import recall_world
+
+    world = recall_world(seed, towns=towns)
+    device = next(model.parameters()).device
+    prefix = tokenizer("".join(world.passages))["input_ids"]
+
+    def mean_loss():
+        losses = []
+        for q in world.questions:
+            answer = tokenizer(q.answer)["input_ids"]
+            ids = torch.tensor([prefix + tokenizer(q.query)["input_ids"] + answer], device=device)
+            labels = ids.clone()
+            labels[:, : -len(answer)] = -100
+            losses.append(float(model(input_ids=ids, labels=labels).loss))
+        return sum(losses) / len(losses)
+
+    with_attention = mean_loss()
+    saved = [layer.mixer.o_proj.weight.clone() for layer in attention_layers(model)]
+    for layer in attention_layers(model):
+        layer.mixer.o_proj.weight.zero_()
+    ablated = mean_loss()
+    for layer, weight in zip(attention_layers(model), saved):
+        layer.mixer.o_proj.weight.copy_(weight)
+    return with_attention, ablated
 
 
 @torch.no_grad()
@@ -226,6 +338,14 @@ def main(argv=None):
     parser.add_argument("--tokenizer-from", default=None, help="a folder with the tokenizer to reuse (default: another demo model's, if trained; else train one)")
     parser.add_argument("--init-from", default=None, help="hybrid only: a Mamba-2 checkpoint to start from (default: the Mamba-2 demo's; 'none': from scratch)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--max-towns", type=int, default=8, help="recall examples have 2 to this many towns (facts) in context")
+    parser.add_argument("--attn-init-std", type=float, default=0.0,
+                        help="hybrid warm start: std of the attention output projections' normal init (0: zero, the hybrid starts as the Mamba-2 model)")
+    parser.add_argument("--qk-init-std", type=float, default=None, help="hybrid warm start: std of the attention query / key projections' init (default: the config's, 0.02)")
+    parser.add_argument("--induction-init", action="store_true", help="hybrid warm start: fit the first attention layer as a recall lookup (induction_init) before training")
+    parser.add_argument("--attn-lr-mult", type=float, default=1.0, help="hybrid: the attention layers' learning rate is --lr times this")
+    parser.add_argument("--freeze-ssm-steps", type=int, default=0,
+                        help="hybrid: for the first N steps train the attention layers only (everything else frozen), on recall rows only, so the recall loss can only fall through attention")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -249,7 +369,7 @@ def main(argv=None):
         print(f"tokenizer: reused from {shared}", flush=True)
     else:
         tokenizer = build_tokenizer(train_articles)
-    batches = Batches(tokenizer, train_articles, args.batch_size, args.seed)
+    batches = Batches(tokenizer, train_articles, args.batch_size, args.seed, args.max_towns)
     print(f"data: {len(train_articles)} training articles ({len(batches.wiki)} tokens), {len(held_out)} held out "
           f"({', '.join(t for t, _ in held_out)}); prep {time.time() - t0:.0f}s", flush=True)
     model = build_model(args.arch, len(tokenizer), tokenizer.eos_token_id)
@@ -257,7 +377,11 @@ def main(argv=None):
     init_from = None
     if stock and args.init_from != "none":
         init_from = args.init_from or str(demos / "mamba2")
-        warm_start(model, init_from)
+        warm_start(model, init_from, args.attn_init_std, args.qk_init_std)
+        if args.induction_init:
+            induction_init(model, tokenizer)
+            print(f"induction init: 16-town recall answer loss {attention_probe(model, tokenizer)[0]:.3f}, "
+                  f"attention o_proj zeroed {attention_probe(model, tokenizer)[1]:.3f}", flush=True)
         print(f"hybrid: started from {init_from}", flush=True)
     if not stock:
         model = hsc.enable(model)
@@ -265,10 +389,20 @@ def main(argv=None):
     model.to(device).train()
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.arch}, {params / 1e6:.2f}M parameters, device {device}", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95))
+    attention = {id(p) for layer in attention_layers(model) for p in layer.parameters()}
+    groups = []  # (weight decay, lr multiplier): matrices but the embeddings decay; the attention layers' lr x --attn-lr-mult
+    for is_attention in (False, True):
+        named = [(n, p) for n, p in model.named_parameters() if (id(p) in attention) == is_attention]
+        mult = args.attn_lr_mult if is_attention else 1.0
+        groups += [{"params": [p for n, p in named if p.dim() >= 2 and "embed" not in n], "weight_decay": 0.1, "lr_mult": mult},
+                   {"params": [p for n, p in named if not (p.dim() >= 2 and "embed" not in n)], "weight_decay": 0.0, "lr_mult": mult}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95))
+    frozen = [p for p in model.parameters() if id(p) not in attention] if args.freeze_ssm_steps and attention else []
+    for p in frozen:
+        p.requires_grad_(False)
+    if frozen:
+        batches.recall_only = True
+        print(f"attention layers only, recall rows only, for the first {args.freeze_ssm_steps} steps", flush=True)
 
     def step_fn(batch):
         batch, labels = batch[0].to(device), batch[1].to(device)
@@ -290,7 +424,12 @@ def main(argv=None):
         progress = 0.0 if total_steps is None else step / total_steps
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_mult"]
+        if frozen and step == args.freeze_ssm_steps:
+            for p in frozen:
+                p.requires_grad_(True)
+            batches.recall_only = False
+            print(f"step {step}: every layer trains from here", flush=True)
         loss = step_fn(next(batches))
         step += 1
         if step == probe:
@@ -306,6 +445,12 @@ def main(argv=None):
             model.train()
             log[-1].update(recall_answer_loss_with_context=with_context, recall_answer_loss_without=without)
             print(f"  recall answer loss: with its passage {with_context:.3f}, without {without:.3f}", flush=True)
+        if step % 50 == 0 and attention:
+            model.eval()
+            with_attention, ablated = attention_probe(model, tokenizer)
+            model.train()
+            log[-1].update(recall16_answer_loss=with_attention, recall16_answer_loss_attention_zeroed=ablated)
+            print(f"  16-town recall answer loss: {with_attention:.3f}, attention o_proj zeroed {ablated:.3f}", flush=True)
     train_seconds = time.time() - start
     model.eval()
     metrics = evaluate(model, tokenizer, held_out)
@@ -319,12 +464,13 @@ def main(argv=None):
     summary = {
         "arch": args.arch, "parameters": params, "steps": step, "batch_size": args.batch_size, "seq_len": SEQ_LEN,
         "tokens_seen": step * args.batch_size * SEQ_LEN, "train_seconds": round(train_seconds, 1), "device": device,
-        "threads": args.threads, "lr": args.lr, "seed": args.seed,
+        "threads": args.threads, "lr": args.lr, "seed": args.seed, "max_towns": args.max_towns,
         "final_train_loss_mean_last_50": sum(r["loss"] for r in log[-50:]) / len(log[-50:]),
         "held_out_articles": [t for t, _ in held_out], **metrics,
     }
     if stock:
-        summary.update(pattern=HYBRID_PATTERN, init_from=None if init_from is None else os.path.relpath(init_from, ROOT))
+        summary.update(pattern=HYBRID_PATTERN, init_from=None if init_from is None else os.path.relpath(init_from, ROOT),
+                       attn_init_std=args.attn_init_std, qk_init_std=args.qk_init_std, induction_init=args.induction_init, attn_lr_mult=args.attn_lr_mult, freeze_ssm_steps=args.freeze_ssm_steps)
     (out / "training_log.json").write_text(json.dumps({"summary": summary, "log": log[:: max(1, len(log) // 400)]}, indent=1))
     from model_card import write_model_card
 
