@@ -151,7 +151,9 @@ def _enabled_class(stock: type) -> type:
             composed = compose_for_batch(self, past_states, composition, batch, model_inputs=named)
             named.update(compat.cache_kwargs(composed, hybrid=_is_hybrid(composed)))
             named["use_cache"] = True
-            return stock.forward(self, **named)
+            out = stock.forward(self, **named)
+            _record_appended_positions(composed, named)
+            return out
 
         namespace = {
             "forward": _with_states_signature(forward, stock.forward),
@@ -180,10 +182,12 @@ def _enabled_class(stock: type) -> type:
                                              pad_token_id=_pad_for_mask(named, config))
                 # generate() expands input_ids for beams / return sequences but never a user cache: do it here
                 compat.pop_cache(named)
-                named.update(compat.cache_kwargs(composed.repeat_interleave(expand) if expand > 1 else composed,
-                                                 hybrid=_is_hybrid(composed)))
+                cache = composed.repeat_interleave(expand) if expand > 1 else composed
+                named.update(compat.cache_kwargs(cache, hybrid=_is_hybrid(composed)))
                 named["use_cache"] = True
-                return stock.generate(self, **named)
+                out = stock.generate(self, **named)
+                _record_appended_positions(cache, named)
+                return out
 
             namespace["generate"] = _with_states_signature(generate, stock.generate)
         _ENABLED_CLASSES[stock] = type(stock.__name__, (_EnabledModel, stock), namespace)
@@ -228,6 +232,32 @@ def _hybrid_query_inputs(composed, named: dict, pad_token_id=None) -> None:
             torch.zeros(shape[0], dtype=torch.long, device=positions.device)
         steps = (query_mask.long().cumsum(-1) - 1).masked_fill(query_mask == 0, 0)
         named["position_ids"] = (start.to(device)[:, None] + steps).masked_fill(query_mask == 0, 0)
+
+
+def _record_appended_positions(cache, named: dict) -> None:
+    """After a hybrid's forward / generate from composed keys: the positions of the keys the call appended, as the
+    call placed them. transformers' attention appends keys without a mask, so the layers took every new slot for a
+    real token; here the query's padding slots become -1 and the real ones continue after the composed keys'
+    last position, padding skipped, then the generated tokens one by one (the ``position_ids`` this module
+    passes). Rows of an expanded cache (beams, return sequences) are copies of their query row's."""
+    mask, layers = named.get("attention_mask"), getattr(cache, "attention_layers", None)
+    if not layers or not torch.is_tensor(mask) or layers[0].positions is None:
+        return
+    positions = layers[0].positions
+    ids = next((named[name] for name in ("inputs", "input_ids", "inputs_embeds") if torch.is_tensor(named.get(name))), None)
+    keys = mask.shape[-1] - ids.shape[1]
+    appended = positions.shape[-1] - keys
+    if keys < 0 or appended <= 0 or positions.shape[0] % mask.shape[0]:
+        return
+    repeat = positions.shape[0] // mask.shape[0]
+    query_mask = mask[:, keys:].to(device=positions.device, dtype=torch.long).repeat_interleave(repeat, dim=0)
+    real = torch.cat([query_mask, query_mask.new_ones(query_mask.shape[0], max(0, appended - query_mask.shape[-1]))],
+                     dim=-1)[:, :appended]
+    start = positions[:, :keys].max(dim=-1, keepdim=True).values.clamp(min=-1) + 1 if keys else \
+        positions.new_zeros(positions.shape[0], 1)
+    placed = torch.where(real > 0, start + real.cumsum(-1) - 1, -1)
+    for layer in layers:
+        layer.positions = torch.cat([layer.positions[:, :keys], placed], dim=-1)
 
 
 def compose_for_batch(model, past_states, composition, batch_size: int, model_inputs: dict | None = None,

@@ -200,7 +200,10 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
             if (positions < -1).any():
                 _refuse(where, f"layer {i} (attention) positions hold values below -1 (-1 marks padding)")
             if length > 1 and (real[:, :-1] & ~real[:, 1:]).any():
-                _refuse(where, f"layer {i} (attention) keys are not left padded (a padding slot after a real key)")
+                raise ValueError(
+                    f"{where}: layer {i} (attention) keys are not left padded (a padding slot after a real key): a cache "
+                    "continued from a left-padded query holds that padding between its keys and cannot be a state; "
+                    "encode the contexts (hsc.encode) and compose those, or continue with unpadded queries")
         elif not torch.equal(positions, first_positions):
             _refuse(where, f"layer {i} (attention) positions differ from layer {state.attention_layer_indices[0]}'s: every "
                            "attention layer caches the same tokens")
