@@ -387,10 +387,16 @@ class ComposableMambaCache(compat.DynamicCache):
 
         return load_state(path, model=model, device=device)
 
+    _repr_name = "ComposableMambaCache"
+
+    def _repr_layers(self) -> str:
+        """The layers part of the repr (a hybrid's cache also names its attention layers and keys)."""
+        return f"layers={self.num_layers}"
+
     def __repr__(self):
         filled = self.is_filled() if self.state_layers else False
         return (
-            f"ComposableMambaCache(architecture={self.architecture!r}, layers={self.num_layers}, "
+            f"{self._repr_name}(architecture={self.architecture!r}, {self._repr_layers()}, "
             f"batch={self.batch_size if filled else 0}, tokens={self.num_tokens.tolist() if self.num_tokens is not None else None}, "
             f"fingerprint={self.fingerprint[:12]}…)"
         )

@@ -97,12 +97,8 @@ class ComposableHybridCache(ComposableMambaCache):
         return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
                 "hidden_size": config.hidden_size}
 
-    def __repr__(self):
-        filled = self.is_filled() if self.state_layers else False
-        return (
-            f"ComposableHybridCache(architecture={self.architecture!r}, layers={len(self.layers)} "
-            f"({len(self.ssm_layer_indices)} SSM, {len(self.attention_layer_indices)} attention), "
-            f"batch={self.batch_size if filled else 0}, keys={self.context_length}, "
-            f"tokens={self.num_tokens.tolist() if self.num_tokens is not None else None}, "
-            f"fingerprint={self.fingerprint[:12]}…)"
-        )
+    _repr_name = "ComposableHybridCache"
+
+    def _repr_layers(self) -> str:
+        return (f"layers={len(self.layers)} ({len(self.ssm_layer_indices)} SSM, {len(self.attention_layer_indices)} "
+                f"attention), keys={self.context_length}")
