@@ -14,8 +14,26 @@ run when (and if) the module it needs is imported by anyone:
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from . import _guard, compat
+
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers (at run time, __getattr__ imports them)
+    from .attribution import Attribution, leave_one_out
+    from .composition import METHODS, StateComposer, compose_states
+    from .demo import load_demo
+    from .distributed import encode_corpus
+    from .generation import disable, enable, get_backend, is_enabled, set_backend
+    from .models import (
+        CoffeeConfig, CoffeeForCausalLM, CoffeeForImageClassification, CoffeeModel, SeRpEntMambaConfig,
+        SeRpEntMambaForCausalLM, SeRpEntMambaModel,
+    )
+    from .models.encode import encode
+    from .models.coffee import CoffeeMixer
+    from .pipeline import RetrievalGeneration, continuation_losses, generate_with_retrieval
+    from .state import ComposableMambaCache, ComposableSeRpEntCache, model_fingerprint, refresh_fingerprint
+    from .store import StateStore, StoreEntry
+    from .training import CompositionExample, composition_loss
 
 __version__ = "0.1.0"
 

@@ -152,7 +152,8 @@ def read_passages(path: str, text_field: str = "text") -> tuple[list[str], list[
             return parse_passages_jsonl(content, path, text_field)
         except ValueError as error:
             raise CommandLineError(str(error)) from None
-    texts, metadata = [], []
+    texts: list[str] = []
+    metadata: list[dict] = []
     for block in content.split("\n\n"):
         if block.strip():
             texts.append(" ".join(block.split()))
@@ -207,7 +208,7 @@ def open_store(path: str, model_spec: str | None, storage_dtype: str | None = No
     else:
         model, tokenizer = load_model(model_spec)
     with _quiet_loading():
-        store = StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)},
+        store = StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)},  # type: ignore[abstract]  # StateStore() returns its backend's class
                            backend=(header or {}).get("backend", "folder"))
     return store, model, tokenizer
 
@@ -238,7 +239,7 @@ def _start_building(target: Path) -> tuple[Path, int | None]:
     try:
         import fcntl
     except ImportError:  # no flock (Windows): a killed build's folder stays until removed by hand
-        fcntl = None
+        fcntl = None  # type: ignore[assignment]  # checked below
     if fcntl is not None:
         lock = os.open(starting / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         with contextlib.suppress(OSError):  # a filesystem without locks: the folder is never taken for stale
@@ -308,7 +309,7 @@ def _build(args) -> None:
         building, lock = _start_building(target)
         try:
             with _quiet_loading():
-                draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": _recorded(spec)})
+                draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": _recorded(spec)})  # type: ignore[abstract]  # StateStore() returns its backend's class
             ids = draft.add(texts, metadata, batch_size=args.batch_size)
             try:
                 if target.is_dir():
@@ -323,7 +324,7 @@ def _build(args) -> None:
             shutil.rmtree(building, ignore_errors=True)
             if lock is not None:
                 os.close(lock)
-        store = StateStore(target, model, tokenizer, retriever=draft.retriever)
+        store = StateStore(target, model, tokenizer, retriever=draft.retriever)  # type: ignore[abstract]  # StateStore() returns its backend's class
     print(f"added {len(ids)} entries to {args.store}")
     print(json.dumps(store.stats(), indent=1))
 

@@ -47,7 +47,7 @@ TESTED_TRANSFORMERS = ("5.23", "5.25")
 TESTED_TRANSFORMERS_TEXT = f">={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}"
 
 # transformers module -> the Mamba-family classes whose stock forward / generate must refuse past_states
-GUARDED = {
+GUARDED: dict[str, tuple[str, ...]] = {
     "transformers.models.mamba.modeling_mamba": ("MambaModel", "MambaForCausalLM"),
     "transformers.models.mamba2.modeling_mamba2": ("Mamba2Model", "Mamba2ForCausalLM"),
     "transformers.models.falcon_mamba.modeling_falcon_mamba": ("FalconMambaModel", "FalconMambaForCausalLM"),
@@ -283,15 +283,15 @@ def _make_ssm_layer_base():
         def batch_select_indices(self, indices):
             if not self.filled:
                 return
-            self.recurrent_states[0] = self.recurrent_states[0][indices]
-            self.conv_states[0] = self.conv_states[0][indices]
+            self.ssm_state = self.ssm_state[indices]
+            self.conv_state = self.conv_state[indices]
             self._map_row_tensors(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
 
         def batch_repeat_interleave(self, repeats: int):
             if not self.filled:
                 return
-            self.recurrent_states[0] = self.recurrent_states[0].repeat_interleave(repeats, dim=0)
-            self.conv_states[0] = self.conv_states[0].repeat_interleave(repeats, dim=0)
+            self.ssm_state = self.ssm_state.repeat_interleave(repeats, dim=0)
+            self.conv_state = self.conv_state.repeat_interleave(repeats, dim=0)
             self._map_row_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
 
         def offload(self):

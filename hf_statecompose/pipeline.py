@@ -66,7 +66,7 @@ def generate_with_retrieval(
 
 
 @torch.no_grad()
-def continuation_losses(model, states: list, query_ids: torch.LongTensor, continuation_ids: torch.LongTensor) -> torch.Tensor:
+def continuation_losses(model, states: list, query_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (nats/token) of ``continuation_ids`` after ``query_ids``, for each entry of
     ``states``: a composed state (batch 1) or ``None`` (no context). One batched forward for all the
     states; returns ``[len(states)]`` float64."""

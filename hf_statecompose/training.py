@@ -29,8 +29,8 @@ class CompositionExample:
     """One training row: ``contexts`` (1-D token id tensors, composition order: first = oldest),
     ``query`` ids, then ``target`` ids whose loss is taken."""
 
-    query: torch.LongTensor
-    target: torch.LongTensor
+    query: torch.Tensor
+    target: torch.Tensor
     contexts: list = field(default_factory=list)
 
 

@@ -112,6 +112,6 @@ def compose_attention(out, states, policy: str = "concat", model=None) -> None:
         values = torch.cat([s.attention_layers[j].values.to(dtype) for s in states], dim=-2)
         index = order[:, None, :, None].expand(keys.shape[0], keys.shape[1], keep, keys.shape[3])
         keys, values = keys.gather(2, index), values.gather(2, index)
-        if moved:
+        if inv_freq is not None:  # moved
             keys = rerotate(keys, shift, inv_freq, rotary_dims)
         target.fill_keys(keys, values, positions)

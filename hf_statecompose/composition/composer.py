@@ -475,7 +475,7 @@ def _piconcat_r(states, model) -> ComposableMambaCache:
             delta_sum=mean_rows(encoded.delta_sums[i]),
             A=encoded.A[i],
         )
-    out.num_tokens = encoded.num_tokens.view(batch, n)[:, 0].clone()
+    out.num_tokens = encoded.num_tokens.view(batch, n)[:, 0].clone()  # type: ignore[union-attr]  # encode counts the tokens
     # what else the state carries (SeRpEnt's resampling state; a hybrid's keys and values): from the list-order
     # concatenation of each row
     in_order = encoded.select(list(range(0, batch * n, n)))

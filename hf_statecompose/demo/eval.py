@@ -87,15 +87,15 @@ def evaluate(model, tokenizer, dataset: str, queries: int = 40, k_max: int = 10,
 
     database, samples = build_samples(dataset, tokenizer, queries)
     with tempfile.TemporaryDirectory() as tmp:
-        store = StateStore(Path(store_dir or tmp) / f"{dataset}-{storage_dtype}", model, tokenizer, retriever=retriever, storage_dtype=storage_dtype)
+        store = StateStore(Path(store_dir or tmp) / f"{dataset}-{storage_dtype}", model, tokenizer, retriever=retriever, storage_dtype=storage_dtype)  # type: ignore[abstract]  # StateStore() returns its backend's class
         if len(store) == 0:
             _, build_seconds = _timed(lambda: store.add(database, [{"index": i} for i in range(len(database))], show_progress=False))
         else:
             build_seconds = None
         id_of = {entry.metadata["index"]: entry.id for entry in store.entries()}
         log(f"{dataset}: {len(database)} database entries, {len(samples)} samples, store {store.stats()['bytes'] / 1e6:.1f} MB")
-        loss = {m: [[] for _ in range(k_max + 1)] for m in ("baseline",) + tuple(methods)}
-        seconds = {m: [[] for _ in range(k_max + 1)] for m in methods}
+        loss: dict[str, list[list[float]]] = {m: [[] for _ in range(k_max + 1)] for m in ("baseline",) + tuple(methods)}
+        seconds: dict[str, list[list[float]]] = {m: [[] for _ in range(k_max + 1)] for m in methods}
         retrieval_seconds, hits = [], [0] * (k_max + 1)
         composers = {m: StateComposer(m) for m in methods}
         for number, sample in enumerate(samples):

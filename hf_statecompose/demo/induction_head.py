@@ -77,7 +77,7 @@ class InductionHeadTask:
 
     def to_dict(self) -> dict:
         return {"seq_len": self.seq_len, "trigger_len": self.trigger_len, "target_len": self.target_len,
-                "noise_between": self.noise_between, "vocab": self.vocab, "trigger": list(self.trigger),
+                "noise_between": self.noise_between, "vocab": self.vocab, "trigger": self._trigger.tolist(),
                 "pad": PAD}
 
     def _draw(self, batch: int, generator: torch.Generator):
@@ -85,7 +85,7 @@ class InductionHeadTask:
         total = self.noise_len + self.noise_between + self.target_len
         if self.trigger_len == 1:  # uniform over V \ {trigger}: shift the symbols at or above the trigger
             draw = torch.randint(1, self.vocab, (batch, total), generator=generator)
-            draw = draw + (draw >= self.trigger[0]).long()
+            draw = draw + (draw >= self._trigger[0]).long()
         else:
             draw = torch.randint(1, self.vocab + 1, (batch, total), generator=generator)
         noise, between, target = draw.split([self.noise_len, self.noise_between, self.target_len], dim=1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ class _EnabledModel:
 
 def _new_enabled_model(stock: type):
     """An empty instance of the enabled subclass of ``stock`` (pickle / deepcopy then restore its ``__dict__``)."""
-    cls = _enabled_class(stock)
+    cls: Any = _enabled_class(stock)
     return cls.__new__(cls)
 
 
@@ -131,7 +132,7 @@ def _with_states_signature(method, stock_method):
     return method
 
 
-def _enabled_class(stock: type) -> type:
+def _enabled_class(stock: type[torch.nn.Module]) -> type:
     """The enabled subclass of ``stock`` (made once; it closes over the class, never over an instance)."""
     if stock not in _ENABLED_CLASSES:
         # the stock methods are looked up at each call, so that later patches of the stock class still apply
@@ -215,7 +216,7 @@ def _hybrid_query_inputs(composed, named: dict, pad_token_id=None) -> None:
     keys' last position, per row (``position_ids`` passed explicitly: stock Bamba would restart RoPE at 0, and
     with the ``"shared"`` placement the start is not the number of keys). A user's ``position_ids`` are kept."""
     ids = next((named[name] for name in ("inputs", "input_ids") if torch.is_tensor(named.get(name))), None)
-    embeds = named.get("inputs_embeds")
+    embeds: Any = named.get("inputs_embeds")  # a tensor where ids is None
     shape = tuple(ids.shape) if ids is not None else tuple(embeds.shape[:2])
     device = (ids if ids is not None else embeds).device
     query_mask = named.get("attention_mask")
@@ -244,8 +245,8 @@ def _record_appended_positions(cache, named: dict) -> None:
     if not layers or not torch.is_tensor(mask) or layers[0].positions is None:
         return
     positions = layers[0].positions
-    ids = next((named[name] for name in ("inputs", "input_ids", "inputs_embeds") if torch.is_tensor(named.get(name))), None)
-    keys = mask.shape[-1] - ids.shape[1]
+    ids: Any = next((named[name] for name in ("inputs", "input_ids", "inputs_embeds") if torch.is_tensor(named.get(name))), None)
+    keys = mask.shape[-1] - ids.shape[1]  # the call had a query (ids or embeds)
     appended = positions.shape[-1] - keys
     if keys < 0 or appended <= 0 or positions.shape[0] % mask.shape[0]:
         return
@@ -377,8 +378,8 @@ def _check_query(named: dict, id_names: tuple[str, ...], model) -> int:
         shape = tuple(ids.shape)
         check_vocabulary(model, ids)
         if embeds is not None and (not torch.is_tensor(embeds) or tuple(embeds.shape[:2]) != shape):
-            found = tuple(embeds.shape) if torch.is_tensor(embeds) else type(embeds).__name__
-            raise ValueError(f"inputs_embeds {found} does not match input_ids {shape}; pass one of them")
+            given = tuple(embeds.shape) if torch.is_tensor(embeds) else type(embeds).__name__
+            raise ValueError(f"inputs_embeds {given} does not match input_ids {shape}; pass one of them")
     else:
         if not torch.is_tensor(embeds) or embeds.dim() != 3:
             found = f"shape {tuple(embeds.shape)}" if torch.is_tensor(embeds) else type(embeds).__name__

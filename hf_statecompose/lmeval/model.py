@@ -258,7 +258,7 @@ class StateComposeLM(HFLM):
         if key in self._retrievals:
             self._retrievals.move_to_end(key)
             return self._retrievals[key]
-        retrieved = self.store.retrieve(query, self.k, exclude=list(exclude))
+        retrieved = self.store.retrieve(query, self.k, exclude=list(exclude))  # type: ignore[union-attr]  # k > 0: open
         states = [s.to(self.device) for s in context_order(retrieved)] if retrieved else None
         self._retrievals[key] = states
         while len(self._retrievals) > 64:

@@ -7,8 +7,17 @@ config, which transformers' post-import hook for ``AutoConfig`` imports, possibl
 half way through importing its own modeling modules (``hf_statecompose/__init__.py``).
 """
 import importlib
+from typing import TYPE_CHECKING
 
 from ..state.cache import ComposableMambaCache
+
+if TYPE_CHECKING:  # what the names below are, for type checkers (at run time, __getattr__ imports them)
+    from .coffee import CoffeeConfig, CoffeeForCausalLM, CoffeeForImageClassification, CoffeeModel
+    from .encode import encode
+    from .mamba import mamba_mixer_forward
+    from .mamba2 import mamba2_mixer_forward
+    from .mixers import disable_state_path, enable_state_path, get_backend, set_backend, using_backend
+    from .serpent import SeRpEntMambaConfig, SeRpEntMambaForCausalLM, SeRpEntMambaModel
 
 # public name -> the submodule that defines it
 _EXPORTS = {

@@ -12,7 +12,7 @@ from ..state.validation import check_left_padded_mask, check_unmasked_context_pa
 from .mixers import enable_state_path, refuse_layer_checkpointing, using_backend
 
 
-def encode(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, backend: str | None = None,
+def encode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, backend: str | None = None,
            enable_grad: bool = False) -> ComposableMambaCache:
     """See :meth:`ComposableMambaCache.encode` (the same function).
 

@@ -8,6 +8,7 @@ LoRA) takes part and trains (:func:`time_step_projection`).
 """
 from __future__ import annotations
 
+from typing import cast
 
 import torch
 from torch import nn
@@ -88,10 +89,11 @@ def time_step_projection(dt_proj: nn.Module, time_step: torch.Tensor) -> torch.T
     wrapping the projection, a module with hooks) is *called*, so that what it adds to its base projection (LoRA's
     ``B A x · scaling``) takes part in Δ and trains: Δ gets ``module(x) - linear(x, weight, bias)`` added, which is
     exactly zero where the adapter adds zero (a fresh LoRA, ``B = 0``, gives the base model's results bit for bit)."""
-    dt = torch.nn.functional.linear(time_step, dt_proj.weight)
+    weight, bias = cast(torch.Tensor, dt_proj.weight), cast("torch.Tensor | None", dt_proj.bias)
+    dt = torch.nn.functional.linear(time_step, weight)
     if _is_plain_linear(dt_proj):
         return dt
-    base = torch.nn.functional.linear(time_step, dt_proj.weight, dt_proj.bias)
+    base = torch.nn.functional.linear(time_step, weight, bias)
     return dt + (dt_proj(time_step) - base)
 
 

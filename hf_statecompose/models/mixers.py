@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 
+from typing import Any
+
 import torch
 
 from .. import compat
@@ -50,7 +52,7 @@ class _StateAwareMixer:
 
 def _new_state_aware_mixer(base: type):
     """An empty instance of the state-aware subclass of ``base`` (pickle then restores its ``__dict__``)."""
-    cls = _composable_mixer_class(base)
+    cls: Any = _composable_mixer_class(base)
     return cls.__new__(cls)
 
 

@@ -18,7 +18,7 @@ import dataclasses
 import importlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -31,7 +31,7 @@ class ExtraTensor:
     attribute: str
     file_key: str
     label: str
-    row_shape: Callable[[object], tuple]
+    row_shape: Callable[[Any], tuple]
     dtype: Callable[[torch.dtype], torch.dtype]
 
 
@@ -39,9 +39,9 @@ class ExtraTensor:
 class Architecture:
     name: str
     per_element_decay: bool  # ΣΔ [B, D] with A [D, N] (Mamba-1 semantics) vs ΣΔ [B, H] with A [H]
-    num_state_layers: Callable[[object], int]
-    state_shapes: Callable[[object], tuple]  # per-row (SSM state, conv window)
-    decay_shapes: Callable[[object], tuple]  # (per-row ΣΔ, A)
+    num_state_layers: Callable[[Any], int]
+    state_shapes: Callable[[Any], tuple]  # per-row (SSM state, conv window)
+    decay_shapes: Callable[[Any], tuple]  # (per-row ΣΔ, A)
     A_log_of: Callable[[torch.nn.Module, int], torch.Tensor | None]  # (backbone, state layer) -> A_log or None
     cache_module: str  # module (in this package) and class of the cache that holds these states
     cache_class_name: str
@@ -54,13 +54,13 @@ class Architecture:
     # hybrids (Mamba layers + attention layers): the kind of every model layer, "ssm" (an SSM state layer),
     # "attention" (keys and values), "both" (Falcon-H1's parallel layers, Zamba2's hybrid layers) or "none" (an
     # MLP / MoE layer). None: every model layer is one SSM state layer (or, for SeRpEnt, several)
-    layer_kinds: Callable[[object], tuple] | None = None
+    layer_kinds: Callable[[Any], tuple] | None = None
     # attribute paths from a decoder layer to its SSM mixer, tried in order
     mixer_paths: tuple = (("mixer",),)
     # per attention layer: (key / value heads, head dim)
-    attention_shape: Callable[[object], tuple] | None = None
+    attention_shape: Callable[[Any], tuple] | None = None
     # how many dims of a head RoPE rotates (0: attention without positional encoding)
-    rotary_dims: Callable[[object], int] = field(default=lambda c: 0)
+    rotary_dims: Callable[[Any], int] = field(default=lambda c: 0)
 
     @property
     def is_hybrid(self) -> bool:
@@ -409,7 +409,7 @@ JAMBA = Architecture(
     num_state_layers=lambda c: sum(kind == "ssm" for kind in _jamba_kinds(c)),
     state_shapes=lambda c: ((_jamba_inner(c), c.mamba_d_state), (_jamba_inner(c), c.mamba_d_conv)),
     decay_shapes=lambda c: ((_jamba_inner(c),), (_jamba_inner(c), c.mamba_d_state)),
-    A_log_of=None,
+    A_log_of=None,  # type: ignore[arg-type]  # set below (it reads the layout), as for every hybrid
     cache_module="hybrid_cache",
     cache_class_name="ComposableHybridCache",
     layer_kinds=_jamba_kinds,
@@ -436,7 +436,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, FAL
 
 
 def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, model_dtype: torch.dtype, batch: int,
-                        device, refuse, num_tokens: torch.Tensor | None = None, encoded: bool = False) -> None:
+                        device, refuse: Callable[[str], NoReturn], num_tokens: torch.Tensor | None = None,
+                        encoded: bool = False) -> None:
     """The extra tensors of state layer ``v`` (``{attribute: tensor}``) as ``layout`` describes them: present,
     dtypes (from ``model_dtype``), shapes (``[batch, *row_shape(config)]``), device and values (the invariants of
     a real encoding, :func:`_check_resampling_values` for SeRpEnt). ``num_tokens`` (``[batch]`` int64, optional)
@@ -457,23 +458,21 @@ def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, m
         if device is not None and tensor.device != device:
             refuse(f"layer {v} {extra.label} is on {tensor.device}, the states on {device}")
     if layout.check_extra_values is not None:
-        valid_counts = (isinstance(num_tokens, torch.Tensor) and num_tokens.dtype == torch.int64
-                        and tuple(num_tokens.shape) == (batch,))
+        counts = (num_tokens if isinstance(num_tokens, torch.Tensor) and num_tokens.dtype == torch.int64
+                  and tuple(num_tokens.shape) == (batch,) else None)
         with torch.no_grad():
             layout.check_extra_values(extras, v, refuse, config=config,
-                                      num_tokens=num_tokens.to(extras[layout.extras[0].attribute].device) if valid_counts else None,
-                                      encoded=encoded and valid_counts)
+                                      num_tokens=counts.to(extras[layout.extras[0].attribute].device) if counts is not None else None,
+                                      encoded=encoded and counts is not None)
 
 
-def architecture(name: str) -> Architecture:
+def architecture(name: str | None) -> Architecture:
     """The description of architecture ``name`` (``"mamba"``, ``"mamba2"``, ``"falcon_mamba"``, ``"serpent_mamba"``,
     ``"coffee"``)."""
-    try:
-        return ARCHITECTURES[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown architecture {name!r}; hf_statecompose knows {', '.join(map(repr, ARCHITECTURES))}"
-        ) from None
+    layout = ARCHITECTURES.get(name) if isinstance(name, str) else None
+    if layout is None:
+        raise ValueError(f"unknown architecture {name!r}; hf_statecompose knows {', '.join(map(repr, ARCHITECTURES))}")
+    return layout
 
 
 def architecture_of_config(config) -> Architecture:

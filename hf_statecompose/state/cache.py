@@ -24,7 +24,7 @@ of its step multipliers over the context (:data:`.architectures.COFFEE`).
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ class ComposableMambaCache(compat.DynamicCache):
 
     # the function that runs a model over context tokens (hf_statecompose.models.encode): installed by the
     # layer that runs models, so that this data layer never imports it
-    _encoder = None
+    _encoder: Callable[..., Any] | None = None
     # the class of this cache's layers (one per state layer of the architecture)
     _layer_class = ComposableSSMLayer
 
@@ -105,7 +105,7 @@ class ComposableMambaCache(compat.DynamicCache):
     def encode(
         cls,
         model,
-        input_ids: torch.LongTensor,
+        input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         backend: str | None = None,
         enable_grad: bool = False,
@@ -322,13 +322,13 @@ class ComposableMambaCache(compat.DynamicCache):
                 values = [getattr(l, name) for l in layers]
                 setattr(target, name, None if any(v is None for v in values) else torch.cat(values))
             target.A = layers[0].A.clone()
-        if all(c.num_tokens is not None for c in caches):
-            out.num_tokens = torch.cat([c.num_tokens for c in caches])
-        if all(c.token_ids is not None for c in caches):
-            width = max(c.token_ids.shape[1] for c in caches)
-            out.token_ids = torch.cat(
-                [torch.nn.functional.pad(c.token_ids, (width - c.token_ids.shape[1], 0), value=-1) for c in caches]
-            )
+        num_tokens = [c.num_tokens for c in caches if c.num_tokens is not None]
+        if len(num_tokens) == len(caches):
+            out.num_tokens = torch.cat(num_tokens)
+        token_ids = [c.token_ids for c in caches if c.token_ids is not None]
+        if len(token_ids) == len(caches):
+            width = max(t.shape[1] for t in token_ids)
+            out.token_ids = torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0), value=-1) for t in token_ids])
         return out
 
     def _finish_composition(self, states: Sequence["ComposableMambaCache"]) -> None:
@@ -348,7 +348,7 @@ class ComposableMambaCache(compat.DynamicCache):
 
     # in-place batch ops that generate() calls (beam search reorders, some modes expand or select): transformers'
     # Cache dispatches them to the layers, which own every per-layer tensor; the cache adds its per-row extras
-    def reorder_cache(self, beam_idx: torch.LongTensor):
+    def reorder_cache(self, beam_idx: torch.Tensor):
         super().reorder_cache(beam_idx)
         self._map_cache_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 

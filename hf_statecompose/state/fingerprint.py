@@ -14,6 +14,8 @@ import json
 import threading
 import weakref
 
+from typing import Any
+
 import torch
 
 from .. import compat
@@ -55,11 +57,11 @@ _CONFIG_KEYS_IGNORED = {
 }
 
 
-def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
+def base_model_of(model: torch.nn.Module) -> Any:
     """The backbone (``model.backbone`` for the LM classes, the model itself for the bare ones) of a Mamba,
     Mamba-2 or SeRpEnt-Mamba model."""
     # peft wraps the model: PeftModel.base_model (LoraModel).model is the transformers model
-    inner = model
+    inner: Any = model  # modules reached through attributes (torch types them Tensor | Module)
     for _ in range(3):
         if hasattr(inner, "backbone") and hasattr(inner.backbone, "layers"):
             return inner.backbone
@@ -195,7 +197,7 @@ def _full_fingerprint(model, architecture: str) -> str:
         data = tensor.detach()
         if data.device.type != "cpu":
             data = data.cpu()
-        elif torch._C._is_cow_tensor(data):
+        elif _is_cow(data):
             data = data.clone()  # numpy() asks for a writable pointer: it would end the cache's copy-on-write sentinel
         data = data.contiguous()
         if data.dtype == torch.bfloat16:
@@ -276,7 +278,7 @@ class _Cached:
         if self.checked and _content_checksum([named[i][1] for i in self.checked]) != self.checksum:
             return False
         for i in self.armed:
-            if not torch._C._is_cow_tensor(named[i][1]):
+            if not _is_cow(named[i][1]):
                 return None
         return True
 
@@ -302,6 +304,11 @@ def _same_bytes(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[device], b[device]) for device in a)
 
 
+def _is_cow(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is (still) lazily copy-on-write."""
+    return bool(torch._C._is_cow_tensor(t))  # type: ignore[attr-defined]  # private: not in torch's type stubs
+
+
 def _is_small(t: torch.Tensor) -> bool:
     return t.dim() <= 1 or t.numel() <= _ARMED_ABOVE
 
@@ -309,12 +316,12 @@ def _is_small(t: torch.Tensor) -> bool:
 def _arm(t: torch.Tensor) -> bool:
     """Make ``t``'s storage lazily copy-on-write (nothing copied; see the comment above); False where the
     storage cannot be (shared memory, a custom allocator, a tensor subclass, a torch without it)."""
-    if torch._C._is_cow_tensor(t):
+    if _is_cow(t):
         return True
     try:
         with torch.no_grad():
             torch._lazy_clone(t.detach())
-        return bool(torch._C._is_cow_tensor(t))
+        return _is_cow(t)
     except (RuntimeError, TypeError, NotImplementedError):  # "Expected storage != nullptr": not copy-on-write-able
         return False
 
@@ -347,7 +354,7 @@ def model_fingerprint(model: torch.nn.Module, *, cache: bool = True) -> str:
     named = list(_state_shaping_tensors(model))
     cached = _lookup(model)
     valid = cached.still_valid(architecture, config, named) if cached is not None else False
-    if valid:
+    if cached is not None and valid:
         return cached.fingerprint
     return _refresh(model, architecture, config, named, cached, materialized=valid is None)
 
@@ -357,10 +364,11 @@ def _refresh(model, architecture, config, named, cached, materialized: bool) -> 
         current = _lookup(model)
         if current is not None and current is not cached and current.still_valid(architecture, config, named):
             return current.fingerprint  # another thread refreshed it meanwhile
-        volatile, lost = (set(cached.volatile) if cached is not None else set()), frozenset()
+        volatile = set(cached.volatile) if cached is not None else set()
+        lost: frozenset[str] = frozenset()
         if materialized:  # armed tensors that lost copy-on-write with nothing else changed: twice in a row (a kernel
             # that asks for writable pointers on every forward, not a one-off save or numpy()): checksum from now on
-            lost = frozenset(cached.names[i] for i in cached.armed if not torch._C._is_cow_tensor(named[i][1]))
+            lost = frozenset(cached.names[i] for i in cached.armed if not _is_cow(named[i][1]))
             volatile |= lost & cached.lost
         identity = tuple(_identity(t) for _, t in named)  # before the hash: an edit during it shows at the next check
         fingerprint = _full_fingerprint(model, architecture)

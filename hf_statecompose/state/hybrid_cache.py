@@ -45,7 +45,7 @@ class ComposableHybridCache(ComposableMambaCache):
     def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None,
                  num_layers: int | None = None):
         layout = layout_of(architecture)
-        kinds = layout.layer_kinds(config)
+        kinds = layout.layer_kinds(config)  # type: ignore[misc]  # every hybrid layout has layer_kinds
         if num_layers is not None and num_layers != len(kinds):
             raise ValueError(f"a {architecture} state has one layer per model layer ({len(kinds)}), not {num_layers}")
         if "ssm" not in kinds and "both" not in kinds:

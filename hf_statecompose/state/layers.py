@@ -27,7 +27,7 @@ from .architectures import SERPENT_MAMBA
 class ComposableSSMLayer(compat.SSMLayerBase):
     """An SSM layer's state: SSM state, conv window, ΣΔ (``delta_sum``) and ``A``."""
 
-    _row_tensors = ("delta_sum",)
+    _row_tensors: tuple[str, ...] = ("delta_sum",)
     _fixed_tensors = ("A",)
 
 

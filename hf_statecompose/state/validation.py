@@ -166,7 +166,7 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
     layout = architecture(state.architecture)
     batch = state.batch_size if batch is None else batch
     device = state.device if device is None else device
-    heads, head_dim = layout.attention_shape(state.config)
+    heads, head_dim = layout.attention_shape(state.config)  # type: ignore[misc]  # set for every hybrid (the states with attention layers)
     first_positions, length = None, None
     for i, layer in zip(state.attention_layer_indices, state.attention_layers):
         if not getattr(layer, "has_keys", False):
@@ -199,7 +199,7 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
             real = positions >= 0
             if (positions < -1).any():
                 _refuse(where, f"layer {i} (attention) positions hold values below -1 (-1 marks padding)")
-            if length > 1 and (real[:, :-1] & ~real[:, 1:]).any():
+            if length > 1 and (real[:, :-1] & ~real[:, 1:]).any():  # type: ignore[operator]  # length: set by the keys above
                 raise ValueError(
                     f"{where}: layer {i} (attention) keys are not left padded (a padding slot after a real key): a cache "
                     "continued from a left-padded query holds that padding between its keys and cannot be a state; "

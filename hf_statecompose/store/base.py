@@ -57,6 +57,8 @@ class StateStore(abc.ABC):
     """
 
     backend: str
+    storage_dtype: torch.dtype  # set by each backend when it opens the store
+    header: dict
 
     def __new__(cls, path=None, *args, backend: str | None = None, **kwargs):
         if backend is not None and backend not in BACKENDS:

@@ -341,9 +341,9 @@ class FolderStateStore(StateStore):
             if manifest is not None:
                 self._manifests[sid] = manifest
         superseded = {s for m in self._manifests.values() for s in m["supersedes"]}
-        for sid, error in sorted(damaged.items()):
+        for sid, problem in sorted(damaged.items()):
             if sid not in superseded:
-                raise error
+                raise problem
         return superseded
 
     def _load_tombstones(self) -> set[str]:
@@ -673,14 +673,14 @@ class FolderStateStore(StateStore):
     # ------------------------------------------------------------------------------------ retrieve
     def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True) -> list[StoreEntry]:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states."""
-        k, excluded = self._check_query(query, k, exclude)
-        excluded = set(excluded)
+        k, exclude_ids = self._check_query(query, k, exclude)
+        excluded = set(exclude_ids)
         query_vector = self._embed([query])[0] if k > 0 else None
         with self._locked(shared=True):
             self.refresh()
             ids, matrix = self._flat_index()
             count = len(ids) - sum(1 for i in excluded if i in self._entries)
-            if k == 0 or count == 0:
+            if query_vector is None or count == 0:  # k == 0 or nothing left
                 return []
             if matrix.shape[1] != query_vector.shape[0]:
                 raise ValueError(f"the retriever returned a {query_vector.shape[0]}-dim query vector; the store holds {matrix.shape[1]}-dim ones")
@@ -748,14 +748,14 @@ class FolderStateStore(StateStore):
             for sid in list(self._live_shards):
                 manifest = self._manifests[sid]
                 keep = [r for r in manifest["entries"] if r["id"] in self._entries]
-                gone = len(manifest["entries"]) - len(keep)
-                if not gone:
+                dropped = len(manifest["entries"]) - len(keep)
+                if not dropped:
                     continue
                 if keep:
                     self._rewrite_shard(sid, manifest, keep)  # commits a manifest that supersedes sid
                 _remove(shard_dir / f"{sid}.json")
                 _remove(shard_dir / f"{sid}.safetensors")
-                removed_entries += gone
+                removed_entries += dropped
                 rewritten += 1
             # 3. orphans: tensors without a manifest, temporary files of killed writes (regular files only:
             # links are never followed, nor removed)

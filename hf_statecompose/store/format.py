@@ -8,7 +8,7 @@ import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -90,6 +90,10 @@ def seal(obj: dict) -> bytes:
     return canonical({**body, "digest": hashlib.blake2b(canonical(body), digest_size=16).hexdigest()})
 
 
+@overload
+def unseal(path: Path, what: str, missing_ok: Literal[False] = False) -> dict: ...
+@overload
+def unseal(path: Path, what: str, missing_ok: bool) -> dict | None: ...
 def unseal(path: Path, what: str, missing_ok: bool = False) -> dict | None:
     try:
         data = path.read_bytes()
@@ -127,6 +131,7 @@ def tokenizer_record(tokenizer) -> dict:
         raise TypeError(f"tokenizer must be callable (text -> {{'input_ids': [...]}}, as transformers' are), got {type(tokenizer).__name__}")
     probe = [int(i) for i in tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]]
     vocab = tokenizer.get_vocab() if callable(getattr(tokenizer, "get_vocab", None)) else None
+    size: int | None
     if hasattr(type(tokenizer), "__len__"):
         size = len(tokenizer)
     else:

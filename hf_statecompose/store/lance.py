@@ -607,7 +607,7 @@ class LanceStateStore(StateStore):
         if self.index_type == "IVF_PQ":
             dim = self.embedding_dim
             num_sub_vectors = num_sub_vectors or next(d for d in (dim // 8, dim // 4, dim // 2, 1) if d and dim % d == 0)
-            config = IvfPq(distance_type="cosine", num_partitions=num_partitions, num_sub_vectors=num_sub_vectors)
+            config: IvfPq | HnswSq = IvfPq(distance_type="cosine", num_partitions=num_partitions, num_sub_vectors=num_sub_vectors)
         else:
             config = HnswSq(distance_type="cosine", num_partitions=num_partitions)
         self.table.create_index("vector", config=config, replace=True)

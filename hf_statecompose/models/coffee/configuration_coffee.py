@@ -116,7 +116,7 @@ class CoffeeConfig(PreTrainedConfig):
     @property
     def mixer_size(self) -> int:
         """E, the features each layer's mixer runs over: ``intermediate_size`` (``"lm"``), ``hidden_size`` (``"core"``)."""
-        return self.hidden_size if self.head == "core" else self.intermediate_size
+        return self.hidden_size if self.head == "core" else self.intermediate_size  # type: ignore[return-value]  # set in __post_init__
 
     @property
     def layer_types(self):

@@ -125,7 +125,8 @@ def _newton_trajectory(u, x0, lam, w, gate_kind="state", mask=None):
     which is the per-step rounding *amplified* by the recurrence and could sit above a few ulp forever.
     Newton converges quadratically near the solution, so the rule costs at most one step more than needed.
     """
-    B, L, D, n = u.shape[0], u.shape[1], *lam.shape
+    B, L = u.shape[0], u.shape[1]
+    D, n = lam.shape
     u_ = u[..., None]  # [B, L, D, 1]
     eps = torch.finfo(u.dtype).eps
     u_abs = u.abs()

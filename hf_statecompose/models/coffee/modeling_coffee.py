@@ -97,6 +97,8 @@ class CoffeeSequenceMixer(nn.Module):
     continuing layer ``layer_idx`` of the cache. ``decay_A_log`` is a zero buffer ``[E·n, 1]``: the states'
     ``A = -exp(decay_A_log) = -1`` (see the module docstring)."""
 
+    decay_A_log: torch.Tensor  # a buffer (registered in __init__)
+
     # it always runs on this package's cache: hf_statecompose.enable leaves it as it is (no mixer swap)
     _hsc_runs_on_cache = True
 
@@ -254,7 +256,7 @@ class CoffeeModel(CoffeePreTrainedModel):
     def __init__(self, config: CoffeeConfig):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(CoffeeBlock(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(CoffeeBlock(config, i) for i in range(config.num_hidden_layers))  # type: ignore[arg-type]  # set in __post_init__
         self.norm_f = CoffeeRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon) if config.head == "lm" else None
         self.post_init()
 
@@ -326,18 +328,19 @@ class CoffeeModel(CoffeePreTrainedModel):
         # hidden_states as transformers' MambaModel returns them: each layer's output, then the final hidden
         # state (num_hidden_layers + 1 tensors, the last one is last_hidden_state; the embeddings are not in it)
         hidden_states = inputs_embeds
-        all_hidden_states = () if output_hidden_states else None
+        layer_outputs: list[torch.Tensor] = []
         for block in self.layers:
             hidden_states = block(hidden_states, cache, mask)
             if output_hidden_states:
-                all_hidden_states = all_hidden_states + (hidden_states,)
+                layer_outputs.append(hidden_states)
         if cache is not None:
             count = mask.sum(-1) if mask is not None else torch.full((batch,), length, device=inputs_embeds.device)
             cache.add_tokens(count)
         if self.norm_f is not None:
             hidden_states = self.norm_f(hidden_states)
         if output_hidden_states:  # "core" has no final norm: its final hidden state is the last layer's output
-            all_hidden_states = all_hidden_states + (hidden_states,)
+            layer_outputs.append(hidden_states)
+        all_hidden_states = tuple(layer_outputs) if output_hidden_states else None
 
         returned_cache = cache if use_cache else None
         if not return_dict:
@@ -421,7 +424,7 @@ class CoffeeForImageClassification(CoffeePreTrainedModel):
         size = config.image_size
         self.mixers = nn.ModuleList(build_mixer(config, size) for _ in range(4))
         self.classifier_in = nn.Linear(4 * size, config.classifier_hidden_size)
-        self.classifier_out = nn.Linear(config.classifier_hidden_size, config.num_labels)
+        self.classifier_out = nn.Linear(config.classifier_hidden_size, config.num_labels)  # type: ignore[arg-type]  # set in __post_init__
         self.post_init()
 
     def forward(

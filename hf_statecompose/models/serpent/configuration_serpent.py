@@ -137,7 +137,7 @@ class SeRpEntMambaConfig(PreTrainedConfig):
     @property
     def branch_intermediate_size(self) -> int:
         """i_b: the channels of each branch's SSM."""
-        return self.intermediate_size // self.num_branches
+        return self.intermediate_size // self.num_branches  # type: ignore[operator]  # set in __post_init__
 
     @property
     def branch_time_step_rank(self) -> int:

@@ -434,15 +434,16 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
         # as transformers' MambaModel: each layer's output, then the final hidden state (after the last norm):
         # num_hidden_layers + 1 tensors
         hidden_states = inputs_embeds
-        all_hidden_states = () if output_hidden_states else None
+        layer_outputs: list[torch.Tensor] = []
         for block in self.layers:
             hidden_states = block(hidden_states, cache, real)
             if output_hidden_states:
-                all_hidden_states = all_hidden_states + (hidden_states,)
+                layer_outputs.append(hidden_states)
         cache.add_tokens(real.sum(-1))
         hidden_states = self.norm_f(hidden_states)
         if output_hidden_states:
-            all_hidden_states = all_hidden_states + (hidden_states,)
+            layer_outputs.append(hidden_states)
+        all_hidden_states = tuple(layer_outputs) if output_hidden_states else None
 
         returned_cache = cache if use_cache else None
         if not return_dict:

@@ -16,6 +16,8 @@ Mamba-1 no weight tensor the size of the states is ever formed, and each block o
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .reference import _check_inputs
@@ -42,7 +44,7 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
         r1 = min(rows, r0 + block)
         blocks = [s[:, r0:r1] for s in states]
         if method == "soup":
-            W = [1.0 / n] * n
+            W: Sequence[float | torch.Tensor] = [1.0 / n] * n
         elif method == "weighted":
             W = weights.to(device=first.device, dtype=compute).unbind(0)
             W = W if needs_grad else [float(w) for w in W]
@@ -65,10 +67,11 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
         acc = out[:, r0:r1] if direct else torch.empty(blocks[0].shape, dtype=compute, device=first.device)
         torch.mul(blocks[0], W[0], out=acc)
         for k in range(1, n):
-            if torch.is_tensor(W[k]):
-                acc.addcmul_(blocks[k], W[k])
+            w = W[k]
+            if isinstance(w, torch.Tensor):
+                acc.addcmul_(blocks[k], w)
             else:
-                acc.add_(blocks[k], alpha=W[k])
+                acc.add_(blocks[k], alpha=w)
         if not direct:
             out[:, r0:r1] = acc.to(first.dtype)
     return out

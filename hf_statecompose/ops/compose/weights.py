@@ -52,8 +52,7 @@ def picaso_r_weights(log_decays: torch.Tensor) -> torch.Tensor:
     decays = torch.exp(log_decays)
     # S_{n-1} = Σ_{m=0}^{n-1} Π_{j=0}^{m-1} a_j: contexts 0..m-1 follow context n-1 in its rotation
     s = 1.0 + torch.cumprod(decays[:-1], 0).sum(0)
-    sums = [None] * n
-    sums[n - 1] = s
+    sums = [s] * n  # sums[n - 1] = s; the others are set below
     for k in range(n - 2, -1, -1):
         s = torch.addcmul(one_minus_p, decays[k + 1], s)
         sums[k] = s

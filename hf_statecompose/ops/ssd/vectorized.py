@@ -114,12 +114,12 @@ def ssd_scan(
 
     # 3. chain chunk states from the initial state (decay of a whole chunk: exp(sum of its log_a))
     chunk_decay = torch.exp(log_a_cum[..., -1]).reshape(batch, n_chunks, heads)  # [b, c, h]
-    entering = []
+    states_in = []
     state = h0
     for c in range(n_chunks):
-        entering.append(state)
+        states_in.append(state)
         state = torch.addcmul(chunk_states[:, c], chunk_decay[:, c, :, None, None], state)
-    entering = torch.stack(entering, dim=1)  # [b, c, h, p, n]
+    entering = torch.stack(states_in, dim=1)  # [b, c, h, p, n]
 
     # 4. each position reads the state that entered its chunk, decayed up to that position
     carried = torch.matmul(Cg, entering.view(batch, n_chunks, G, J * P, N).transpose(-1, -2))  # [b, c, g, l, j·p]
