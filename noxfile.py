@@ -7,8 +7,15 @@ green run never rests on packages left over from an earlier one.
 
 tests-lowest installs the lowest version that pyproject.toml allows of every direct dependency (uv's
 lowest-direct resolution: transformers 5.23.x) and checks that each one really is at its declared lower
-bound; tests-newest installs the newest allowed (transformers 5.24.x). Both run `lint-imports`, then
-pytest on the whole suite, offline on CPU.
+bound; tests-newest installs the newest allowed (transformers 5.24.x). Both run the checks, then pytest on
+the whole suite, offline on CPU. The checks, each at the versions its session installed: `ruff check` and
+`ruff format --check` (the whole repository), `mypy` (the package, `[tool.mypy]` in pyproject.toml),
+`lint-imports` (the layers, `.importlinter`), and the release build: `python -m build` makes the sdist, then
+the wheel from that sdist (so a file missing from the sdist fails here), with build isolation (a fresh
+environment with the newest setuptools that `[build-system]` allows, from the index, as pip and PyPI
+uploads build it; not the session's own setuptools), and `twine check --strict` reads both (metadata, the
+README rendered as the long description). mypy keeps its incremental cache per session in
+~/.cache/hf_statecompose/mypy/<session> (mypy re-checks whatever changed, so a cache never hides an error).
 
 torch comes first, from the venv's own pip: pip reads the machine's pip configuration (here a local
 CPU wheel in /opt/wheels) and the pin in constraints.txt. uv then installs everything else with torch
@@ -48,6 +55,7 @@ TESTED_EXTRAS = "dev"
 TRANSFORMERS_TEST_FILES = ("test_modeling_common.py",)
 FULL_TREE_FILES = ("generation/test_utils.py", "models/mamba/test_modeling_mamba.py")
 SOURCE_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_statecompose" / "transformers-src"
+MYPY_CACHE = SOURCE_CACHE.parent / "mypy"
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 nox.options.default_venv_backend = "uv"
@@ -94,10 +102,23 @@ def _test(session: nox.Session) -> None:
     tests = _transformers_tests(session, transformers)
     if tests is not None:
         session.env["HSC_TRANSFORMERS_TESTS"] = str(tests)
-    # the layers contract (.importlinter): each module imports only the layers below it
-    session.run("lint-imports")
+    _checks(session)
     session.run("python", "-c", "import transformers; print('transformers', transformers.__version__)")
     session.run("python", "-m", "pytest", "-q", "tests", *session.posargs)
+
+
+def _checks(session: nox.Session) -> None:
+    """Lint, format, types, layers, and the sdist + wheel as they would be uploaded."""
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy", "--cache-dir", str(MYPY_CACHE / session.name))
+    # the layers contract (.importlinter): each module imports only the layers below it
+    session.run("lint-imports")
+    dist = Path(session.virtualenv.location) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", str(dist), ".", silent=True)
+    built = sorted(str(path) for path in dist.iterdir())
+    session.run("twine", "check", "--strict", *built)
 
 
 def _requirements() -> list[Requirement]:

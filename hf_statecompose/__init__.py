@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers (at run ti
     from .store import StateStore, StoreEntry
     from .training import CompositionExample, composition_loss
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> the subpackage that defines it
 _EXPORTS = {

@@ -1,0 +1,73 @@
+"""The development tools agree with each other: the version (pyproject, ``hf_statecompose.__version__``, the
+changelog), the pre-commit config (parses; ruff at the release the dev extra pins as its lower bound), the
+checks the test command runs (noxfile.py), and the lazy public names typed for type checkers."""
+
+import ast
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+from packaging.requirements import Requirement
+
+import hf_statecompose
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def _dev_requirements() -> dict[str, Requirement]:
+    requirements = (Requirement(text) for text in PYPROJECT["project"]["optional-dependencies"]["dev"])
+    return {r.name: r for r in requirements}
+
+
+def _lower_bound(requirement: Requirement) -> str:
+    (lower,) = [s.version for s in requirement.specifier if s.operator == ">="]
+    return lower
+
+
+def test_version_agrees_everywhere():
+    version = PYPROJECT["project"]["version"]
+    assert hf_statecompose.__version__ == version
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", changelog, flags=re.MULTILINE)
+    assert released and released[0] == version, f"CHANGELOG.md's newest release is {released[:1]}, pyproject says {version}"
+
+
+def test_pre_commit_config_parses_and_pins_the_tested_ruff():
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text(encoding="utf-8"))
+    repos = {repo["repo"]: repo for repo in config["repos"]}
+    ruff = repos["https://github.com/astral-sh/ruff-pre-commit"]
+    assert ruff["rev"] == "v" + _lower_bound(_dev_requirements()["ruff"])
+    assert [hook["id"] for hook in ruff["hooks"]] == ["ruff-check", "ruff-format"]
+    local = {hook["id"]: hook for hook in repos["local"]["hooks"]}
+    assert local["mypy"]["entry"] == "mypy" and local["import-linter"]["entry"] == "lint-imports"
+    assert all(hook["language"] == "system" and hook["pass_filenames"] is False for hook in local.values())
+    hooks = {hook["id"] for hook in repos["https://github.com/pre-commit/pre-commit-hooks"]["hooks"]}
+    assert {"trailing-whitespace", "end-of-file-fixer"} <= hooks
+
+
+def test_the_test_command_runs_the_checks_it_installs():
+    """Each tool the noxfile runs before pytest is a declared dev dependency (so both sessions test its range)."""
+    noxfile = (ROOT / "noxfile.py").read_text(encoding="utf-8")
+    for tool, command in (("ruff", '"ruff", "check"'), ("ruff", '"ruff", "format", "--check"'), ("mypy", '"mypy"'),
+                          ("build", '"-m", "build"'), ("twine", '"twine", "check", "--strict"')):
+        assert tool in _dev_requirements(), f"{tool} is not in the dev extra"
+        assert command in noxfile, f"noxfile.py does not run {command}"
+    assert PYPROJECT["tool"]["mypy"]["files"] == ["hf_statecompose"]
+
+
+def test_lazy_public_names_are_typed():
+    """``hf_statecompose`` imports its public names on first use (``_EXPORTS``); the ``TYPE_CHECKING`` imports
+    tell type checkers what they are. Both must name the same objects from the same subpackages."""
+    tree = ast.parse((ROOT / "hf_statecompose" / "__init__.py").read_text(encoding="utf-8"))
+    typed = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for imported in node.body:
+                assert isinstance(imported, ast.ImportFrom) and imported.level == 1
+                typed.update({alias.name: imported.module for alias in imported.names})
+    exports = hf_statecompose._EXPORTS
+    assert sorted(typed) == sorted(exports)
+    for name, module in typed.items():  # `encode` is imported from the module that defines it, not its package
+        assert module == exports[name] or module.startswith(exports[name] + "."), (name, module, exports[name])
