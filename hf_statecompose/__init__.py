@@ -11,6 +11,7 @@ run when (and if) the module it needs is imported by anyone:
   (``model_type = "serpent_mamba"``) and the COFFEE models (``model_type = "coffee"``, also with
   ``AutoModelForImageClassification``) when transformers imports them.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -55,8 +56,22 @@ _EXPORTS = {
     "encode_corpus": "distributed",
 }
 _SUBPACKAGES = (
-    "attribution", "benchmarking", "cli", "compat", "composition", "demo", "distributed", "generation", "lmeval", "models", "ops",
-    "pipeline", "retrieval", "state", "store", "training",
+    "attribution",
+    "benchmarking",
+    "cli",
+    "compat",
+    "composition",
+    "demo",
+    "distributed",
+    "generation",
+    "lmeval",
+    "models",
+    "ops",
+    "pipeline",
+    "retrieval",
+    "state",
+    "store",
+    "training",
 )
 
 __all__ = [

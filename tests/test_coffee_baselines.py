@@ -1,4 +1,5 @@
 """S6 and "COFFEE as in (4)" baselines of the COFFEE paper (hf_statecompose/models/coffee/baselines.py)."""
+
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """``import hf_statecompose`` is light (no torch) yet complete: lazy public names, lm-eval's model
 registered, and ``past_states=`` refused by a model that was never enabled."""
+
 import inspect
 import subprocess
 import sys
@@ -15,7 +16,9 @@ from helpers import VOCAB, random_ids
 
 
 def run_python(code: str, cwd=None) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=cwd)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -24,11 +27,32 @@ def stock_model(arch: str, seed: int = 0):
     """A tiny Mamba / Mamba-2 exactly as transformers makes it: never enabled."""
     torch.manual_seed(seed)
     if arch == "mamba":
-        return MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, pad_token_id=0,
-                                            eos_token_id=1, bos_token_id=2)).eval()
-    return Mamba2ForCausalLM(Mamba2Config(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, num_heads=8,
-                                          head_dim=8, n_groups=2, chunk_size=16, pad_token_id=0, eos_token_id=1,
-                                          bos_token_id=2)).eval()
+        return MambaForCausalLM(
+            MambaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                state_size=8,
+                num_hidden_layers=2,
+                pad_token_id=0,
+                eos_token_id=1,
+                bos_token_id=2,
+            )
+        ).eval()
+    return Mamba2ForCausalLM(
+        Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            state_size=8,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=8,
+            n_groups=2,
+            chunk_size=16,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+        )
+    ).eval()
 
 
 # ------------------------------------------------------------------------------------ lazy names
@@ -95,7 +119,9 @@ def test_a_model_enabled_later_works_and_disabling_refuses_again(arch):
         model(input_ids=ids, past_states=states)
     hsc.enable(model)
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ids, past_states=states).logits, reference(input_ids=ids, past_states=states).logits)
+        assert torch.equal(
+            model(input_ids=ids, past_states=states).logits, reference(input_ids=ids, past_states=states).logits
+        )
     generated = model.generate(ids, past_states=states, max_new_tokens=3, do_sample=False)
     assert torch.equal(generated, reference.generate(ids, past_states=states, max_new_tokens=3, do_sample=False))
     hsc.disable(model)

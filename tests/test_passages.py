@@ -1,4 +1,5 @@
 """Passages files (.jsonl): parsed once for the CLI and the lm-eval model, bad lines named."""
+
 import pytest
 
 from hf_statecompose.cli import CommandLineError, read_passages
@@ -10,13 +11,16 @@ def test_objects_and_strings_with_metadata():
     assert texts == ["a b", "plain"] and metadata == [{"source": 1}, {}]
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"text": "ok"}\n{broken\n', "f.jsonl:2: not JSON"),
-    ('{"body": "no text field"}\n', "f.jsonl:1: expected an object with a non-empty string field 'text'"),
-    ('{"text": ""}\n', "f.jsonl:1: expected"),
-    ('[1, 2]\n', "f.jsonl:1: expected"),
-    ("\n\n", "f.jsonl holds no passages"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"text": "ok"}\n{broken\n', "f.jsonl:2: not JSON"),
+        ('{"body": "no text field"}\n', "f.jsonl:1: expected an object with a non-empty string field 'text'"),
+        ('{"text": ""}\n', "f.jsonl:1: expected"),
+        ("[1, 2]\n", "f.jsonl:1: expected"),
+        ("\n\n", "f.jsonl holds no passages"),
+    ],
+)
 def test_bad_files_are_refused_naming_the_line(content, message):
     with pytest.raises(ValueError, match=message.replace("'", ".").replace("(", r"\(")):
         parse_passages_jsonl(content, "f.jsonl")

@@ -6,6 +6,7 @@ transformers' cache classes, no transformers modeling code) because it is the pa
 config, which transformers' post-import hook for ``AutoConfig`` imports, possibly while transformers is
 half way through importing its own modeling modules (``hf_statecompose/__init__.py``).
 """
+
 import importlib
 
 from ..state.cache import ComposableMambaCache
@@ -47,8 +48,9 @@ def __dir__():
 
 def _encode(model, input_ids, attention_mask=None, backend=None, enable_grad=False):
     """:func:`hf_statecompose.models.encode.encode`, imported on the first call."""
-    return __getattr__("encode")(model, input_ids, attention_mask=attention_mask, backend=backend,
-                                 enable_grad=enable_grad)
+    return __getattr__("encode")(
+        model, input_ids, attention_mask=attention_mask, backend=backend, enable_grad=enable_grad
+    )
 
 
 # ComposableMambaCache.encode (data layer) runs models through this layer's encoder

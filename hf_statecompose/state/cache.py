@@ -21,6 +21,7 @@ their ``[B, E, n]`` layer state flattened into a Mamba-1 layout with one channel
 ``-Σ_k log(1 + λΔ(k))`` and ``A`` = -1 ``[E·n, 1]``, so ``log_decay(l)`` is each element's log of the product
 of its step multipliers over the context (:data:`.architectures.COFFEE`).
 """
+
 from __future__ import annotations
 
 import numbers
@@ -52,8 +53,16 @@ class ComposableMambaCache(compat.DynamicCache):
     def is_compileable(self) -> bool:
         return False
 
-    def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None,
-                 num_layers: int | None = None):
+    def __init__(
+        self,
+        config,
+        *,
+        architecture: str,
+        fingerprint: str,
+        model_dtype: torch.dtype,
+        model_info=None,
+        num_layers: int | None = None,
+    ):
         from .architectures import architecture as layout_of
 
         if num_layers is None:
@@ -67,7 +76,9 @@ class ComposableMambaCache(compat.DynamicCache):
         self.num_tokens: torch.Tensor | None = None  # [B] int64
         self.token_ids: torch.Tensor | None = None  # [B, T] int64, left-padded with -1
 
-    ssm_states = layer_attribute("ssm_state", "Per layer: the SSM state (Mamba-1 ``[B, D, N]``, Mamba-2 ``[B, H, P, N]``).")
+    ssm_states = layer_attribute(
+        "ssm_state", "Per layer: the SSM state (Mamba-1 ``[B, D, N]``, Mamba-2 ``[B, H, P, N]``)."
+    )
     conv_states = layer_attribute("conv_state", "Per layer: the conv window ``[B, C, K]`` (the model's dtype).")
     delta_sums = layer_attribute("delta_sum", "Per layer: the context's ΣΔ (Mamba-1 ``[B, D]``, Mamba-2 ``[B, H]``).")
     A = layer_attribute("A", "Per layer: the layer's ``A`` (Mamba-1 ``[D, N]``, Mamba-2 ``[H]``), float32.")
@@ -98,8 +109,12 @@ class ComposableMambaCache(compat.DynamicCache):
     @classmethod
     def _model_info(cls, model) -> dict:
         config = model.config
-        return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
-                "hidden_size": config.hidden_size, "state_size": config.state_size}
+        return {
+            "model_type": config.model_type,
+            "num_hidden_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "state_size": config.state_size,
+        }
 
     @classmethod
     def encode(
@@ -273,8 +288,12 @@ class ComposableMambaCache(compat.DynamicCache):
         if isinstance(rows, (list, tuple)):
             for k, row in enumerate(rows):
                 integer = (isinstance(row, numbers.Integral) and not isinstance(row, bool)) or (
-                    torch.is_tensor(row) and row.dim() == 0 and not row.dtype.is_floating_point
-                    and not row.dtype.is_complex and row.dtype != torch.bool)
+                    torch.is_tensor(row)
+                    and row.dim() == 0
+                    and not row.dtype.is_floating_point
+                    and not row.dtype.is_complex
+                    and row.dtype != torch.bool
+                )
                 if not integer:
                     raise TypeError(f"{self._ROWS_ACCEPTED}, got {row!r} ({type(row).__name__}) at position {k}")
             return torch.tensor([int(row) for row in rows], dtype=torch.long)
@@ -421,5 +440,8 @@ def _stack_keys(layers) -> tuple:
         shape[dim] = missing
         return torch.cat([t.new_full(shape, value), t], dim=dim)
 
-    return (torch.cat([pad(l.keys, 0, -2) for l in layers]), torch.cat([pad(l.values, 0, -2) for l in layers]),
-            torch.cat([pad(l.positions, -1, -1) for l in layers]))
+    return (
+        torch.cat([pad(l.keys, 0, -2) for l in layers]),
+        torch.cat([pad(l.values, 0, -2) for l in layers]),
+        torch.cat([pad(l.positions, -1, -1) for l in layers]),
+    )

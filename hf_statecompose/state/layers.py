@@ -16,6 +16,7 @@ The cache keeps list-like per-layer views (``cache.ssm_states[l]``, ``cache.delt
 SeRpEnt's ``cache.clocks[v]``, ...) for the documented API: reading and assigning an item reads and assigns
 the layer's attribute (:class:`LayerView`).
 """
+
 from __future__ import annotations
 
 from typing import Sequence

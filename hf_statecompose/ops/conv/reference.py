@@ -1,6 +1,7 @@
 """Causal depthwise conv continuing a window: the plain reference and shared helpers.
 Shapes: see vectorized.py.
 """
+
 from __future__ import annotations
 
 import torch

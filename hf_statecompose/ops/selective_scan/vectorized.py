@@ -20,6 +20,7 @@ chunk), the chunk-end states are then chained (a loop over chunks), and each pos
 carried-in state times its within-chunk decay. Python steps: chunk_size + T/chunk_size instead of T.
 All decays are products of factors in [0, 1]: nothing is divided, nothing overflows.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,14 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from .reference import _check_shapes, _discretize_delta, _finish
-
-
-
-
-
-
-
-
 
 
 def selective_scan(
