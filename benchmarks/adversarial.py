@@ -1027,7 +1027,7 @@ def gen_api(rng, scale):
 
 
 def run_api_case(ctx, params):
-    arch, kind, rng, model, ref, s1, s2, query = _state_case(ctx, params)
+    _arch, kind, rng, model, ref, s1, s2, query = _state_case(ctx, params)
     fwd = lambda states=None, q=query, **kw: logits_of(model, q, [s1, s2] if states is None else states, **kw)
 
     if kind == "past_states_empty":
@@ -1445,7 +1445,8 @@ def run_store_case(ctx, params):
             return silent(f"{sub}/ is a symlink: compaction removed or changed files outside the store: {changed}")
         return _as_case(_verify_store(ctx, backend, path, gone=[ref["ids"][0]]))
     if kind == "forged_manifest":
-        from hf_statecompose.store.format import seal as _seal, unseal as _unseal
+        from hf_statecompose.store.format import seal as _seal
+        from hf_statecompose.store.format import unseal as _unseal
 
         shards = sorted(p for p in os.listdir(os.path.join(path, "shards")) if p.endswith(".json"))
         victim, donor = rng.sample(shards, 2)
@@ -1586,7 +1587,7 @@ def run_readonly(ctx, backend):
     path = _copy_store(ctx, backend)
     for folder in (ctx.workdir, os.path.dirname(path)):
         os.chmod(folder, 0o755)
-    for root, dirs, files in os.walk(path):
+    for root, _dirs, files in os.walk(path):
         os.chmod(root, 0o555)
         for name in files:
             os.chmod(os.path.join(root, name), 0o444)
@@ -2193,7 +2194,7 @@ def main(argv=None) -> int:
                 print(json.dumps(classify_exception(error)))
             return 0
         results = []
-        for n, case in enumerate(cases):
+        for case in cases:
             results.append(run_case(ctx, case))
             if results[-1]["outcome"] not in ("clear", "handled"):
                 print(

@@ -29,14 +29,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-import argparse  # noqa: E402
-import json  # noqa: E402
+import argparse
+import json
 
-import torch  # noqa: E402
+import torch
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.benchmarking import git_commit, write_result  # noqa: E402
-from hf_statecompose.demo.induction_head import InductionHeadTask  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.benchmarking import git_commit, write_result
+from hf_statecompose.demo.induction_head import InductionHeadTask
 
 METHODS = ("soup", "caso", "picaso_s", "picaso_r", "piconcat_r", "concat")
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import statistics  # noqa: E402
+import argparse
+import copy
+import statistics
 
-import torch  # noqa: E402
+import torch
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.benchmarking import git_commit, median_time, write_result  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.benchmarking import git_commit, median_time, write_result
 
 
 def trained(mixer, steps=5):

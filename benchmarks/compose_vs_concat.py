@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import platform
 import sys
-
 
 import torch
 import transformers

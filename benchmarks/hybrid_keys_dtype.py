@@ -32,6 +32,7 @@ def main(argv=None):
     sys.path.insert(0, str(HERE.parent / "tests"))
     import hf_statecompose as hsc
     from hf_statecompose.state.cache import ComposableMambaCache
+
     from helpers import random_ids
     from hybrid_helpers import WORKING, tiny_hybrid
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
+import argparse
+import statistics
 
-import torch  # noqa: E402
+import torch
 
-from hf_statecompose.benchmarking import git_commit, median_time, write_result  # noqa: E402
-from hf_statecompose.ops import linear_recurrence, linear_recurrence_reference  # noqa: E402
+from hf_statecompose.benchmarking import git_commit, median_time, write_result
+from hf_statecompose.ops import linear_recurrence, linear_recurrence_reference
 
 
 def plain_loop(a, b, h0):
@@ -59,7 +59,7 @@ def main(argv=None):
             a = torch.rand(2, length, channels, generator=g).to(args.device)
             b = torch.randn(2, length, channels, generator=g).to(args.device)
             h0 = torch.randn(2, channels, generator=g).to(args.device)
-            fast = lambda a, b, h0: linear_recurrence(a, b, h0, backend="torch")  # noqa: E731
+            fast = lambda a, b, h0: linear_recurrence(a, b, h0, backend="torch")
             expected = linear_recurrence_reference(a.double(), b.double(), h0.double())
             error = float((fast(a, b, h0).double() - expected).abs().max() / expected.abs().max())
             if error > 1e-5:

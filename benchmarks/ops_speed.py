@@ -28,12 +28,10 @@ GPU only: Triton selective scan / SSD scan vs mamba-ssm's ``selective_scan_fn`` 
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
 import time
-
 
 import torch
 import transformers
@@ -43,9 +41,9 @@ from transformers.utils import logging as hf_logging
 
 import hf_statecompose as hsc
 from hf_statecompose.benchmarking import MODEL_130M_KWARGS, git_commit, median_time, write_result
-from hf_statecompose.state.fingerprint import base_model_of
-from hf_statecompose.ops.compose.weights import WEIGHT_FUNCTIONS
 from hf_statecompose.ops import backends
+from hf_statecompose.ops.compose.weights import WEIGHT_FUNCTIONS
+from hf_statecompose.state.fingerprint import base_model_of
 
 hf_logging.set_verbosity_error()
 CONFIGS = {

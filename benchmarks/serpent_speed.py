@@ -79,10 +79,9 @@ def call_kwargs(name: str, model):
 
 
 def measure(models, lengths, batch, rounds, repeats, warmup=1):
-    import hf_statecompose as hsc
-
     import torch
 
+    import hf_statecompose as hsc
     from hf_statecompose.benchmarking import median_time
 
     per_round = {(name, kind, length): [] for name in models for kind in ("forward", "decode") for length in lengths}

@@ -17,6 +17,7 @@ HERE = Path(__file__).resolve().parent
 
 
 import argparse
+
 import torch
 
 import hf_statecompose as hsc

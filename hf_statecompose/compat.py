@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import re
 import warnings
@@ -91,7 +92,7 @@ def _release(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transformers_version() -> str | None:
     """The installed transformers' version string (None if it is not installed); read without importing it."""
     try:
@@ -188,7 +189,7 @@ def cache_output(cls):
     on transformers < 5.24 the field is named ``cache_params`` (what that release's ``generate`` looks for in
     outputs) and ``cache`` reads it; on >= 5.24 it is ``cache`` and ``cache_params`` stays readable (transformers'
     ``ModelOutput`` provides it). Then applies ``@dataclass``."""
-    annotations = dict(cls.__dict__.get("__annotations__", {}))
+    annotations = dict(inspect.get_annotations(cls))
     if "cache" not in annotations:
         raise TypeError(f"{cls.__name__} declares no `cache` field")
     if cache_is_renamed():
@@ -202,7 +203,7 @@ def cache_output(cls):
     return cls
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mixer_classes() -> dict:
     """model_type -> transformers' stock mixer class, for the architectures the installed release has."""
     out = {}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .store.format import check_count, checked_json
 from .store.lance import DIMENSION_PROBE, HEADER_TABLE, STATES_TABLE, LanceStateStore, import_lancedb, read_lance_header

@@ -12,7 +12,7 @@ suite checks it against sentence-transformers itself.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

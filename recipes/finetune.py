@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from model_card import write_adapter_card  # recipes/ (this script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -55,8 +55,8 @@ def rolling_documents(text: str, low: int = 1500, high: int = 2500) -> list[str]
 def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
-    from hf_statecompose.demo.corpora import RELATIONS, recall_world, segments, wikipedia_split
     from hf_statecompose.demo import DEMO_DIR
+    from hf_statecompose.demo.corpora import RELATIONS, recall_world, segments, wikipedia_split
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(TASKS_DIR))

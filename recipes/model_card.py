@@ -165,7 +165,7 @@ def render_adapter(results: dict) -> str:
             if metric in ("k", "alias", "sample_len"):
                 continue
             b, a = before.get(metric), after.get(metric)
-            fmt = lambda v: "–" if v is None else f"{v:.4f}"  # noqa: E731
+            fmt = lambda v: "–" if v is None else f"{v:.4f}"
             docs = after.get("sample_len", before.get("sample_len"))
             rows.append(
                 f"| {task} (k={after.get('k', before.get('k'))}, {docs} docs) | {metric.removesuffix(',none')} | {fmt(b)} | {fmt(a)} |"

@@ -90,9 +90,9 @@ def compile_without_gpu(script: str, marker: str = "compiled", timeout: int = 30
 # bytes back through this restricted unpickler, never a bare pickle.loads / torch.load(weights_only=False):
 # it resolves only classes of torch / transformers / this package and the few functions the round trips of
 # these objects reference (listed below), and refuses every other global (os.system, builtins.eval, ...).
-import io as _io  # noqa: E402
-import pickle as _pickle  # noqa: E402
-import types as _types  # noqa: E402
+import io as _io
+import pickle as _pickle
+import types as _types
 
 _TRUSTED_PACKAGES = ("torch", "transformers", "hf_statecompose")
 _TRUSTED_FUNCTIONS = {

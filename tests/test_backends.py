@@ -10,6 +10,7 @@ import torch
 import hf_statecompose as hsc
 from hf_statecompose.ops import backends, causal_conv1d_ref, selective_scan_ref, ssd_scan_ref
 from hf_statecompose.ops.selective_scan import compiled
+
 from helpers import random_ids, relative_error, tiny_model
 
 
@@ -246,8 +247,8 @@ def test_composer_matches_the_float64_reference_on_every_path(arch, method, monk
 
 
 # ------------------------------------------------------------------ composition: reference, fast paths, gradients
-from hf_statecompose.ops.compose import MODEL_FREE_METHODS, compose_ssm_ref, compose_ssm_torch  # noqa: E402
-from hf_statecompose.ops.compose import native as compose_native  # noqa: E402
+from hf_statecompose.ops.compose import MODEL_FREE_METHODS, compose_ssm_ref, compose_ssm_torch
+from hf_statecompose.ops.compose import native as compose_native
 
 # odd sizes: Mamba-1 rows of N = 5 and 21 elements (not multiples of the kernel's 16 lanes), Mamba-2 heads
 # not a multiple of 16 either, batch 1 and 3

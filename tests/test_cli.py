@@ -11,6 +11,7 @@ import pytest
 
 from hf_statecompose import cli
 from hf_statecompose.cli import main
+
 from store_helpers import TEXTS, BagOfWords
 
 PROG_ERROR = "hf-statecompose: error: "

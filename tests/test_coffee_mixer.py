@@ -168,7 +168,7 @@ def test_divergence_falls_back_to_sequential_and_warns_once(monkeypatch, caplog)
     torch.manual_seed(0)
     mixer = hsc.CoffeeMixer(4, 3)
     u, x0 = torch.randn(2, 20, 4), torch.randn(2, 4, 3)
-    expected, expected_final, grads_s = _run(mixer, u, x0, "sequential")
+    expected, expected_final, _grads_s = _run(mixer, u, x0, "sequential")
 
     def broken(a, b, initial_state=None):
         return torch.full_like(b, float("nan"))
@@ -245,7 +245,7 @@ def test_gates_and_mask_parallel_matches_sequential(gate):
     for a, b in zip(results["parallel"][3], results["sequential"][3]):
         _close(a, b, 1e-10, "grad")
     # row 0: 7 padding steps then 33 real ones == the 33 real ones alone
-    y0, f0, d0 = mixer(u[:1, 7:], x0[:1], method="sequential", return_log_decay=True)
+    _y0, f0, d0 = mixer(u[:1, 7:], x0[:1], method="sequential", return_log_decay=True)
     _close(results["sequential"][1][:1], f0, 1e-12, "masked final state")
     _close(results["sequential"][2][:1], d0, 1e-12, "masked log decay")
     assert (d0 < 0).all()

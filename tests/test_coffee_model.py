@@ -4,6 +4,7 @@ Tiny configs throughout."""
 
 import copy
 import io
+import itertools
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 import hf_statecompose as hsc
 from hf_statecompose.models.coffee.modeling_coffee import distance_logits
+
 from helpers import load_saved, pickle_round_trip
 
 VOCAB = 40
@@ -203,7 +205,7 @@ def test_image_classifier_counts_runs_and_learns():
     with torch.no_grad():
         losses.append(model(pixel_values=images, labels=labels).loss.item())
     assert losses[0] == pytest.approx(out.loss.item())
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
     assert losses[-1] < 2 / 3 * losses[0], losses
     for name, parameter in model.named_parameters():
         assert not torch.equal(parameter, before[name]), name

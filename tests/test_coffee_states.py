@@ -408,9 +408,9 @@ def test_states_of_another_architecture_or_model_are_refused(model, state):
     mamba = tiny_model("mamba")
     mamba_state = ComposableMambaCache.encode(mamba, ids_of(6))
     query = ids_of(3)
-    with pytest.raises(ValueError, match="'mamba' model.*this model is 'coffee'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'mamba' model.*this model is 'coffee'.*re-encode"):
         model.generate(query, past_states=[mamba_state], max_new_tokens=2)
-    with pytest.raises(ValueError, match="'coffee' model.*this model is 'mamba'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'coffee' model.*this model is 'mamba'.*re-encode"):
         mamba.generate(query, past_states=[state], max_new_tokens=2)
     with pytest.raises(ValueError, match="different model"):
         StateComposer("soup").compose([state, mamba_state])
@@ -535,9 +535,9 @@ def test_files_of_another_architecture_or_model_are_refused(model, saved, tmp_pa
     mamba = tiny_model("mamba")
     mamba_path = tmp_path / "mamba.safetensors"
     ComposableMambaCache.encode(mamba, ids_of(5)).save(mamba_path)
-    with pytest.raises(ValueError, match="'mamba' model, this model is 'coffee'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'mamba' model, this model is 'coffee'.*re-encode"):
         ComposableMambaCache.load(mamba_path, model=model)
-    with pytest.raises(ValueError, match="'coffee' model, this model is 'mamba'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'coffee' model, this model is 'mamba'.*re-encode"):
         ComposableMambaCache.load(saved, model=mamba)
     with pytest.raises(ValueError, match="re-encode the contexts with this model"):
         ComposableMambaCache.load(saved, model=tiny(seed=2))

@@ -164,7 +164,7 @@ def test_model_based_methods_refuse_states_of_another_model(arch, method):
     composer = StateComposer(method)
     with pytest.raises(ValueError, match="re-encode the contexts with this model"):
         composer.compose(states, model=tiny_model(arch, seed=1))  # same architecture, other weights
-    with pytest.raises(ValueError, match="another model|re-encode"):
+    with pytest.raises(ValueError, match=r"another model|re-encode"):
         composer.compose(states, model=tiny_model(other_arch))
     composer.compose(states, model=model)  # the encoding model is accepted
 

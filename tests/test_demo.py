@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
-from hf_statecompose.demo.corpora import recall_world
 from hf_statecompose.demo import DEMO_DIR
+from hf_statecompose.demo.corpora import recall_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,8 @@ def test_module_and_console_entry_points_run():
 
 
 def test_evaluation_protocol_on_recall(tmp_path):
-    from hf_statecompose.demo.eval import EVALUATED_METHODS as METHODS, evaluate, plot, table
+    from hf_statecompose.demo.eval import EVALUATED_METHODS as METHODS
+    from hf_statecompose.demo.eval import evaluate, plot, table
 
     model, tok = hsc.load_demo("mamba2")
     result = evaluate(model, tok, "recall", queries=4, k_max=3, log=lambda *a: None)

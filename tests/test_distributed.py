@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import BagOfWords, CharTokenizer, DyingBagOfWords, tiny_mamba2
 
 import hf_statecompose as hsc
+
+from helpers import tiny_model
+from store_helpers import BagOfWords, CharTokenizer, DyingBagOfWords, tiny_mamba2
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("lancedb")
@@ -145,7 +146,7 @@ def test_a_worker_killed_mid_run_loses_nothing_and_the_rerun_completes(tmp_path,
     corpus = passages(32)
     path = tmp_path / "s"
     # no restart: the run fails (by default Ray restarts the actor, retries its batches and completes)
-    with pytest.raises(Exception):  # noqa: B017 (whatever Ray raises for a dead actor)
+    with pytest.raises(Exception):  # noqa: B017 - whatever Ray raises for a dead actor
         hsc.encode_corpus(
             corpus,
             tiny_mamba2,

@@ -25,14 +25,14 @@ def _generate(model, states, **kwargs):
 def test_empty_list(model):
     with pytest.raises(ValueError, match="past_states is empty: pass at least one ComposableMambaCache"):
         _generate(model, [])
-    with pytest.raises(ValueError, match="^states is empty: pass at least one state to compose"):
+    with pytest.raises(ValueError, match=r"^states is empty: pass at least one state to compose"):
         StateComposer("picaso_s").compose([])
 
 
 def test_not_a_state(model, state):
     with pytest.raises(TypeError, match=r"past_states\[1\] must hold ComposableMambaCache objects .*got Tensor"):
         _generate(model, [state, torch.zeros(3)])
-    with pytest.raises(TypeError, match="past_states must be a list of states .*not a single state"):
+    with pytest.raises(TypeError, match=r"past_states must be a list of states .*not a single state"):
         _generate(model, state)
     with pytest.raises(
         ValueError,
@@ -183,7 +183,7 @@ def test_bad_generate_arguments(model, state):
 def test_bad_encode_input(model):
     ids = random_ids(5, batch=2)
     right_padded = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    with pytest.raises(ValueError, match="needs left padding .*: set tokenizer.padding_side = 'left'"):
+    with pytest.raises(ValueError, match=r"needs left padding .*: set tokenizer.padding_side = 'left'"):
         ComposableMambaCache.encode(model, ids, attention_mask=right_padded)
     with pytest.raises(ValueError, match="a row of attention_mask is all padding: every context needs at least one"):
         ComposableMambaCache.encode(model, ids, attention_mask=torch.tensor([[0] * 5, [1] * 5]))
@@ -236,7 +236,7 @@ def test_corrupted_file(model, state, tmp_path):
     ):
         ComposableMambaCache.load(path, model=model)
     path.write_bytes(b"\x00" * 64)
-    with pytest.raises(ValueError, match="is not a safetensors state file .*no safetensors header"):
+    with pytest.raises(ValueError, match=r"is not a safetensors state file .*no safetensors header"):
         ComposableMambaCache.load(path)
 
 
@@ -261,5 +261,5 @@ def test_load_into_another_model(arch, state, tmp_path):
         "re-encode the contexts with this model",
     ):
         ComposableMambaCache.load(path, model=tiny_model(arch, seed=3))
-    with pytest.raises(ValueError, match="s.safetensors holds 2 layers, the model has 3; .*re-encode the context"):
+    with pytest.raises(ValueError, match=r"s.safetensors holds 2 layers, the model has 3; .*re-encode the context"):
         ComposableMambaCache.load(path, model=tiny_model(arch, layers=3))

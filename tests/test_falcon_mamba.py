@@ -142,7 +142,7 @@ def test_never_enabled_falcon_mamba_refuses_past_states():
     hsc.disable(model)
     query = random_ids(3)
     for call in (lambda: model(query, past_states=[state]), lambda: model.generate(query, past_states=[state])):
-        with pytest.raises(ValueError, match="past_states needs hf_statecompose.enable"):
+        with pytest.raises(ValueError, match=r"past_states needs hf_statecompose.enable"):
             call()
 
 
@@ -164,5 +164,5 @@ def test_enable_changes_nothing_without_past_states_and_states_round_trip(model,
         assert torch.equal(loaded.ssm_states[i], state.ssm_states[i])
         assert torch.equal(loaded.delta_sums[i], state.delta_sums[i])
     mamba = tiny_model("mamba", seed=3)  # same shapes, another architecture: refused
-    with pytest.raises(ValueError, match="falcon_mamba|fingerprint|encoded by"):
+    with pytest.raises(ValueError, match=r"falcon_mamba|fingerprint|encoded by"):
         ComposableMambaCache.load(tmp_path / "falcon.safetensors", model=mamba)

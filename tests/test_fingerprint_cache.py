@@ -13,12 +13,13 @@ import weakref
 
 import pytest
 import torch
-from helpers import pickle_round_trip, random_ids, tiny_model, torch_save_round_trip
 
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache
 from hf_statecompose.state import fingerprint
 from hf_statecompose.state.fingerprint import model_fingerprint
+
+from helpers import pickle_round_trip, random_ids, tiny_model, torch_save_round_trip
 
 
 @pytest.fixture(params=["small", "armed"])

@@ -4,6 +4,8 @@ Each case first shows that the context changes the output: the first step's logi
 from those with its SSM states zeroed and from those without any context, by far more than the tolerance of
 the comparison with context + query that follows (tokens identical, logits of every step within 1e-5)."""
 
+import itertools
+
 import pytest
 import torch
 from transformers import TextStreamer
@@ -181,7 +183,7 @@ def test_streamers_and_return_dict(model, capsys):
         output_scores=True,
     )
     assert streamer.chunks[0] == query[0].tolist() and streamer.chunks[-1] == "end"
-    assert sum(streamer.chunks[1:-1], []) == out.sequences[0, query.shape[1] :].tolist()
+    assert list(itertools.chain.from_iterable(streamer.chunks[1:-1])) == out.sequences[0, query.shape[1] :].tolist()
     assert len(out.scores) == NEW
     expected = model.generate(
         torch.cat([context, query], 1),
@@ -206,7 +208,7 @@ def test_streamers_and_return_dict(model, capsys):
 
 @torch.no_grad()
 def test_generate_does_not_mutate_the_states(model):
-    context, query, state = _pair(model)
+    _context, query, state = _pair(model)
     before = state.clone()
     model.generate(query, past_states=[state, state], max_new_tokens=NEW, do_sample=False)
     for i in range(state.num_layers):

@@ -3,14 +3,14 @@ the query's padding slots as padding (-1), the real tokens after the composed ke
 padding skipped, as the call's position_ids placed them. transformers' attention appends keys without a mask, so
 without this the padding would pass for context tokens when the cache is reused."""
 
-import torch
 import pytest
+import torch
+
+import hf_statecompose as hsc
+from hf_statecompose import compat
+from hf_statecompose.state.validation import check_state
 
 from hybrid_models import hybrid_model, ids
-
-from hf_statecompose import compat
-import hf_statecompose as hsc
-from hf_statecompose.state.validation import check_state
 
 
 def _states(model):

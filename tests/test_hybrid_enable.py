@@ -71,5 +71,5 @@ def test_enable_attention_only_hybrid_changes_nothing(model_type):
 @pytest.mark.parametrize("model_type", sorted(ATTENTION_ONLY))
 def test_encode_refuses_attention_only_hybrid(model_type):
     model = hsc.enable(_attention_only_model(model_type))
-    with pytest.raises(ValueError, match="has no SSM layer .*no state to encode or compose"):
+    with pytest.raises(ValueError, match=r"has no SSM layer .*no state to encode or compose"):
         hsc.encode(model, torch.randint(1, 64, (1, 5)))

@@ -111,7 +111,7 @@ def test_bf16_keys_are_half_the_bytes_and_load_in_the_model_dtype(models, tmp_pa
 def test_keys_dtype_is_checked(models, tmp_path):
     model = model_of(models, "nemotron_h")
     state = hsc.encode(model, random_ids(6))
-    with pytest.raises(ValueError, match="keys_dtype must be torch.bfloat16, torch.float16 or the model dtype"):
+    with pytest.raises(ValueError, match=r"keys_dtype must be torch.bfloat16, torch.float16 or the model dtype"):
         state.save(tmp_path / "s.safetensors", keys_dtype=torch.int8)
     with pytest.raises(TypeError, match="keys_dtype must be a torch dtype"):
         state.save(tmp_path / "s.safetensors", keys_dtype="bf16")
@@ -119,7 +119,7 @@ def test_keys_dtype_is_checked(models, tmp_path):
         hsc.encode(tiny_model("mamba2"), random_ids(6)).save(tmp_path / "m.safetensors", keys_dtype=torch.bfloat16)
     big = state.clone()
     big.attention_layers[0].keys[0, 0, 0, 0] = 1e6  # beyond float16's 65504
-    with pytest.raises(ValueError, match="overflow torch.float16"):
+    with pytest.raises(ValueError, match=r"overflow torch.float16"):
         big.save(tmp_path / "s.safetensors", keys_dtype=torch.float16)
     assert not os.path.exists(tmp_path / "s.safetensors")
 

@@ -164,7 +164,7 @@ def close(actual, expected, tol):
 
 @torch.no_grad()
 def test_empty_state_equals_stock_forward(built):
-    arch, models = built
+    _arch, models = built
     config, model = models[torch.float32]
     torch.manual_seed(1)
     hidden = torch.randn(2, 37, config.hidden_size)  # > 2 chunks of the stock scan
@@ -182,7 +182,7 @@ def test_empty_state_equals_stock_forward(built):
 
 @torch.no_grad()
 def test_continuation_equals_whole_sequence(built):
-    arch, models = built
+    _arch, models = built
     config, model = models[torch.float64]
     torch.manual_seed(2)
     hidden = torch.randn(2, 29, config.hidden_size, dtype=torch.float64)
@@ -221,7 +221,7 @@ def _first_mixer_inputs(model, input_ids, attention_mask):
 
 @torch.no_grad()
 def test_left_padding_is_inert(built):
-    arch, models = built
+    _arch, models = built
     config, model = models[torch.float64]
     torch.manual_seed(3)
     pads, length = [0, 6], 19
@@ -256,7 +256,7 @@ def test_left_padding_is_inert(built):
 
 @torch.no_grad()
 def test_delta_sum_is_the_stock_time_steps_over_real_tokens(built):
-    arch, models = built
+    _arch, models = built
     config, model = models[torch.float32]
     torch.manual_seed(4)
     hidden = torch.randn(2, 23, config.hidden_size)

@@ -12,6 +12,7 @@ from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForC
 
 import hf_statecompose as hsc
 from hf_statecompose import _guard
+
 from helpers import VOCAB, random_ids
 
 
@@ -83,7 +84,7 @@ def test_every_public_name_resolves_to_its_definition():
     assert hsc.enable is generation.enable and hsc.METHODS is composition.METHODS
     assert hsc.store.StateStore is hsc.StateStore  # subpackages as attributes, as before
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        hsc.nope
+        hsc.nope  # noqa: B018 - the attribute access is what must raise
 
 
 # ------------------------------------------------------------------------------------ the guard
@@ -151,7 +152,7 @@ def test_when_imported_runs_after_the_module_or_at_once(tmp_path, monkeypatch, c
     seen = []
     _guard.when_imported("hsc_probe_a", lambda module: seen.append(module.VALUE + 1))
     assert seen == []  # not imported yet: nothing runs
-    import hsc_probe_a  # noqa: F401
+    import hsc_probe_a
 
     assert seen == [42]  # right after its code ran
     assert "exec_module" not in vars(hsc_probe_a.__loader__)  # the module's loader is left as it was

@@ -7,6 +7,7 @@ import torch
 from transformers import BatchEncoding
 
 import hf_statecompose as hsc
+
 from helpers import VOCAB, random_ids, tiny_model
 
 

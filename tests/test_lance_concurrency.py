@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 pytest.importorskip("lancedb")
 TESTS = str(Path(__file__).parent)
@@ -328,7 +329,7 @@ def test_the_retry_helper_backs_off_and_then_names_the_contention():
     sleeps.clear()
     with pytest.raises(
         TimeoutError,
-        match="delete failed 4 times.*other processes kept committing conflicting changes.*retry when fewer",
+        match=r"delete failed 4 times.*other processes kept committing conflicting changes.*retry when fewer",
     ):
         retry_contended(Contended(10), "delete", "store s", attempts=4, sleep=sleeps.append)
     assert len(sleeps) == 3 and sum(sleeps) <= 0.35

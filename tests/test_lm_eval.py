@@ -12,12 +12,13 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.demo.corpora import recall_world  # noqa: E402
-from hf_statecompose.pipeline import context_order  # noqa: E402
-from store_helpers import TEXTS, BagOfWords  # noqa: E402
+from lm_eval.api.instance import Instance
 
-from lm_eval.api.instance import Instance  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.demo.corpora import recall_world
+from hf_statecompose.pipeline import context_order
+
+from store_helpers import TEXTS, BagOfWords
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = recall_world(2026, towns=60)
@@ -197,7 +198,7 @@ def test_clear_errors(demo, tmp_path):
         make_lm(demo, k=-1)
     with pytest.raises(ValueError, match="unknown composition"):
         make_lm(demo, k=1, composition="nope", passages="bundled")
-    with pytest.raises(ValueError, match="store=.*passages="):
+    with pytest.raises(ValueError, match=r"store=.*passages="):
         make_lm(demo, k=3)
     with pytest.raises(ValueError, match="no StateStore"):
         make_lm(demo, k=1, store=str(tmp_path / "nothing"), retriever=BagOfWords())
@@ -210,7 +211,7 @@ def test_clear_errors(demo, tmp_path):
 
 def test_peft_adapter(demo, store, tmp_path):
     peft = pytest.importorskip("peft")
-    model, tokenizer = hsc.load_demo("mamba2")
+    model, _tokenizer = hsc.load_demo("mamba2")
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, target_modules=["in_proj"], init_lora_weights=False)
     peft.get_peft_model(model, config).save_pretrained(tmp_path / "adapter")

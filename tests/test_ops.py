@@ -261,10 +261,10 @@ def test_ssd_fp32_exponents_are_summed_directly(chunk_size):
 # They read tokens-first strided views, run channel blocks of 32 / 16 / 1 (the channel counts below hit all
 # three), and fuse softplus, the clamp, the mask, ΣΔ, the skip and the gate: every combination is checked
 # against the float64 references on fresh random inputs.
-from hf_statecompose.ops import _native  # noqa: E402
-from hf_statecompose.ops.conv import native as conv_native  # noqa: E402
-from hf_statecompose.ops.selective_scan import native as scan_native  # noqa: E402
-from hf_statecompose.ops.ssd import native as ssd_native  # noqa: E402
+from hf_statecompose.ops import _native
+from hf_statecompose.ops.conv import native as conv_native
+from hf_statecompose.ops.selective_scan import native as scan_native
+from hf_statecompose.ops.ssd import native as ssd_native
 
 
 def _needs(result):

@@ -41,7 +41,7 @@ def test_the_lm_eval_model_reads_the_same_format(tmp_path):
 
     path = tmp_path / "p.jsonl"
     path.write_text('{"text": "one"}\n{"text": 3}\n')
-    with pytest.raises(ValueError, match="p.jsonl:2: expected"):
+    with pytest.raises(ValueError, match=r"p.jsonl:2: expected"):
         _read_passages(str(path))
-    texts, metadata, sha = _read_passages("bundled")
+    texts, _metadata, sha = _read_passages("bundled")
     assert len(texts) == 172 and len(sha) == 64

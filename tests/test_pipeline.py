@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from helpers import random_ids
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
+
+from helpers import random_ids
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 
 @pytest.fixture

@@ -149,11 +149,11 @@ def test_generate_checks_the_mask_it_would_infer_from_the_pad_token(setup):
     ids = random_ids(4, batch=2)
     right = ids.clone()
     right[1, 2:] = 0
-    with pytest.raises(ValueError, match="left padding.*pad_token_id 0"):
+    with pytest.raises(ValueError, match=r"left padding.*pad_token_id 0"):
         model.generate(right, past_states=states, max_new_tokens=2)
     hole = ids.clone()
     hole[0, 1] = 0
-    with pytest.raises(ValueError, match="pad_token_id 0.*attention_mask explicitly"):
+    with pytest.raises(ValueError, match=r"pad_token_id 0.*attention_mask explicitly"):
         model.generate(hole, past_states=states, max_new_tokens=2)
     left = ids.clone()
     left[1, :2] = 0

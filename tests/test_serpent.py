@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import hf_statecompose as hsc
 from hf_statecompose.models.serpent.modeling_serpent import SeRpEntMambaBlock, branch_ssm_config
 from hf_statecompose.state.serpent_cache import CLOCK_BITS, ComposableSeRpEntCache
+
 from helpers import load_saved, pickle_round_trip
 
 VOCAB = 61

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
+
 from helpers import random_ids, tiny_model
 
 peft = pytest.importorskip("peft")
@@ -103,7 +104,7 @@ def test_serpent_lora_on_dt_proj_equals_merging_it():
         merged = model.merge_and_unload()(ids, use_cache=True)
         base = serpent()(ids, use_cache=True)
     assert torch.allclose(adapted.logits, merged.logits, rtol=1e-4, atol=1e-6)
-    for a, m, b in zip(adapted.cache.delta_sums, merged.cache.delta_sums, base.cache.delta_sums):
+    for a, m, _b in zip(adapted.cache.delta_sums, merged.cache.delta_sums, base.cache.delta_sums):
         assert torch.allclose(a, m, rtol=1e-5, atol=1e-6)
     assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(adapted.cache.delta_sums, base.cache.delta_sums))
 

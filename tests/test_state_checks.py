@@ -10,6 +10,7 @@
 """
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -18,10 +19,10 @@ import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache, StateComposer
 from hf_statecompose.composition.composer import MODEL_FREE_METHODS
 from hf_statecompose.state import validation
-from hf_statecompose.state.serpent_cache import CLOCK_BITS, CLOCK_ONE
+from hf_statecompose.state.serpent_cache import CLOCK_ONE
 from hf_statecompose.state.validation import check_state
 
-from helpers import random_ids, tiny_model
+from helpers import tiny_model
 
 SERPENT_VOCAB = 61
 
@@ -244,7 +245,7 @@ def test_real_serpent_encodings_always_pass(compressions):
         check_state(out.cache)
     for method in MODEL_FREE_METHODS:
         composer = StateComposer(method, weights=[0.5, 0.5]) if method == "weighted" else StateComposer(method)
-        for a, b in zip(states, states[1:]):
+        for a, b in itertools.pairwise(states):
             check_state(composer.compose([a, b]))
     for method in ("concat", "piconcat_r"):
         check_state(StateComposer(method).compose(states[:3], model=model))
@@ -374,9 +375,11 @@ def test_crafted_serpent_states_are_refused(serpent, layer, edit, message, tmp_p
 @torch.no_grad()
 def test_crafted_serpent_files_are_refused(serpent, tmp_path):
     """The same invariants guard files: a state whose times all equal its clock, written past the save check."""
-    from safetensors.torch import load_file, save
-    from safetensors import safe_open
     import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save
+
     from hf_statecompose.state import serialization
 
     path = tmp_path / "good.safetensors"
@@ -389,7 +392,7 @@ def test_crafted_serpent_files_are_refused(serpent, tmp_path):
     crafted = tmp_path / "crafted.safetensors"
     crafted.write_bytes(save(tensors, metadata={"hf_statecompose": json.dumps(meta)}))
     for kwargs in ({}, {"model": serpent}):
-        with pytest.raises(ValueError, match="layer 2 resampling window times .*step"):
+        with pytest.raises(ValueError, match=r"layer 2 resampling window times .*step"):
             ComposableMambaCache.load(crafted, **kwargs)
 
 

@@ -190,9 +190,9 @@ def test_check_state_in_memory(model, state):
 
 def test_fp32_state_into_a_half_model_is_refused(arch, saved, state):
     half = tiny_model(arch, dtype=torch.float16)
-    with pytest.raises(ValueError, match="re-encode the contexts with the model in torch.float16"):
+    with pytest.raises(ValueError, match=r"re-encode the contexts with the model in torch.float16"):
         ComposableMambaCache.load(saved, model=half)
-    with pytest.raises(ValueError, match="torch.float16"):
+    with pytest.raises(ValueError, match=r"torch.float16"):
         half.generate(random_ids(3, batch=2), past_states=[state], max_new_tokens=2)
 
 
@@ -203,7 +203,7 @@ def test_half_state_into_an_fp32_model_is_refused(arch, model, tmp_path):
     path = tmp_path / "half.safetensors"
     state.save(path)
     assert ComposableMambaCache.load(path, model=half).conv_states[0].dtype == torch.float16
-    with pytest.raises(ValueError, match="re-encode the contexts with the model in torch.float32"):
+    with pytest.raises(ValueError, match=r"re-encode the contexts with the model in torch.float32"):
         ComposableMambaCache.load(path, model=model)
     # converting by hand does not sneak it in either: the fingerprint covers the weights' dtype
     with pytest.raises(ValueError, match="re-encode"):

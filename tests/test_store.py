@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 TESTS = str(Path(__file__).parent)
 
@@ -78,7 +79,7 @@ def test_retrieve_ranks_by_similarity_with_states(tmp_path):
     store = make_store(tmp_path / "s", model)
     ids = store.add(TEXTS, show_progress=False)
     top = store.retrieve("which town is known for wool?", k=3)
-    assert [e.id for e in top][0] == ids[3]
+    assert top[0].id == ids[3]
     assert top[0].score >= top[1].score >= top[2].score
     assert_same_state(top[0].state, encode_alone(model, TEXTS[3]))
     assert store.retrieve("wool town", k=0) == []
@@ -200,7 +201,7 @@ def test_corruption_is_detected_and_other_shards_stay_readable(tmp_path):
     with pytest.raises(ValueError, match="corrupted"):
         make_store(tmp_path / "s", model).ids()
     (tmp_path / "s" / "store.json").write_text("{")
-    with pytest.raises(ValueError, match="store.json"):
+    with pytest.raises(ValueError, match=r"store.json"):
         make_store(tmp_path / "s", model)
 
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
 from hf_statecompose.store import folder as store_module
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 TESTS = str(Path(__file__).parent)
 
@@ -164,7 +165,7 @@ def test_a_lost_header_does_not_let_another_model_adopt_the_store(tmp_path):
     header = (tmp_path / "s" / "store.json").read_bytes()
     (tmp_path / "s" / "store.json").unlink()
     for who in (other, model):
-        with pytest.raises(ValueError, match="store.json is missing"):
+        with pytest.raises(ValueError, match=r"store.json is missing"):
             make_store(tmp_path / "s", who)
     assert not (tmp_path / "s" / "store.json").exists()
     # a forged header for the other model still meets the fingerprint recorded in every manifest
@@ -181,14 +182,14 @@ def test_a_store_of_the_unsealed_format_1_is_refused_with_the_fix(tmp_path):
     header.update(format_version=1)
     del header["digest"]
     (tmp_path / "s" / "store.json").write_text(json.dumps(header))
-    with pytest.raises(ValueError, match="format 1.*rebuild"):
+    with pytest.raises(ValueError, match=r"format 1.*rebuild"):
         make_store(tmp_path / "s", model)
 
 
 def _flip_tensor_byte(path, tensor):
     data = path.read_bytes()
     header_len = int.from_bytes(data[:8], "little")
-    start, end = json.loads(data[8 : 8 + header_len])[tensor]["data_offsets"]
+    start, _end = json.loads(data[8 : 8 + header_len])[tensor]["data_offsets"]
     out = bytearray(data)
     out[8 + header_len + start + 1] ^= 0x10
     path.write_bytes(bytes(out))

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 pytest.importorskip("lancedb")
 TESTS = str(Path(__file__).parent)
@@ -136,14 +137,14 @@ def test_retrieve_exclude_and_bad_input(tmp_path):
         store.retrieve("wool", k=-1)
     for bad in ("../../x", ids[0].upper(), "' OR 1=1 --"):
         for call in (
-            lambda: store.get(bad),
-            lambda: store.delete(bad),
-            lambda: store.retrieve("wool", k=1, exclude=[bad]),
-            lambda: store.entries([bad]),
-            lambda: store.add(["a"], ids=[bad], show_progress=False),
+            lambda b: store.get(b),
+            lambda b: store.delete(b),
+            lambda b: store.retrieve("wool", k=1, exclude=[b]),
+            lambda b: store.entries([b]),
+            lambda b: store.add(["a"], ids=[b], show_progress=False),
         ):
             with pytest.raises(ValueError, match="not a store entry id"):
-                call()
+                call(bad)
     with pytest.raises(TypeError, match="single string"):
         store.add("a text", show_progress=False)
     with pytest.raises(ValueError, match="empty"):

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
 from hf_statecompose.store import folder as store_module
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 
 def make_store(path, model, **kwargs):
@@ -80,9 +81,9 @@ def test_a_multi_id_delete_stopped_at_any_file_change_is_all_or_nothing(tmp_path
         count = [0]
 
         def maybe_stop(*args):
-            if count[0] == step:
+            if count[0] == step:  # noqa: B023 - only called during this step's delete
                 raise Stop
-            count[0] += 1
+            count[0] += 1  # noqa: B023 - only called during this step's delete
 
         def patched_write(p, data):
             if when == "before":

@@ -9,6 +9,7 @@ import torch
 
 import hf_statecompose as hsc
 from hf_statecompose.training import CompositionExample, composition_loss, encode_contexts
+
 from helpers import random_ids, tiny_model
 
 peft = pytest.importorskip("peft")
@@ -179,7 +180,7 @@ def test_three_bptc_steps_change_the_lora_weights_and_the_adapter_reloads_identi
             model(input_ids=ids, past_states=[state]).logits, reloaded(input_ids=ids, past_states=[again]).logits
         )
         # the adapter changes the states: a state of the base model is refused by the adapted one
-        with pytest.raises(ValueError, match="(?i)fingerprint|another model"):
+        with pytest.raises(ValueError, match=r"(?i)fingerprint|another model"):
             reloaded(input_ids=ids, past_states=[hsc.ComposableMambaCache.encode(tiny_model(arch), context)])
 
 

@@ -30,8 +30,8 @@ if _reason:
 # the generation mixin and the config tester too
 _FULL_TREE_REASON = missing_reason(*COMMON_FILES)
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.state.cache import ComposableMambaCache  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.state.cache import ComposableMambaCache
 
 _modeling_common = import_transformers_test("test_modeling_common")
 _generation = import_transformers_test("generation.test_utils")  # a placeholder without the full tree

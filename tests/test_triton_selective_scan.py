@@ -12,10 +12,10 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-import torch  # noqa: E402
+import torch
 
-from hf_statecompose.ops.selective_scan.triton_kernel import _selective_scan, selective_scan_triton  # noqa: E402
-from hf_statecompose.ops.selective_scan import selective_scan_ref  # noqa: E402
+from hf_statecompose.ops.selective_scan import selective_scan_ref
+from hf_statecompose.ops.selective_scan.triton_kernel import _selective_scan, selective_scan_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
@@ -44,7 +44,7 @@ def _inputs(
     noncontig=False,
 ):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     inp = dict(
         u=r(batch, channels, length),
         delta=r(batch, channels, length),

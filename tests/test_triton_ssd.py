@@ -16,8 +16,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from hf_statecompose.ops.ssd.triton_kernel import ssd_scan_triton  # noqa: E402
-from hf_statecompose.ops.ssd import ssd_scan_ref  # noqa: E402
+from hf_statecompose.ops.ssd import ssd_scan_ref
+from hf_statecompose.ops.ssd.triton_kernel import ssd_scan_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL_FP32 = 2e-5  # observed <= 2e-6 in the interpreter
@@ -51,7 +51,7 @@ def _leaves(
     A_scale=4.0,
 ):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     leaves = dict(
         x=r(batch, length, heads, head_dim).to(dtype),
         dt=(r(batch, length, heads) * dt_scale).to(dtype),

@@ -34,20 +34,20 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from operator import attrgetter
-from typing import Sequence
 
 import torch
 
 from ..models import encode
 from ..ops.backends import check_backend_name, compose_ssm, resolve
-from ..ops.compose import native as compose_native
 from ..ops.compose import MODEL_FREE_METHODS
+from ..ops.compose import native as compose_native
 from ..state.architectures import architecture
-from .attention import ATTENTION_POLICIES, compose_attention
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import model_fingerprint
 from ..state.validation import check_against_model, check_compatible, check_finite, check_state_once
+from .attention import ATTENTION_POLICIES, compose_attention
 
 MODEL_BASED_METHODS = ("concat", "piconcat_r")
 METHODS = MODEL_FREE_METHODS + MODEL_BASED_METHODS
@@ -201,7 +201,7 @@ class _Gathered:
     whose SSM states (every state, every layer) share one shape and dtype and are all on the CPU, and
     likewise the conv windows: then the states agree in all that ``check_compatible`` compares per layer."""
 
-    __slots__ = ("ssm", "conv", "delta", "ssm_shape", "conv_shape", "ssm_dtype", "conv_dtype")
+    __slots__ = ("conv", "conv_dtype", "conv_shape", "delta", "ssm", "ssm_dtype", "ssm_shape")
 
     def __init__(self, ssm, conv, delta, ssm_shape, conv_shape, ssm_dtype, conv_dtype):
         self.ssm, self.conv, self.delta = ssm, conv, delta
@@ -272,7 +272,7 @@ _WEIGHTS_HELP = (
 def _check_weights_values(weights) -> torch.Tensor:
     """The user's weights as a float64 tensor [n]; anything but n real numbers is refused by name
     (a bool, a str, a dict, a 2-D table or complex numbers would otherwise be silently coerced)."""
-    if torch.is_tensor(weights) or hasattr(weights, "__array__") and not isinstance(weights, (list, tuple)):
+    if torch.is_tensor(weights) or (hasattr(weights, "__array__") and not isinstance(weights, (list, tuple))):
         w = torch.as_tensor(weights)
         if w.dtype == torch.bool or w.is_complex() or not (w.is_floating_point() or w.dtype in _INT_DTYPES):
             raise TypeError(f"weights must hold real numbers, got a tensor of {w.dtype}; {_WEIGHTS_HELP}")

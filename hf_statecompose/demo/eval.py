@@ -148,7 +148,7 @@ def evaluate(
         composers = {m: StateComposer(m) for m in methods}
         for number, sample in enumerate(samples):
             exclude = [id_of[sample["own"]]] if sample["own"] is not None else []
-            retrieved, t = _timed(lambda: store.retrieve(sample["query_text"], k_max, exclude=exclude))
+            retrieved, t = _timed(lambda: store.retrieve(sample["query_text"], k_max, exclude=exclude))  # noqa: B023 - _timed calls it at once
             retrieval_seconds.append(t)
             base = continuation_losses(model, [None], sample["query_ids"], sample["continuation_ids"])[0].item()
             for k in range(k_max + 1):
@@ -161,7 +161,7 @@ def evaluate(
                 contexts = context_order(retrieved[:k])
                 composed = []
                 for m in methods:
-                    state, t = _timed(lambda: composers[m].compose(contexts, model=model))
+                    state, t = _timed(lambda: composers[m].compose(contexts, model=model))  # noqa: B023 - _timed calls it at once
                     seconds[m][k].append(t)
                     composed.append(state)
                 for m, value in zip(
@@ -171,7 +171,7 @@ def evaluate(
                     loss[m][k].append(value)
             if (number + 1) % 10 == 0:
                 log(f"  {number + 1}/{len(samples)} samples")
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
     result = {
         "dataset": dataset,
         "samples": len(samples),

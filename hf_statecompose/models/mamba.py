@@ -9,7 +9,6 @@ LoRA) takes part and trains (:func:`time_step_projection`).
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -20,7 +19,7 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     """hidden_states [B, T, hidden] -> [B, T, hidden]; updates layer ``mixer.layer_idx`` of ``cache``."""
     layer_idx = mixer.layer_idx
     dtype = hidden_states.dtype
-    batch, length, _ = hidden_states.shape
+    _batch, _length, _ = hidden_states.shape
     layer = cache.layers[layer_idx]
     has_state = layer.filled
     backend = getattr(mixer, "_hsc_backend", "auto")

@@ -22,8 +22,8 @@ import torch
 
 from .. import compat
 from ..ops.backends import check_backend_name
-from ..state.cache import ComposableMambaCache
 from ..state.architectures import architecture
+from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, base_model_of
 from .falcon_h1 import falcon_h1_mixer_forward
 from .mamba import mamba_mixer_forward

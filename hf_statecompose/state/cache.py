@@ -25,7 +25,7 @@ of its step multipliers over the context (:data:`.architectures.COFFEE`).
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -85,7 +85,7 @@ class ComposableMambaCache(compat.DynamicCache):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def empty_for(cls, model) -> "ComposableMambaCache":
+    def empty_for(cls, model) -> ComposableMambaCache:
         """A cache with no state yet, for ``model``: the model's forward fills it. Called on this class, it
         gives the cache class of the model's architecture (a :class:`ComposableSeRpEntCache` for a SeRpEnt
         model, with the same public contract)."""
@@ -210,7 +210,7 @@ class ComposableMambaCache(compat.DynamicCache):
     # states give states that share no tensor with their inputs, ``A`` and every extra included, so an
     # in-place edit of one never reaches the other. detach() and to() (to the same device and dtype) share
     # memory, as torch's detach / to do; a composition of one state is that state (it shares its tensors).
-    def _map_rows(self, fn, fixed=None) -> "ComposableMambaCache":
+    def _map_rows(self, fn, fixed=None) -> ComposableMambaCache:
         """A new cache whose every per-row tensor (of every layer, and the token counts / ids) is ``fn`` of this
         one's and whose ``A`` (no batch dimension) is ``fixed`` of this one's, a copy by default."""
         fixed = (lambda t: t.clone()) if fixed is None else fixed
@@ -230,7 +230,7 @@ class ComposableMambaCache(compat.DynamicCache):
         out.token_ids = fn(self.token_ids) if self.token_ids is not None else None
         return out
 
-    def _empty_like(self) -> "ComposableMambaCache":
+    def _empty_like(self) -> ComposableMambaCache:
         """A cache of the same model and class with empty layers."""
         return type(self)(
             self.config,
@@ -241,22 +241,22 @@ class ComposableMambaCache(compat.DynamicCache):
             num_layers=len(self.layers) if self.state_layers is self.layers else None,
         )
 
-    def _filled_like(self, ssm_states, conv_states, delta_sums) -> "ComposableMambaCache":
+    def _filled_like(self, ssm_states, conv_states, delta_sums) -> ComposableMambaCache:
         """A new cache of this one's model with these per-layer tensors and a copy of this cache's ``A``."""
         out = self._empty_like()
         for i, (ssm_state, conv_state, delta_sum, A) in enumerate(zip(ssm_states, conv_states, delta_sums, self.A)):
             out.set_layer(i, ssm_state=ssm_state, conv_state=conv_state, delta_sum=delta_sum, A=A.clone())
         return out
 
-    def clone(self) -> "ComposableMambaCache":
+    def clone(self) -> ComposableMambaCache:
         """A copy owning every tensor (``A`` and the architecture's extras included)."""
         return self._map_rows(lambda t: t.clone())
 
-    def detach(self) -> "ComposableMambaCache":
+    def detach(self) -> ComposableMambaCache:
         """The same tensors without autograd history (they share memory with this cache's, as ``Tensor.detach``)."""
         return self._map_rows(lambda t: t.detach(), fixed=lambda t: t.detach())
 
-    def to(self, device=None, dtype=None) -> "ComposableMambaCache":
+    def to(self, device=None, dtype=None) -> ComposableMambaCache:
         """Move to ``device``; ``dtype`` converts the conv windows and records it as the model dtype
         (SSM states, ΣΔ and A stay float32). Tensors already there are shared, as ``Tensor.to`` shares them."""
         move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
@@ -299,7 +299,7 @@ class ComposableMambaCache(compat.DynamicCache):
             return torch.tensor([int(row) for row in rows], dtype=torch.long)
         raise TypeError(f"{self._ROWS_ACCEPTED}, got {rows!r} ({type(rows).__name__})")
 
-    def select(self, rows) -> "ComposableMambaCache":
+    def select(self, rows) -> ComposableMambaCache:
         """Rows ``rows`` (int, list of ints, slice or LongTensor) as a new cache owning its tensors."""
         index = self._row_index(rows)
         if index.numel() and (index.min() < -self.batch_size or index.max() >= self.batch_size):
@@ -309,7 +309,7 @@ class ComposableMambaCache(compat.DynamicCache):
     def __getitem__(self, rows):
         return self.select(rows)
 
-    def repeat_interleave(self, repeats: int) -> "ComposableMambaCache":
+    def repeat_interleave(self, repeats: int) -> ComposableMambaCache:
         """Each row ``repeats`` times in a row (as ``torch.repeat_interleave(dim=0)``), for beam search."""
         if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral):
             raise TypeError(f"repeats must be an int >= 1, got {type(repeats).__name__} {repeats!r:.40}")
@@ -318,7 +318,7 @@ class ComposableMambaCache(compat.DynamicCache):
         return self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     @classmethod
-    def stack(cls, caches: Sequence["ComposableMambaCache"]) -> "ComposableMambaCache":
+    def stack(cls, caches: Sequence[ComposableMambaCache]) -> ComposableMambaCache:
         """Concatenate caches of the same model along the batch (called on this class, the caches' own
         class does it, so that a subclass's extra tensors follow their rows)."""
         from .validation import check_compatible
@@ -350,7 +350,7 @@ class ComposableMambaCache(compat.DynamicCache):
             )
         return out
 
-    def _finish_composition(self, states: Sequence["ComposableMambaCache"]) -> None:
+    def _finish_composition(self, states: Sequence[ComposableMambaCache]) -> None:
         """Called by the composer on a state it composed from ``states`` (list order, non-empty) after
         setting every layer's SSM state, conv window and ΣΔ: a subclass fills in what else its states carry
         (SeRpEnt: the resampling state, from the last state). Nothing more for Mamba / Mamba-2."""
@@ -400,7 +400,7 @@ class ComposableMambaCache(compat.DynamicCache):
         save_state(self, path, keys_dtype=keys_dtype)
 
     @classmethod
-    def load(cls, path, model=None, device=None) -> "ComposableMambaCache":
+    def load(cls, path, model=None, device=None) -> ComposableMambaCache:
         """Read a state written by :meth:`save`. With ``model``, checks it was encoded by that model."""
         from .serialization import load_state
 

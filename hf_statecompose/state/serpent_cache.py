@@ -41,7 +41,6 @@ list-order concatenation (the rotation that ends with the last state, i.e. what 
 
 from __future__ import annotations
 
-
 import torch
 
 from .architectures import SERPENT_CLOCK_BITS, SERPENT_MAMBA
@@ -91,7 +90,7 @@ class ComposableSeRpEntCache(ComposableMambaCache):
     last_outputs = layer_attribute("last_outputs", "Per virtual layer: the branch output at the latest grid point.")
 
     @classmethod
-    def empty_for(cls, model) -> "ComposableSeRpEntCache":
+    def empty_for(cls, model) -> ComposableSeRpEntCache:
         """A cache with no state yet, for a SeRpEnt ``model``: the model's forward fills it."""
         architecture = architecture_of(model)
         if architecture != "serpent_mamba":
@@ -101,7 +100,7 @@ class ComposableSeRpEntCache(ComposableMambaCache):
         )
 
     @classmethod
-    def _for_config(cls, config, dtype: torch.dtype, fingerprint: str = "") -> "ComposableSeRpEntCache":
+    def _for_config(cls, config, dtype: torch.dtype, fingerprint: str = "") -> ComposableSeRpEntCache:
         info = {
             "model_type": config.model_type,
             "num_hidden_layers": config.num_hidden_layers,
@@ -127,7 +126,7 @@ class ComposableSeRpEntCache(ComposableMambaCache):
         for name in _EXTRAS:
             setattr(self, name, [copy(t) if t is not None else None for t in getattr(last, name)])
 
-    def to(self, device=None, dtype=None) -> "ComposableSeRpEntCache":
+    def to(self, device=None, dtype=None) -> ComposableSeRpEntCache:
         """As :meth:`ComposableMambaCache.to`; ``dtype`` also converts the last outputs (model dtype) and the
         window inputs (float32, float64 for a float64 model), as a model in that dtype keeps them."""
         out = super().to(device, dtype)

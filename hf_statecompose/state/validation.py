@@ -511,11 +511,11 @@ def _check_A_against_model(state, model, where: str, A_rtol: float) -> None:
 # bumps them) and storage addresses: an edit after the check, or another tensor put in its place, makes the next
 # use check again. Weak references: the verdict keeps neither the state nor its tensors alive. Inference-mode
 # tensors have no version counter: a state holding one is checked at every use.
-_VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Verdict:
-    __slots__ = ("header", "refs", "versions", "fingerprints")
+    __slots__ = ("fingerprints", "header", "refs", "versions")
 
     def __init__(self, header, tensors, versions):
         self.header, self.versions, self.fingerprints = header, versions, set()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

@@ -75,8 +75,8 @@ import json
 import os
 import threading
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -93,9 +93,9 @@ from .format import (
     all_finite,
     canonical,
     check_id,
-    content_id,
     check_opened_header,
     checksum,
+    content_id,
     is_id,
     seal,
     unseal,
@@ -747,7 +747,7 @@ class FolderStateStore(StateStore):
                 f"shards of {self.path} keep changing while they are read (is another program writing them?)"
             )
         states = {}
-        for sid, (path, identity, verified, A, tensors, records) in reads.items():
+        for _, _, verified, A, tensors, records in reads.values():
             verified.update(tensors)
             for entry_id, entry_tensors in tensors.items():
                 states[entry_id] = self._state(entry_tensors, records[entry_id], A, device)

@@ -48,8 +48,8 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -431,7 +431,7 @@ class LanceStateStore(StateStore):
         for start in range(0, len(wanted), 1024):  # filters of bounded length
             chunk = wanted[start : start + 1024]
             query = self.table.search().where(f"id IN {self._in(chunk)}").select(columns).limit(None)
-            rows.update(self._one_copy_each(self._read(lambda: query.to_arrow().to_pylist())))
+            rows.update(self._one_copy_each(self._read(lambda: query.to_arrow().to_pylist())))  # noqa: B023 - _read calls it at once
         return rows
 
     def entries(self, ids: Sequence[str] | None = None) -> list[StoreEntry]:
@@ -682,7 +682,7 @@ class LanceStateStore(StateStore):
         limit = k
         while True:
             rows = self._read(
-                lambda: self._search(vector, excluded, exact).select(columns).limit(limit).to_arrow().to_pylist()
+                lambda: self._search(vector, excluded, exact).select(columns).limit(limit).to_arrow().to_pylist()  # noqa: B023 - _read calls it at once
             )
             rows.sort(key=lambda r: r["_distance"])
             distinct = list(self._one_copy_each(rows).values())
@@ -733,7 +733,7 @@ class LanceStateStore(StateStore):
             )
         from lancedb.index import HnswSq, IvfPq
 
-        num_partitions = num_partitions or max(1, min(4096, int(round(rows**0.5))))
+        num_partitions = num_partitions or max(1, min(4096, round(rows**0.5)))
         if self.index_type == "IVF_PQ":
             dim = self.embedding_dim
             num_sub_vectors = num_sub_vectors or next(

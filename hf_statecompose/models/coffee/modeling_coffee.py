@@ -215,7 +215,7 @@ class CoffeePreTrainedModel(PreTrainedModel):
     config_class = CoffeeConfig
     base_model_prefix = "backbone"
     main_input_name = "input_ids"
-    _no_split_modules = ["CoffeeBlock"]
+    _no_split_modules = ["CoffeeBlock"]  # noqa: RUF012 - transformers' PreTrainedModel attribute: declared there without ClassVar, set per instance too
     supports_gradient_checkpointing = False
     _is_stateful = True
 
@@ -355,7 +355,7 @@ class CoffeeModel(CoffeePreTrainedModel):
 
 
 class CoffeeForCausalLM(CoffeePreTrainedModel, StateCacheGenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
+    _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}  # noqa: RUF012 - transformers' PreTrainedModel attribute: declared there without ClassVar, set per instance too
 
     def __init__(self, config: CoffeeConfig):
         super().__init__(config)

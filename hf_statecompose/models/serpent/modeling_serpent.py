@@ -122,7 +122,7 @@ def branch_ssm_forward(mixer, hidden_states: torch.Tensor, cache, count: torch.T
     (SSM state, conv window, ΣΔ) and returns ``[B, T, h]`` (padding positions hold garbage)."""
     layer_idx = mixer.layer_idx
     dtype = hidden_states.dtype
-    batch, length, _ = hidden_states.shape
+    _batch, length, _ = hidden_states.shape
     layer = cache.layers[layer_idx]
     positions = torch.arange(length, device=hidden_states.device)
     mask = (positions[None] < count[:, None]).to(dtype)  # [B, T]
@@ -346,7 +346,7 @@ class SeRpEntMambaPreTrainedModel(PreTrainedModel):
     config: SeRpEntMambaConfig
     config_class = SeRpEntMambaConfig
     base_model_prefix = "backbone"
-    _no_split_modules = ["SeRpEntMambaBlock"]
+    _no_split_modules = ["SeRpEntMambaBlock"]  # noqa: RUF012 - transformers' PreTrainedModel attribute: declared there without ClassVar, set per instance too
     supports_gradient_checkpointing = False
     _is_stateful = True
 
@@ -459,7 +459,7 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
 
 
 class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, StateCacheGenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
+    _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}  # noqa: RUF012 - transformers' PreTrainedModel attribute: declared there without ClassVar, set per instance too
 
     def __init__(self, config: SeRpEntMambaConfig):
         super().__init__(config)

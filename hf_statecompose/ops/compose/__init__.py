@@ -1,5 +1,7 @@
 """Fused composition x = Σ_k W_k ⊙ x_k of SSM states: weights, reference, torch, Triton."""
 
+from .reference import compose_ssm_ref
+from .vectorized import compose_ssm_torch
 from .weights import (
     MODEL_FREE_METHODS,
     WEIGHT_FUNCTIONS,
@@ -8,8 +10,6 @@ from .weights import (
     picaso_s_weights,
     soup_weights,
 )
-from .reference import compose_ssm_ref
-from .vectorized import compose_ssm_torch
 
 __all__ = [
     "MODEL_FREE_METHODS",

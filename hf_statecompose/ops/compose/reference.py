@@ -7,7 +7,7 @@ The reference forms the full weight tensor ``W [n, *state]`` from the decays wit
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -168,7 +168,7 @@ def _compose_kernel(
     tl.store(out_ptr + row_off + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gauss_legendre_table(n: int, q_pad: int, device: str) -> torch.Tensor:
     """[2, q_pad] float32: the ⌈n/2⌉ nodes then weights of ``_gauss_legendre_01``, zero padded."""
     t, w = _gauss_legendre_01(math.ceil(n / 2))

@@ -62,7 +62,7 @@ def picaso_r_weights(log_decays: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums) / n
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gauss_legendre_01(nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Gauss–Legendre nodes and weights on (0, 1), float64, by Golub–Welsch."""
     if nodes == 1:

@@ -84,7 +84,7 @@ def _scan_block(u, dt, A, B, C, h0, chunk_size):
     batch, channels, length = u.shape
     if chunk_size is None:
         # chunk_size + length / chunk_size Python steps is smallest at sqrt(length)
-        chunk_size = max(1, int(math.ceil(math.sqrt(length))))
+        chunk_size = max(1, math.ceil(math.sqrt(length)))
     n_chunks = -(-length // chunk_size)
     pad = n_chunks * chunk_size - length
 

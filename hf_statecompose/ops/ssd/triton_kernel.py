@@ -657,7 +657,7 @@ class _SSDChunkScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, delta, log_a, B, C, h0, L):
-        batch, length, heads, _ = x.shape
+        batch, _length, heads, _ = x.shape
         ratio = heads // B.shape[2]
         nc = log_a.shape[-1] // L
         chunks = log_a.view(batch, heads, nc, L)
