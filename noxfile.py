@@ -30,6 +30,7 @@ that folder lacks any of TRANSFORMERS_TEST_FILES (tests that need it then skip w
 holds only the top-level test files: ModelTesterMixin runs from it; the generation mixin and transformers'
 Mamba suites need the repository's tree at the release tag (not reachable from these machines).
 """
+
 from __future__ import annotations
 
 import json
@@ -68,12 +69,17 @@ def tests_lowest(session: nox.Session) -> None:
     """Every direct dependency at its declared lower bound (transformers 5.23.x); the whole suite."""
     _install(session, "--resolution", "lowest-direct")
     versions = _direct_versions(session)
-    wrong = {name: (installed, lower) for name, (installed, lower) in versions.items()
-             if lower is not None and Version(Version(installed).public) != Version(lower)}
+    wrong = {
+        name: (installed, lower)
+        for name, (installed, lower) in versions.items()
+        if lower is not None and Version(Version(installed).public) != Version(lower)
+    }
     if wrong:
         lines = ", ".join(f"{name} {installed} (declared >={lower})" for name, (installed, lower) in wrong.items())
-        session.error(f"the lowest resolution did not install the declared lower bounds: {lines}; raise each "
-                      "bound in pyproject.toml to the version that gets installed, so that it is the one tested")
+        session.error(
+            f"the lowest resolution did not install the declared lower bounds: {lines}; raise each "
+            "bound in pyproject.toml to the version that gets installed, so that it is the one tested"
+        )
     _test(session)
 
 
@@ -153,8 +159,7 @@ def _direct_versions(session: nox.Session) -> dict[str, tuple[str, str | None]]:
 
 
 def _versions(session: nox.Session, names: list[str]) -> dict[str, str]:
-    code = ("import importlib.metadata as m, json, sys; "
-            "print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))")
+    code = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
     out = session.run("python", "-c", code, *names, silent=True)
     return json.loads(out.strip().splitlines()[-1])
 
@@ -166,8 +171,20 @@ def _transformers_tests(session: nox.Session, version: str) -> Path | None:
     source = folder / f"transformers-{version}"
     if not source.is_dir():
         folder.mkdir(parents=True, exist_ok=True)
-        session.run("python", "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
-                    "-d", str(folder), f"transformers=={version}", silent=True)
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "-d",
+            str(folder),
+            f"transformers=={version}",
+            silent=True,
+        )
         # extract beside, then rename: an interrupted run leaves no half tree that looks complete
         scratch = Path(tempfile.mkdtemp(dir=folder))
         with tarfile.open(folder / f"transformers-{version}.tar.gz") as archive:
@@ -177,11 +194,15 @@ def _transformers_tests(session: nox.Session, version: str) -> Path | None:
     tests = source / "tests"
     partial = [name for name in FULL_TREE_FILES if not (tests / name).is_file()]
     if partial:
-        session.log(f"transformers {version}'s sdist lacks {', '.join('tests/' + m for m in partial)}: "
-                    "transformers' model mixin runs, its generation mixin and Mamba suites skip")
+        session.log(
+            f"transformers {version}'s sdist lacks {', '.join('tests/' + m for m in partial)}: "
+            "transformers' model mixin runs, its generation mixin and Mamba suites skip"
+        )
     missing = [name for name in TRANSFORMERS_TEST_FILES if not (tests / name).is_file()]
     if missing:
-        session.warn(f"transformers {version}'s sdist ({tests}) lacks {', '.join('tests/' + m for m in missing)}: "
-                     "HSC_TRANSFORMERS_TESTS stays unset and the tests that need it skip")
+        session.warn(
+            f"transformers {version}'s sdist ({tests}) lacks {', '.join('tests/' + m for m in missing)}: "
+            "HSC_TRANSFORMERS_TESTS stays unset and the tests that need it skip"
+        )
         return None
     return tests

@@ -28,6 +28,7 @@ benchmarks/results/adversarial.json): the table per category and in total, and e
 unclear, hang, lost) with a one-line repro (``--case ID`` reruns one case in this process and prints its
 traceback). ``--scale ci`` is the representative subset the test runs (tests/adversarial/).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,18 @@ from hf_statecompose import ComposableMambaCache, StateComposer
 PKG_DIR = os.path.dirname(os.path.abspath(hsc.__file__)) + os.sep
 THIS_FILE = os.path.abspath(__file__)
 OUTCOMES = ("clear", "handled", "unclear", "silent", "hang", "lost")
-CLEAR_TYPES = (ValueError, TypeError, KeyError, IndexError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-               TimeoutError, NotImplementedError)
+CLEAR_TYPES = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    TimeoutError,
+    NotImplementedError,
+)
 CATEGORIES = {
     "a": "crafted state files",
     "b": "in-memory state misuse",
@@ -92,18 +103,51 @@ def build_model(arch: str, seed: int = 0):
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     if arch in ("mamba", "falcon_mamba"):
-        cls, model_cls = (MambaConfig, MambaForCausalLM) if arch == "mamba" else (FalconMambaConfig, FalconMambaForCausalLM)
+        cls, model_cls = (
+            (MambaConfig, MambaForCausalLM) if arch == "mamba" else (FalconMambaConfig, FalconMambaForCausalLM)
+        )
         model = model_cls(cls(hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, **common))
     elif arch == "mamba2":
-        model = Mamba2ForCausalLM(Mamba2Config(hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, num_heads=8, head_dim=8,
-                                               n_groups=2, chunk_size=16, conv_kernel=4, **common))
+        model = Mamba2ForCausalLM(
+            Mamba2Config(
+                hidden_size=32,
+                state_size=8,
+                num_hidden_layers=2,
+                expand=2,
+                num_heads=8,
+                head_dim=8,
+                n_groups=2,
+                chunk_size=16,
+                conv_kernel=4,
+                **common,
+            )
+        )
     elif arch == "serpent_mamba":
-        model = hsc.SeRpEntMambaForCausalLM(hsc.SeRpEntMambaConfig(
-            hidden_size=24, num_hidden_layers=2, state_size=4, resample_window=3, num_gaussians=4, tie_word_embeddings=False,
-            initializer_range=1.0, time_step_min=0.01, time_step_max=0.5, **common))
+        model = hsc.SeRpEntMambaForCausalLM(
+            hsc.SeRpEntMambaConfig(
+                hidden_size=24,
+                num_hidden_layers=2,
+                state_size=4,
+                resample_window=3,
+                num_gaussians=4,
+                tie_word_embeddings=False,
+                initializer_range=1.0,
+                time_step_min=0.01,
+                time_step_max=0.5,
+                **common,
+            )
+        )
     elif arch == "coffee":
-        model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(hidden_size=16, num_hidden_layers=2, state_size=4, tie_word_embeddings=False,
-                                                       initializer_range=0.1, **common))
+        model = hsc.CoffeeForCausalLM(
+            hsc.CoffeeConfig(
+                hidden_size=16,
+                num_hidden_layers=2,
+                state_size=4,
+                tie_word_embeddings=False,
+                initializer_range=0.1,
+                **common,
+            )
+        )
     else:
         raise ValueError(arch)
     if getattr(model, "lm_head", None) is not None and not getattr(model.config, "tie_word_embeddings", True):
@@ -150,10 +194,22 @@ class BagOfWords:
         return out + 1e-3
 
 
-STORE_TEXTS = ["the red fox jumps over the fence", "a quiet river runs to the sea", "copper and tin make bronze",
-               "the mountain town is known for wool", "bees make honey in the summer", "iron ships sail across the bay"]
-NEW_TEXTS = ["glass is made from sand and heat", "owls hunt at night in the forest", "salt water freezes later",
-             "clocks tick in the old tower", "wheat grows in the valley", "a comet crossed the winter sky"]
+STORE_TEXTS = [
+    "the red fox jumps over the fence",
+    "a quiet river runs to the sea",
+    "copper and tin make bronze",
+    "the mountain town is known for wool",
+    "bees make honey in the summer",
+    "iron ships sail across the bay",
+]
+NEW_TEXTS = [
+    "glass is made from sand and heat",
+    "owls hunt at night in the forest",
+    "salt water freezes later",
+    "clocks tick in the old tower",
+    "wheat grows in the valley",
+    "a comet crossed the winter sky",
+]
 
 
 # ================================================================================================ state helpers
@@ -162,8 +218,13 @@ def state_dict_of(state) -> dict:
     from hf_statecompose.state.serialization import state_to_tensors
 
     out = {k: v.clone() for k, v in state_to_tensors(state).items()}
-    return {"tensors": out, "architecture": state.architecture, "fingerprint": state.fingerprint, "model_dtype": str(state.model_dtype),
-            "type": type(state).__name__}
+    return {
+        "tensors": out,
+        "architecture": state.architecture,
+        "fingerprint": state.fingerprint,
+        "model_dtype": str(state.model_dtype),
+        "type": type(state).__name__,
+    }
 
 
 def same_state(a: dict, b: dict) -> str | None:
@@ -178,8 +239,11 @@ def same_state(a: dict, b: dict) -> str | None:
         x, y = ta[name], tb[name]
         if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
             return f"{name}: {x.dtype}{tuple(x.shape)} != {y.dtype}{tuple(y.shape)}"
-        if not torch.equal(x, y) and not (x.is_floating_point() and torch.equal(torch.isnan(x), torch.isnan(y))
-                                          and torch.equal(torch.nan_to_num(x), torch.nan_to_num(y))):
+        if not torch.equal(x, y) and not (
+            x.is_floating_point()
+            and torch.equal(torch.isnan(x), torch.isnan(y))
+            and torch.equal(torch.nan_to_num(x), torch.nan_to_num(y))
+        ):
             return f"{name} values differ"
     return None
 
@@ -196,8 +260,10 @@ def logits_of_positional(model, query, states):
 
 def generate_of(model, query, states, composition="picaso_r", new=3, **kwargs):
     with torch.no_grad():
-        out = model.generate(query, past_states=states, composition=composition, max_new_tokens=new, do_sample=False, **kwargs)
-    return out[:, query.shape[1]:]
+        out = model.generate(
+            query, past_states=states, composition=composition, max_new_tokens=new, do_sample=False, **kwargs
+        )
+    return out[:, query.shape[1] :]
 
 
 def handled(detail="verified"):
@@ -219,8 +285,10 @@ def accepted_invalid(what):
 def compare_logits(actual, expected, what="logits") -> dict:
     if actual.shape == expected.shape and torch.equal(actual, expected):
         return handled(f"{what} equal to the reference")
-    return silent(f"{what} differ from the reference (max |diff| "
-                  f"{float((actual.float() - expected.float()).abs().nan_to_num(float('inf')).max()) if actual.shape == expected.shape else 'shape'})")
+    return silent(
+        f"{what} differ from the reference (max |diff| "
+        f"{float((actual.float() - expected.float()).abs().nan_to_num(float('inf')).max()) if actual.shape == expected.shape else 'shape'})"
+    )
 
 
 # ================================================================================================ classification
@@ -236,8 +304,13 @@ def classify_exception(error: BaseException) -> dict:
     detail = f"{kind} at {origin}: {' | '.join(message.splitlines())[:300]}"
     if isinstance(error, CLEAR_TYPES) and (deliberate or binding) and one_line:
         return {"outcome": "clear", "detail": detail}
-    why = ("not a clear type" if not isinstance(error, CLEAR_TYPES) else "not raised by hf_statecompose" if not (deliberate or binding)
-           else f"message of {len(message)} chars / {len(message.splitlines())} lines")
+    why = (
+        "not a clear type"
+        if not isinstance(error, CLEAR_TYPES)
+        else "not raised by hf_statecompose"
+        if not (deliberate or binding)
+        else f"message of {len(message)} chars / {len(message.splitlines())} lines"
+    )
     return {"outcome": "unclear", "detail": f"{detail} ({why})"}
 
 
@@ -375,7 +448,7 @@ class Context:
             with safe_open(ref_path, "pt") as handle:
                 ids = json.loads(handle.metadata()["ids"])
             flat = load_file(ref_path)
-            refs = {i: {name[len(i) + 1:]: t for name, t in flat.items() if name.startswith(i + ".")} for i in ids}
+            refs = {i: {name[len(i) + 1 :]: t for name, t in flat.items() if name.startswith(i + ".")} for i in ids}
             self.store_refs[backend] = {"path": path, "ids": ids, "texts": dict(zip(ids, STORE_TEXTS)), "tensors": refs}
 
 
@@ -383,13 +456,15 @@ def open_store(ctx, backend, path, model=None, **kwargs):
     store_cls = hsc.StateStore
     kw = {"backend": "lance"} if backend == "lance" else {}
     kw.update(kwargs)
-    return store_cls(path, model if model is not None else ctx.models["mamba2"], CharTokenizer(), retriever=BagOfWords(), **kw)
+    return store_cls(
+        path, model if model is not None else ctx.models["mamba2"], CharTokenizer(), retriever=BagOfWords(), **kw
+    )
 
 
 # ================================================================================================ category a: files
 def _split_file(data: bytes):
     header_len = int.from_bytes(data[:8], "little")
-    return header_len, json.loads(data[8:8 + header_len])
+    return header_len, json.loads(data[8 : 8 + header_len])
 
 
 def _resave(tensors: dict, meta: dict | str | None, recompute_digest: bool = True) -> bytes:
@@ -411,16 +486,69 @@ def _parsed(data: bytes):
     return load(data), meta
 
 
-BYTE_MUTATIONS = ("flip_header", "flip_data", "flip_any", "truncate", "empty", "garbage", "pickle", "zip", "append", "huge_header_len",
-                  "zero_header_len")
-META_MUTATIONS = ("format_version", "architecture", "fingerprint_garbage", "fingerprint_other", "model_dtype", "num_layers",
-                  "config_model_type", "digest_wrong", "drop_key", "meta_not_json", "meta_list", "no_metadata", "model_info_list")
-TENSOR_MUTATIONS = ("negative_delta", "nan_ssm", "inf_ssm", "nan_conv", "nan_delta", "A_scaled", "A_positive", "dtype_ssm_f64",
-                    "dtype_conv_f16", "dtype_delta_int", "shape_ssm", "shape_conv", "batch2_one_tensor", "missing_tensor",
-                    "extra_tensor", "num_tokens_negative", "num_tokens_mismatch", "token_ids_oov", "token_ids_negative",
-                    "token_ids_float", "empty_state_tensor")
-SERPENT_MUTATIONS = ("valid_all_false_clock", "times_not_strict", "times_decreasing", "times_after_clock", "clock_negative",
-                     "valid_not_right_aligned", "window_inputs_nan", "last_output_inf", "clock_int32", "valid_as_int")
+BYTE_MUTATIONS = (
+    "flip_header",
+    "flip_data",
+    "flip_any",
+    "truncate",
+    "empty",
+    "garbage",
+    "pickle",
+    "zip",
+    "append",
+    "huge_header_len",
+    "zero_header_len",
+)
+META_MUTATIONS = (
+    "format_version",
+    "architecture",
+    "fingerprint_garbage",
+    "fingerprint_other",
+    "model_dtype",
+    "num_layers",
+    "config_model_type",
+    "digest_wrong",
+    "drop_key",
+    "meta_not_json",
+    "meta_list",
+    "no_metadata",
+    "model_info_list",
+)
+TENSOR_MUTATIONS = (
+    "negative_delta",
+    "nan_ssm",
+    "inf_ssm",
+    "nan_conv",
+    "nan_delta",
+    "A_scaled",
+    "A_positive",
+    "dtype_ssm_f64",
+    "dtype_conv_f16",
+    "dtype_delta_int",
+    "shape_ssm",
+    "shape_conv",
+    "batch2_one_tensor",
+    "missing_tensor",
+    "extra_tensor",
+    "num_tokens_negative",
+    "num_tokens_mismatch",
+    "token_ids_oov",
+    "token_ids_negative",
+    "token_ids_float",
+    "empty_state_tensor",
+)
+SERPENT_MUTATIONS = (
+    "valid_all_false_clock",
+    "times_not_strict",
+    "times_decreasing",
+    "times_after_clock",
+    "clock_negative",
+    "valid_not_right_aligned",
+    "window_inputs_nan",
+    "last_output_inf",
+    "clock_int32",
+    "valid_as_int",
+)
 OTHER_FILE_MUTATIONS = ("other_architecture", "other_model_same_arch", "fingerprint_swapped", "foreign_safetensors")
 
 
@@ -428,11 +556,20 @@ def gen_files(rng, scale):
     """full: every mutation on every architecture (random ones several times); ci: each mutation once, on the
     architectures in turn (byte flips twice)."""
     cases = []
-    kinds = [("file_bytes", k) for k in BYTE_MUTATIONS] + [("file_struct", k) for k in META_MUTATIONS + TENSOR_MUTATIONS + OTHER_FILE_MUTATIONS]
+    kinds = [("file_bytes", k) for k in BYTE_MUTATIONS] + [
+        ("file_struct", k) for k in META_MUTATIONS + TENSOR_MUTATIONS + OTHER_FILE_MUTATIONS
+    ]
     for n, (runner, kind) in enumerate(kinds):
-        randomised = kind.startswith("flip") or kind == "truncate" or kind in ("garbage", "negative_delta", "nan_ssm", "A_scaled")
+        randomised = (
+            kind.startswith("flip")
+            or kind == "truncate"
+            or kind in ("garbage", "negative_delta", "nan_ssm", "A_scaled")
+        )
         if scale == "full":
-            plan = [(arch, 12 if kind.startswith("flip") else 4 if randomised else 1 if kind in OTHER_FILE_MUTATIONS else 2) for arch in ARCHS]
+            plan = [
+                (arch, 12 if kind.startswith("flip") else 4 if randomised else 1 if kind in OTHER_FILE_MUTATIONS else 2)
+                for arch in ARCHS
+            ]
         else:
             plan = [(ARCHS[n % len(ARCHS)], 2 if kind.startswith("flip") else 1)]
         for arch, reps in plan:
@@ -440,7 +577,9 @@ def gen_files(rng, scale):
                 cases.append(("a", runner, {"arch": arch, "mutation": kind, "seed": rng.randrange(1 << 30)}))
     for kind in SERPENT_MUTATIONS:
         for _ in range(3 if scale == "full" else 1):
-            cases.append(("a", "file_struct", {"arch": "serpent_mamba", "mutation": kind, "seed": rng.randrange(1 << 30)}))
+            cases.append(
+                ("a", "file_struct", {"arch": "serpent_mamba", "mutation": kind, "seed": rng.randrange(1 << 30)})
+            )
     return cases
 
 
@@ -448,7 +587,11 @@ def _mutate_bytes(data: bytes, kind: str, rng: random.Random) -> bytes:
     header_len = int.from_bytes(data[:8], "little")
     buf = bytearray(data)
     if kind in ("flip_header", "flip_data", "flip_any"):
-        lo, hi = {"flip_header": (8, 8 + header_len), "flip_data": (8 + header_len, len(data)), "flip_any": (0, len(data))}[kind]
+        lo, hi = {
+            "flip_header": (8, 8 + header_len),
+            "flip_data": (8 + header_len, len(data)),
+            "flip_any": (0, len(data)),
+        }[kind]
         pos = rng.randrange(lo, hi)
         buf[pos] ^= rng.randrange(1, 256)
         return bytes(buf)
@@ -465,7 +608,7 @@ def _mutate_bytes(data: bytes, kind: str, rng: random.Random) -> bytes:
     if kind == "append":
         return data + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
     if kind == "huge_header_len":
-        return (2 ** 40).to_bytes(8, "little") + data[8:]
+        return (2**40).to_bytes(8, "little") + data[8:]
     if kind == "zero_header_len":
         return (0).to_bytes(8, "little") + data[8:]
     raise ValueError(kind)
@@ -534,7 +677,9 @@ def _mutate_struct(ctx, arch, data: bytes, kind: str, rng: random.Random) -> byt
     elif kind in ("shape_ssm", "shape_conv"):
         name = _pick_layer_tensor(tensors, "ssm" if kind == "shape_ssm" else "conv", rng)
         t = tensors[name]
-        tensors[name] = torch.cat([t, t[..., :1]], dim=-1) if rng.random() < 0.5 or t.shape[-1] < 2 else t[..., :-1].contiguous()
+        tensors[name] = (
+            torch.cat([t, t[..., :1]], dim=-1) if rng.random() < 0.5 or t.shape[-1] < 2 else t[..., :-1].contiguous()
+        )
     elif kind == "batch2_one_tensor":
         name = _pick_layer_tensor(tensors, rng.choice(["ssm", "conv", "delta_sum"]), rng)
         tensors[name] = torch.cat([tensors[name], tensors[name]])
@@ -557,7 +702,11 @@ def _mutate_struct(ctx, arch, data: bytes, kind: str, rng: random.Random) -> byt
         tensors[name] = tensors[name][:0]
     elif kind in SERPENT_MUTATIONS:
         v = rng.randrange(meta["num_layers"])
-        clock, times, valid = tensors[f"resample.clock.{v}"], tensors[f"resample.times.{v}"], tensors[f"resample.valid.{v}"]
+        clock, times, valid = (
+            tensors[f"resample.clock.{v}"],
+            tensors[f"resample.times.{v}"],
+            tensors[f"resample.valid.{v}"],
+        )
         if kind == "valid_all_false_clock":
             valid.zero_()
             clock.clamp_(min=1)
@@ -566,7 +715,9 @@ def _mutate_struct(ctx, arch, data: bytes, kind: str, rng: random.Random) -> byt
             times.copy_(torch.full_like(times, int(clock.max()) // 2))
         elif kind == "times_decreasing":
             valid.fill_(True)
-            times.copy_(torch.arange(times.shape[1], 0, -1).expand_as(times) * max(1, int(clock.max()) // (times.shape[1] + 1)))
+            times.copy_(
+                torch.arange(times.shape[1], 0, -1).expand_as(times) * max(1, int(clock.max()) // (times.shape[1] + 1))
+            )
         elif kind == "times_after_clock":
             times[:, -1] = clock + rng.randrange(1, 1 << 20)
         elif kind == "clock_negative":
@@ -609,7 +760,9 @@ def run_file_case(ctx, params):
     elif kind == "foreign_safetensors":
         from safetensors.torch import save
 
-        crafted = save({"weight": torch.randn(4, 4), "ssm.0": torch.randn(2)}, metadata=rng.choice([None, {"format": "pt"}]))
+        crafted = save(
+            {"weight": torch.randn(4, 4), "ssm.0": torch.randn(2)}, metadata=rng.choice([None, {"format": "pt"}])
+        )
     else:
         crafted = _mutate_struct(ctx, arch, data, kind, rng)
     path = os.path.join(tempfile.mkdtemp(dir=ctx.workdir), "state.safetensors")
@@ -618,7 +771,11 @@ def run_file_case(ctx, params):
     loaded = ComposableMambaCache.load(path, model=model)
     if crafted == data and model is ctx.models[arch]:
         problem = same_state(state_dict_of(loaded), original)
-        return handled("unchanged bytes, loaded identical") if problem is None else silent(f"unchanged file loaded differently: {problem}")
+        return (
+            handled("unchanged bytes, loaded identical")
+            if problem is None
+            else silent(f"unchanged file loaded differently: {problem}")
+        )
     problem = same_state(state_dict_of(loaded), original)
     if problem is None:
         return handled("loaded a state identical to the original")
@@ -626,17 +783,45 @@ def run_file_case(ctx, params):
 
 
 # ================================================================================================ category b: in memory
-MEMORY_KINDS = ("negative_delta", "nan_ssm", "inf_conv", "nan_delta", "shape_ssm", "shape_delta", "dtype_ssm", "dtype_conv",
-                "dtype_delta", "meta_device", "A_inplace", "clone_A_inplace", "clone_ssm_inplace", "select_float",
-                "select_float_tensor", "select_out_of_range", "select_duplicate_rows", "getitem_str", "other_model_state",
-                "other_arch_state", "compose_mixed_models", "num_tokens_negative", "extras_missing", "batch_mismatch_states",
-                "detach_shares", "repeat_interleave_bad")
+MEMORY_KINDS = (
+    "negative_delta",
+    "nan_ssm",
+    "inf_conv",
+    "nan_delta",
+    "shape_ssm",
+    "shape_delta",
+    "dtype_ssm",
+    "dtype_conv",
+    "dtype_delta",
+    "meta_device",
+    "A_inplace",
+    "clone_A_inplace",
+    "clone_ssm_inplace",
+    "select_float",
+    "select_float_tensor",
+    "select_out_of_range",
+    "select_duplicate_rows",
+    "getitem_str",
+    "other_model_state",
+    "other_arch_state",
+    "compose_mixed_models",
+    "num_tokens_negative",
+    "extras_missing",
+    "batch_mismatch_states",
+    "detach_shares",
+    "repeat_interleave_bad",
+)
 
 
 def gen_memory(rng, scale):
     cases = []
     for n, kind in enumerate(MEMORY_KINDS):
-        reps = 3 if kind in ("negative_delta", "nan_ssm", "A_inplace", "clone_A_inplace", "select_float", "other_model_state") else 1
+        reps = (
+            3
+            if kind
+            in ("negative_delta", "nan_ssm", "A_inplace", "clone_A_inplace", "select_float", "other_model_state")
+            else 1
+        )
         plan = [(arch, reps) for arch in ARCHS] if scale == "full" else [(ARCHS[n % len(ARCHS)], 1)]
         for arch, r in plan:
             for _ in range(r):
@@ -689,8 +874,11 @@ def run_memory_case(ctx, params):
         rounded = s1.clone()
         getattr(rounded, attr)[layer] = converted.to(original.dtype)
         getattr(s1, attr)[layer] = converted
-        return compare_logits(logits_of(model, query, [s1, s2]), logits_of(model, query, [rounded, s2]),
-                              f"logits (vs the rounded values in {original.dtype})")
+        return compare_logits(
+            logits_of(model, query, [s1, s2]),
+            logits_of(model, query, [rounded, s2]),
+            f"logits (vs the rounded values in {original.dtype})",
+        )
     if kind == "meta_device":
         s1.ssm_states[layer] = torch.empty_like(s1.ssm_states[layer], device="meta")
         return use_and_compare()
@@ -704,8 +892,13 @@ def run_memory_case(ctx, params):
         problem = same_state(state_dict_of(original), ref["s1"])
         if problem is not None:
             return silent(f"editing a clone() in place changed the original ({problem})")
-        return compare_logits(logits_of(model, query, [original, ctx.states[arch][1]]), ref["logits2"], "the original's logits")
-    if kind in ("select_float", "select_float_tensor"):  # torch refuses float indices; truncating them picks a row by accident
+        return compare_logits(
+            logits_of(model, query, [original, ctx.states[arch][1]]), ref["logits2"], "the original's logits"
+        )
+    if kind in (
+        "select_float",
+        "select_float_tensor",
+    ):  # torch refuses float indices; truncating them picks a row by accident
         row = {"select_float": rng.choice([0.5, 0.0, 0.99]), "select_float_tensor": torch.tensor([0.0])}[kind]
         return expect_error(lambda: s1.select(row))
     if kind == "select_out_of_range":
@@ -718,6 +911,7 @@ def run_memory_case(ctx, params):
                 if same_state(state_dict_of(rows.select(r)), ref["s1"]) is not None:
                     return silent("select([0, 0]) rows differ from the state")
             return handled("select([0, 0]) = two copies")
+
         return check(rows)
     if kind == "getitem_str":
         return expect_error(lambda: s1["0"])
@@ -736,7 +930,9 @@ def run_memory_case(ctx, params):
         return use_and_compare()
     if kind == "extras_missing":
         if arch != "serpent_mamba":
-            s1.token_ids = torch.tensor([[VOCAB + 7] * 3])  # out-of-vocabulary context ids: refuse or leave the result unchanged
+            s1.token_ids = torch.tensor(
+                [[VOCAB + 7] * 3]
+            )  # out-of-vocabulary context ids: refuse or leave the result unchanged
             return use_and_compare()
         s1.clocks[layer] = None
         return use_and_compare()
@@ -746,23 +942,79 @@ def run_memory_case(ctx, params):
         detached = s1.detach()
         detached.ssm_states[layer].add_(1.0)
         problem = same_state(state_dict_of(s1), ref["s1"])
-        return handled("detach() copies") if problem is None else handled(f"detach() shares storage as torch's does ({problem})")
+        return (
+            handled("detach() copies")
+            if problem is None
+            else handled(f"detach() shares storage as torch's does ({problem})")
+        )
     if kind == "repeat_interleave_bad":
         return expect_error(lambda: s1.repeat_interleave(rng.choice([-1, 1.5, "2"])))
     raise ValueError(kind)
 
 
 # ================================================================================================ category c: API misuse
-API_KINDS = ("past_states_empty", "past_states_single", "past_states_none_item", "past_states_tensor_item", "past_states_str_item",
-             "past_states_nested_ok", "past_states_nested_wrong_len", "past_states_dict", "composition_unknown", "composition_int",
-             "composition_none", "weights_negative", "weights_sum", "weights_len", "weights_nan", "weights_str", "weights_missing",
-             "conv_unknown", "backend_unknown", "ids_float", "ids_1d", "ids_3d", "ids_empty", "ids_oov", "ids_negative",
-             "ids_batch2", "mask_right_padding", "mask_all_zero", "mask_shape", "mask_float_half", "mask_value_2", "both_cache",
-             "positional_states", "encode_str", "encode_list", "encode_float", "encode_3d", "encode_empty", "encode_oov",
-             "encode_negative", "encode_right_padding", "encode_pad_no_mask", "encode_not_model", "encode_backend",
-             "compose_empty", "compose_non_state", "compose_method_unknown", "compose_concat_no_model", "compose_weights_nan",
-             "enable_not_model", "set_backend_unknown", "fingerprint_not_model", "save_to_dir", "save_missing_dir",
-             "save_not_state", "load_dir", "load_none", "load_model_str", "load_device_bad", "generate_right_padding")
+API_KINDS = (
+    "past_states_empty",
+    "past_states_single",
+    "past_states_none_item",
+    "past_states_tensor_item",
+    "past_states_str_item",
+    "past_states_nested_ok",
+    "past_states_nested_wrong_len",
+    "past_states_dict",
+    "composition_unknown",
+    "composition_int",
+    "composition_none",
+    "weights_negative",
+    "weights_sum",
+    "weights_len",
+    "weights_nan",
+    "weights_str",
+    "weights_missing",
+    "conv_unknown",
+    "backend_unknown",
+    "ids_float",
+    "ids_1d",
+    "ids_3d",
+    "ids_empty",
+    "ids_oov",
+    "ids_negative",
+    "ids_batch2",
+    "mask_right_padding",
+    "mask_all_zero",
+    "mask_shape",
+    "mask_float_half",
+    "mask_value_2",
+    "both_cache",
+    "positional_states",
+    "encode_str",
+    "encode_list",
+    "encode_float",
+    "encode_3d",
+    "encode_empty",
+    "encode_oov",
+    "encode_negative",
+    "encode_right_padding",
+    "encode_pad_no_mask",
+    "encode_not_model",
+    "encode_backend",
+    "compose_empty",
+    "compose_non_state",
+    "compose_method_unknown",
+    "compose_concat_no_model",
+    "compose_weights_nan",
+    "enable_not_model",
+    "set_backend_unknown",
+    "fingerprint_not_model",
+    "save_to_dir",
+    "save_missing_dir",
+    "save_not_state",
+    "load_dir",
+    "load_none",
+    "load_model_str",
+    "load_device_bad",
+    "generate_right_padding",
+)
 
 
 def gen_api(rng, scale):
@@ -775,15 +1027,21 @@ def gen_api(rng, scale):
 
 
 def run_api_case(ctx, params):
-    arch, kind, rng, model, ref, s1, s2, query = _state_case(ctx, params)
+    _arch, kind, rng, model, ref, s1, s2, query = _state_case(ctx, params)
     fwd = lambda states=None, q=query, **kw: logits_of(model, q, [s1, s2] if states is None else states, **kw)
 
     if kind == "past_states_empty":
-        return expect_error(lambda: fwd([]), lambda out: compare_logits(out, ref["plain"], "logits (as without states)"))
+        return expect_error(
+            lambda: fwd([]), lambda out: compare_logits(out, ref["plain"], "logits (as without states)")
+        )
     if kind == "past_states_single":
         return expect_error(lambda: fwd(s1), lambda out: compare_logits(out, ref["logits1"]))
     if kind in ("past_states_none_item", "past_states_tensor_item", "past_states_str_item"):
-        bad = {"past_states_none_item": None, "past_states_tensor_item": torch.zeros(3), "past_states_str_item": "state"}[kind]
+        bad = {
+            "past_states_none_item": None,
+            "past_states_tensor_item": torch.zeros(3),
+            "past_states_str_item": "state",
+        }[kind]
         return expect_error(lambda: fwd([s1, bad]))
     if kind == "past_states_nested_ok":
         return expect_error(lambda: fwd([[s1, s2]]), lambda out: compare_logits(out, ref["logits2"]))
@@ -792,12 +1050,23 @@ def run_api_case(ctx, params):
     if kind == "past_states_dict":
         return expect_error(lambda: fwd({"a": s1}))
     if kind in ("composition_unknown", "composition_int"):
-        return expect_error(lambda: fwd(composition=rng.choice(["nope", "PICASO_R", ""]) if kind == "composition_unknown" else 3))
+        return expect_error(
+            lambda: fwd(composition=rng.choice(["nope", "PICASO_R", ""]) if kind == "composition_unknown" else 3)
+        )
     if kind == "composition_none":
-        return expect_error(lambda: fwd(composition=None), lambda out: compare_logits(out, ref["logits2"], "logits (default composition)"))
+        return expect_error(
+            lambda: fwd(composition=None),
+            lambda out: compare_logits(out, ref["logits2"], "logits (default composition)"),
+        )
     if kind.startswith("weights_"):
-        weights = {"weights_negative": [1.5, -0.5], "weights_sum": [0.2, 0.2], "weights_len": [0.2, 0.3, 0.5],
-                   "weights_nan": [float("nan"), 1.0], "weights_str": ["a", "b"], "weights_missing": None}[kind]
+        weights = {
+            "weights_negative": [1.5, -0.5],
+            "weights_sum": [0.2, 0.2],
+            "weights_len": [0.2, 0.3, 0.5],
+            "weights_nan": [float("nan"), 1.0],
+            "weights_str": ["a", "b"],
+            "weights_missing": None,
+        }[kind]
         return expect_error(lambda: fwd(composition=StateComposer("weighted", weights=weights)))
     if kind == "conv_unknown":
         return expect_error(lambda: StateComposer("soup", conv=rng.choice(["nope", 1, "Mean"])))
@@ -806,7 +1075,9 @@ def run_api_case(ctx, params):
     if kind == "ids_float":
         return expect_error(lambda: fwd(q=query.float()))
     if kind == "ids_1d":
-        return expect_error(lambda: fwd(q=query[0]), lambda out: compare_logits(out.reshape(ref["logits2"].shape), ref["logits2"]))
+        return expect_error(
+            lambda: fwd(q=query[0]), lambda out: compare_logits(out.reshape(ref["logits2"].shape), ref["logits2"])
+        )
     if kind == "ids_3d":
         return expect_error(lambda: fwd(q=query[None]))
     if kind == "ids_empty":
@@ -816,17 +1087,25 @@ def run_api_case(ctx, params):
         q[0, rng.randrange(q.shape[1])] = VOCAB + rng.randrange(0, 100) if kind == "ids_oov" else -rng.randrange(1, 5)
         return expect_error(lambda: fwd(q=q))
     if kind == "ids_batch2":
+
         def check(out):
-            ok = out.shape[0] == 2 and all(torch.equal(out[r:r + 1], ref["logits2"]) for r in range(2))
-            return handled("each row equals the reference") if ok else silent("a 2-row query with 1-row states: rows differ")
+            ok = out.shape[0] == 2 and all(torch.equal(out[r : r + 1], ref["logits2"]) for r in range(2))
+            return (
+                handled("each row equals the reference")
+                if ok
+                else silent("a 2-row query with 1-row states: rows differ")
+            )
+
         return expect_error(lambda: fwd(q=query.repeat(2, 1)), check)
     if kind.startswith("mask_"):
         mask = torch.ones_like(query)
         if kind == "mask_right_padding":
             q = torch.cat([query, torch.zeros(1, 2, dtype=torch.long)], 1)
             mask = torch.cat([mask, torch.zeros(1, 2, dtype=torch.long)], 1)
-            return expect_error(lambda: fwd(q=q, attention_mask=mask),
-                                lambda out: compare_logits(out[:, :query.shape[1]], ref["logits2"], "logits of the real tokens"))
+            return expect_error(
+                lambda: fwd(q=q, attention_mask=mask),
+                lambda out: compare_logits(out[:, : query.shape[1]], ref["logits2"], "logits of the real tokens"),
+            )
         if kind == "mask_all_zero":
             mask.zero_()
         elif kind == "mask_shape":
@@ -841,8 +1120,12 @@ def run_api_case(ctx, params):
         mask = torch.cat([torch.ones_like(query), torch.zeros(1, 2, dtype=torch.long)], 1)
 
         def check(out):
-            return handled("right-padded query generates as unpadded") if torch.equal(out, ref["gen2"]) else \
-                silent("right padding accepted: generated tokens differ from the unpadded query's")
+            return (
+                handled("right-padded query generates as unpadded")
+                if torch.equal(out, ref["gen2"])
+                else silent("right padding accepted: generated tokens differ from the unpadded query's")
+            )
+
         return expect_error(lambda: generate_of(model, q, [s1, s2], attention_mask=mask), check)
     if kind == "both_cache":
         from hf_statecompose.state.cache import ComposableMambaCache as C
@@ -850,14 +1133,18 @@ def run_api_case(ctx, params):
         return expect_error(lambda: model(query, past_states=[s1], cache_params=C.empty_for(model)))
     if kind == "positional_states":
         # the attention mask by position, the states by name: refused ("by name") or the same logits
-        return expect_error(lambda: logits_of_positional(model, query, [s1, s2]), lambda out: compare_logits(out, ref["logits2"]))
+        return expect_error(
+            lambda: logits_of_positional(model, query, [s1, s2]), lambda out: compare_logits(out, ref["logits2"])
+        )
     # ------------------------------------------------------------------ encode
     ids = ids_of(7, seed=params["seed"] % 1000)
     with torch.no_grad():
         if kind == "encode_str":
             return expect_error(lambda: hsc.encode(model, "some text"))
         if kind == "encode_list":
-            return expect_error(lambda: hsc.encode(model, ids[0].tolist()), lambda st: _state_check(st, hsc.encode(model, ids)))
+            return expect_error(
+                lambda: hsc.encode(model, ids[0].tolist()), lambda st: _state_check(st, hsc.encode(model, ids))
+            )
         if kind == "encode_float":
             return expect_error(lambda: hsc.encode(model, ids.float()))
         if kind == "encode_3d":
@@ -871,7 +1158,10 @@ def run_api_case(ctx, params):
         if kind == "encode_right_padding":
             padded = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)
             mask = torch.cat([torch.ones_like(ids), torch.zeros(1, 3, dtype=torch.long)], 1)
-            return expect_error(lambda: hsc.encode(model, padded, attention_mask=mask), lambda st: _state_check(st, hsc.encode(model, ids)))
+            return expect_error(
+                lambda: hsc.encode(model, padded, attention_mask=mask),
+                lambda st: _state_check(st, hsc.encode(model, ids)),
+            )
         if kind == "encode_pad_no_mask":
             padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
             return expect_error(lambda: hsc.encode(model, padded), lambda st: _state_check(st, hsc.encode(model, ids)))
@@ -936,22 +1226,90 @@ def _state_check(actual, expected):
 
 
 # ================================================================================================ category d: stores
-STORE_KINDS = ("control", "flip", "truncate", "symlink_store", "symlink_shards", "symlink_deleted", "forged_manifest", "path_is_file",
-               "parent_is_file", "add_bad", "readd", "readd_ids", "bad_ids", "get_A_inplace", "get_ssm_inplace", "concurrent_same",
-               "concurrent_disjoint", "readonly", "wrong_model", "header_missing", "delete_compact", "kill_add", "kill_delete",
-               "kill_compact")
-ADD_BAD = ("None", "[None]", "[blank]", "str", "metadata_dict", "metadata_obj", "batch0", "batch_bool", "[bytes]", "[int]", "[]")
-BAD_IDS = ("get_short", "get_int", "get_empty_list", "get_absent", "delete_absent", "delete_empty", "delete_traversal", "entries_bad",
-           "retrieve_k_negative", "retrieve_k_str", "retrieve_empty", "retrieve_exclude_str", "retrieve_none", "get_upper")
+STORE_KINDS = (
+    "control",
+    "flip",
+    "truncate",
+    "symlink_store",
+    "symlink_shards",
+    "symlink_deleted",
+    "forged_manifest",
+    "path_is_file",
+    "parent_is_file",
+    "add_bad",
+    "readd",
+    "readd_ids",
+    "bad_ids",
+    "get_A_inplace",
+    "get_ssm_inplace",
+    "concurrent_same",
+    "concurrent_disjoint",
+    "readonly",
+    "wrong_model",
+    "header_missing",
+    "delete_compact",
+    "kill_add",
+    "kill_delete",
+    "kill_compact",
+)
+ADD_BAD = (
+    "None",
+    "[None]",
+    "[blank]",
+    "str",
+    "metadata_dict",
+    "metadata_obj",
+    "batch0",
+    "batch_bool",
+    "[bytes]",
+    "[int]",
+    "[]",
+)
+BAD_IDS = (
+    "get_short",
+    "get_int",
+    "get_empty_list",
+    "get_absent",
+    "delete_absent",
+    "delete_empty",
+    "delete_traversal",
+    "entries_bad",
+    "retrieve_k_negative",
+    "retrieve_k_str",
+    "retrieve_empty",
+    "retrieve_exclude_str",
+    "retrieve_none",
+    "get_upper",
+)
 FOLDER_ONLY = ("symlink_shards", "symlink_deleted", "forged_manifest", "header_missing")
 LANCE_ONLY = ("readd_ids",)
 
 
 def gen_store(rng, scale, backends):
-    counts = {"flip": 12, "truncate": 6, "add_bad": len(ADD_BAD), "bad_ids": len(BAD_IDS), "kill_add": 10, "kill_delete": 14,
-              "kill_compact": 10, "concurrent_same": 3, "concurrent_disjoint": 2, "forged_manifest": 3}
-    ci = {"flip": 4, "truncate": 2, "add_bad": 4, "bad_ids": 5, "kill_add": 3, "kill_delete": 4, "kill_compact": 3,
-          "concurrent_same": 1, "concurrent_disjoint": 1, "forged_manifest": 1}
+    counts = {
+        "flip": 12,
+        "truncate": 6,
+        "add_bad": len(ADD_BAD),
+        "bad_ids": len(BAD_IDS),
+        "kill_add": 10,
+        "kill_delete": 14,
+        "kill_compact": 10,
+        "concurrent_same": 3,
+        "concurrent_disjoint": 2,
+        "forged_manifest": 3,
+    }
+    ci = {
+        "flip": 4,
+        "truncate": 2,
+        "add_bad": 4,
+        "bad_ids": 5,
+        "kill_add": 3,
+        "kill_delete": 4,
+        "kill_compact": 3,
+        "concurrent_same": 1,
+        "concurrent_disjoint": 1,
+        "forged_manifest": 1,
+    }
     cases = []
     for backend in backends:
         for kind in STORE_KINDS:
@@ -1069,8 +1427,11 @@ def run_store_case(ctx, params):
         shutil.copytree(os.path.join(path, sub), outside)
         shutil.rmtree(os.path.join(path, sub))
         os.symlink(outside, os.path.join(path, sub))
-        sentinels = ([("0" * 32) + ".safetensors", ".tmp-user-notes", "notes.txt"] if sub == "shards"
-                     else ["0123456789abcdef", ".tmp-user", "notes.txt"])
+        sentinels = (
+            [("0" * 32) + ".safetensors", ".tmp-user-notes", "notes.txt"]
+            if sub == "shards"
+            else ["0123456789abcdef", ".tmp-user", "notes.txt"]
+        )
         for name in sentinels:
             with open(os.path.join(outside, name), "wb") as handle:
                 handle.write(b"user data outside the store")
@@ -1084,7 +1445,8 @@ def run_store_case(ctx, params):
             return silent(f"{sub}/ is a symlink: compaction removed or changed files outside the store: {changed}")
         return _as_case(_verify_store(ctx, backend, path, gone=[ref["ids"][0]]))
     if kind == "forged_manifest":
-        from hf_statecompose.store.format import seal as _seal, unseal as _unseal
+        from hf_statecompose.store.format import seal as _seal
+        from hf_statecompose.store.format import unseal as _unseal
 
         shards = sorted(p for p in os.listdir(os.path.join(path, "shards")) if p.endswith(".json"))
         victim, donor = rng.sample(shards, 2)
@@ -1092,7 +1454,10 @@ def run_store_case(ctx, params):
         import uuid
 
         forged = uuid.uuid4().hex
-        shutil.copy(os.path.join(path, "shards", donor[:-5] + ".safetensors"), os.path.join(path, "shards", forged + ".safetensors"))
+        shutil.copy(
+            os.path.join(path, "shards", donor[:-5] + ".safetensors"),
+            os.path.join(path, "shards", forged + ".safetensors"),
+        )
         # a self-consistent manifest (sealed) for a copy of the donor shard, with all its entries, that claims to
         # supersede the donor and the victim: the victim's entries were neither deleted nor copied into it
         manifest.update(shard=forged, supersedes=sorted([victim[:-5], donor[:-5]]))
@@ -1103,8 +1468,10 @@ def run_store_case(ctx, params):
         store.compact()
         gone = [i for i in ref["ids"] if i not in open_store(ctx, backend, path).ids()]
         if gone:
-            return silent(f"a forged manifest superseding shard {victim[:8]} made {len(gone)} entries vanish without an error "
-                          f"(before compaction: {len(victims)})")
+            return silent(
+                f"a forged manifest superseding shard {victim[:8]} made {len(gone)} entries vanish without an error "
+                f"(before compaction: {len(victims)})"
+            )
         return handled("forged manifest without effect")
     if kind == "path_is_file":
         file_path = os.path.join(os.path.dirname(path), "a_file")
@@ -1119,16 +1486,26 @@ def run_store_case(ctx, params):
     store = open_store(ctx, backend, path)
     if kind == "add_bad":
         variant = params["variant"]
-        call = {"None": lambda: store.add(None, show_progress=False), "[None]": lambda: store.add([None], show_progress=False),
-                "[blank]": lambda: store.add(["   "], show_progress=False), "str": lambda: store.add("some text", show_progress=False),
-                "metadata_dict": lambda: store.add(["new text"], metadata={"a": 1}, show_progress=False),
-                "metadata_obj": lambda: store.add(["new text"], metadata=[{"a": object()}], show_progress=False),
-                "batch0": lambda: store.add(["new text"], batch_size=0, show_progress=False),
-                "batch_bool": lambda: store.add(["new text"], batch_size=True, show_progress=False),
-                "[bytes]": lambda: store.add([b"bytes"], show_progress=False), "[int]": lambda: store.add([123], show_progress=False),
-                "[]": lambda: store.add([], show_progress=False)}[variant]
+        call = {
+            "None": lambda: store.add(None, show_progress=False),
+            "[None]": lambda: store.add([None], show_progress=False),
+            "[blank]": lambda: store.add(["   "], show_progress=False),
+            "str": lambda: store.add("some text", show_progress=False),
+            "metadata_dict": lambda: store.add(["new text"], metadata={"a": 1}, show_progress=False),
+            "metadata_obj": lambda: store.add(["new text"], metadata=[{"a": object()}], show_progress=False),
+            "batch0": lambda: store.add(["new text"], batch_size=0, show_progress=False),
+            "batch_bool": lambda: store.add(["new text"], batch_size=True, show_progress=False),
+            "[bytes]": lambda: store.add([b"bytes"], show_progress=False),
+            "[int]": lambda: store.add([123], show_progress=False),
+            "[]": lambda: store.add([], show_progress=False),
+        }[variant]
         if variant == "[]":
-            return expect_error(call, lambda ids: _as_case(_verify_store(ctx, backend, path)) if ids == [] else silent(f"add([]) returned {ids}"))
+            return expect_error(
+                call,
+                lambda ids: (
+                    _as_case(_verify_store(ctx, backend, path)) if ids == [] else silent(f"add([]) returned {ids}")
+                ),
+            )
         return expect_error(call)
     if kind in ("readd", "readd_ids"):
         n = rng.randrange(1, 4)
@@ -1143,24 +1520,40 @@ def run_store_case(ctx, params):
             if dup or len(again) != len(ref["ids"]):
                 return silent(f"re-adding {n} stored texts left {len(again)} entries (duplicates: {len(dup)})")
             return _as_case(_verify_store(ctx, backend, path))
+
         return expect_error(lambda: store.add(texts, show_progress=False, **kwargs), check)
     if kind == "bad_ids":
         variant = params["variant"]
         absent = "0123456789abcdef"
-        calls = {"get_short": (lambda: store.get("zz"), None), "get_int": (lambda: store.get(5), None),
-                 "get_empty_list": (lambda: store.get([]), lambda out: handled() if out == [] else silent(f"get([]) -> {out!r:.40}")),
-                 "get_absent": (lambda: store.get([absent]), None), "delete_absent": (lambda: store.delete([absent]), None),
-                 "delete_empty": (lambda: store.delete([]), lambda _: _as_case(_verify_store(ctx, backend, path))),
-                 "delete_traversal": (lambda: store.delete(["../../../etc/passwd"]), None),
-                 "entries_bad": (lambda: store.entries(["x" * 16]), None),
-                 "retrieve_k_negative": (lambda: store.retrieve("fox", k=-1), None),
-                 "retrieve_k_str": (lambda: store.retrieve("fox", k="2"), None),
-                 "retrieve_empty": (lambda: store.retrieve("", k=1), lambda out: handled("empty query answered") if isinstance(out, list) else silent("?")),
-                 "retrieve_exclude_str": (lambda: store.retrieve("red fox", k=1, exclude=ref["ids"][0]),
-                                          lambda out: handled("a str exclude read as one id") if out and out[0].id != ref["ids"][0]
-                                          else silent("exclude=<one id as str> did not exclude it")),
-                 "retrieve_none": (lambda: store.retrieve(None), None),
-                 "get_upper": (lambda: store.get(ref["ids"][0].upper()), None)}
+        calls = {
+            "get_short": (lambda: store.get("zz"), None),
+            "get_int": (lambda: store.get(5), None),
+            "get_empty_list": (
+                lambda: store.get([]),
+                lambda out: handled() if out == [] else silent(f"get([]) -> {out!r:.40}"),
+            ),
+            "get_absent": (lambda: store.get([absent]), None),
+            "delete_absent": (lambda: store.delete([absent]), None),
+            "delete_empty": (lambda: store.delete([]), lambda _: _as_case(_verify_store(ctx, backend, path))),
+            "delete_traversal": (lambda: store.delete(["../../../etc/passwd"]), None),
+            "entries_bad": (lambda: store.entries(["x" * 16]), None),
+            "retrieve_k_negative": (lambda: store.retrieve("fox", k=-1), None),
+            "retrieve_k_str": (lambda: store.retrieve("fox", k="2"), None),
+            "retrieve_empty": (
+                lambda: store.retrieve("", k=1),
+                lambda out: handled("empty query answered") if isinstance(out, list) else silent("?"),
+            ),
+            "retrieve_exclude_str": (
+                lambda: store.retrieve("red fox", k=1, exclude=ref["ids"][0]),
+                lambda out: (
+                    handled("a str exclude read as one id")
+                    if out and out[0].id != ref["ids"][0]
+                    else silent("exclude=<one id as str> did not exclude it")
+                ),
+            ),
+            "retrieve_none": (lambda: store.retrieve(None), None),
+            "get_upper": (lambda: store.get(ref["ids"][0].upper()), None),
+        }
         fn, accept = calls[variant]
         return expect_error(fn, accept)
     if kind in ("get_A_inplace", "get_ssm_inplace"):
@@ -1171,8 +1564,10 @@ def run_store_case(ctx, params):
             again = state_dict_of(store.get(entry_id))["tensors"]
             for name, t in ref["tensors"][entry_id].items():
                 if not torch.equal(again[name], t):
-                    return silent(f"editing a get() state's {'A' if kind == 'get_A_inplace' else 'ssm'} in place changed what "
-                                  f"get({'the same' if entry_id == first else 'another'} id) returns ({name})")
+                    return silent(
+                        f"editing a get() state's {'A' if kind == 'get_A_inplace' else 'ssm'} in place changed what "
+                        f"get({'the same' if entry_id == first else 'another'} id) returns ({name})"
+                    )
         return _as_case(_verify_store(ctx, backend, path))
     if kind == "wrong_model":
         return expect_error(lambda: open_store(ctx, backend, path, model=ctx.others["mamba2"]))
@@ -1192,7 +1587,7 @@ def run_readonly(ctx, backend):
     path = _copy_store(ctx, backend)
     for folder in (ctx.workdir, os.path.dirname(path)):
         os.chmod(folder, 0o755)
-    for root, dirs, files in os.walk(path):
+    for root, _dirs, files in os.walk(path):
         os.chmod(root, 0o555)
         for name in files:
             os.chmod(os.path.join(root, name), 0o444)
@@ -1219,6 +1614,7 @@ def run_concurrent(ctx, backend, kind, rng):
             kwargs = {"ids": ids if same else [uuid.uuid4().hex[:16] for _ in range(3)]} if backend == "lance" else {}
             out = store.add(texts[n], show_progress=False, **kwargs)
             return {"outcome": "handled", "detail": json.dumps(out)}
+
         return fn
 
     results = [None, None]
@@ -1238,10 +1634,15 @@ def run_concurrent(ctx, backend, kind, rng):
         for out in written:
             if any(i not in have for i in out):
                 return {"outcome": "missing", "detail": "an id returned by add() is missing"}
-        expected_new = len(texts[0]) if same else sum(len(t) for t, r in zip(texts, results) if r["outcome"] == "handled")
+        expected_new = (
+            len(texts[0]) if same else sum(len(t) for t, r in zip(texts, results) if r["outcome"] == "handled")
+        )
         if len(have) != len(ctx.store_refs[backend]["ids"]) + expected_new or len(set(stored)) != len(stored):
-            return {"outcome": "wrong", "detail": f"{len(have) - len(ctx.store_refs[backend]['ids'])} new entries for "
-                                                  f"{expected_new} texts (duplicates: {len(stored) - len(set(stored))})"}
+            return {
+                "outcome": "wrong",
+                "detail": f"{len(have) - len(ctx.store_refs[backend]['ids'])} new entries for "
+                f"{expected_new} texts (duplicates: {len(stored) - len(set(stored))})",
+            }
         return {"outcome": "ok", "detail": "one copy of each text"}
 
     def check():
@@ -1266,7 +1667,7 @@ def run_kill_trial(ctx, backend, kind, rng):
     committed entry is lost and a multi-id delete is all or nothing."""
     path = _copy_store(ctx, backend)
     ref = ctx.store_refs[backend]
-    op = kind[len("kill_"):]
+    op = kind[len("kill_") :]
     to_delete = rng.sample(ref["ids"], 3)
     if op == "compact":  # something to compact: delete two first (committed before the trial)
         pre = rng.sample(ref["ids"], 2)
@@ -1347,31 +1748,84 @@ def run_kill_trial(ctx, backend, kind, rng):
             verdict = _verify_store(ctx, backend, path, expect_ids=set(ref["ids"]) - set(gone), gone=gone)
         else:
             try:
-                verdict = _verify_store(ctx, backend, path, expect_ids=store_ids_expected, gone=pre,
-                                        extra=(lambda s, have: {"outcome": "ok", "detail": f"{len(have)} entries"}) if op == "add" else None)
+                verdict = _verify_store(
+                    ctx,
+                    backend,
+                    path,
+                    expect_ids=store_ids_expected,
+                    gone=pre,
+                    extra=(lambda s, have: {"outcome": "ok", "detail": f"{len(have)} entries"})
+                    if op == "add"
+                    else None,
+                )
             except Exception as error:  # noqa: BLE001
-                return lost(f"store unopenable / unreadable after kill -9 during {op}: {classify_exception(error)['detail']}")
+                return lost(
+                    f"store unopenable / unreadable after kill -9 during {op}: {classify_exception(error)['detail']}"
+                )
         if verdict["outcome"] == "ok":
-            return handled(f"killed after {delay * 1000:.0f} ms ({'done' if 'E' in lines else 'mid-operation'}): {verdict['detail']}")
+            return handled(
+                f"killed after {delay * 1000:.0f} ms ({'done' if 'E' in lines else 'mid-operation'}): {verdict['detail']}"
+            )
         return lost(f"after kill -9 during {op} ({delay * 1000:.0f} ms): {verdict['detail']}")
 
     return run_forked(check, 60)
 
 
 # ================================================================================================ category e: CLI
-CLI_KINDS = ("no_command", "unknown_command", "build_missing_input", "build_store_is_file", "build_bad_jsonl", "build_blank_input",
-             "build_bad_model", "build_bad_batch", "query_no_store", "query_empty_text", "query_k_negative", "query_bad_composition",
-             "query_corrupt_header", "query_flipped_manifest", "stats_on_file", "stats_not_store", "delete_bad_id", "delete_absent_id",
-             "compact_not_store", "migrate_dest_is_file", "migrate_src_missing", "encode_corpus_missing_input", "build_latin1",
-             "query_ok", "stats_ok", "subprocess_no_args", "subprocess_bad_k", "subprocess_help")
-CLI_CI = ("no_command", "build_store_is_file", "build_bad_jsonl", "query_no_store", "query_corrupt_header", "stats_on_file",
-          "delete_bad_id", "delete_absent_id", "migrate_dest_is_file", "query_ok", "subprocess_no_args", "subprocess_bad_k")
+CLI_KINDS = (
+    "no_command",
+    "unknown_command",
+    "build_missing_input",
+    "build_store_is_file",
+    "build_bad_jsonl",
+    "build_blank_input",
+    "build_bad_model",
+    "build_bad_batch",
+    "query_no_store",
+    "query_empty_text",
+    "query_k_negative",
+    "query_bad_composition",
+    "query_corrupt_header",
+    "query_flipped_manifest",
+    "stats_on_file",
+    "stats_not_store",
+    "delete_bad_id",
+    "delete_absent_id",
+    "compact_not_store",
+    "migrate_dest_is_file",
+    "migrate_src_missing",
+    "encode_corpus_missing_input",
+    "build_latin1",
+    "query_ok",
+    "stats_ok",
+    "subprocess_no_args",
+    "subprocess_bad_k",
+    "subprocess_help",
+)
+CLI_CI = (
+    "no_command",
+    "build_store_is_file",
+    "build_bad_jsonl",
+    "query_no_store",
+    "query_corrupt_header",
+    "stats_on_file",
+    "delete_bad_id",
+    "delete_absent_id",
+    "migrate_dest_is_file",
+    "query_ok",
+    "subprocess_no_args",
+    "subprocess_bad_k",
+)
 
 
 def gen_cli(rng, scale):
     kinds = CLI_KINDS if scale == "full" else CLI_CI
     reps = 2 if scale == "full" else 1
-    return [("e", "cli", {"mutation": k, "seed": rng.randrange(1 << 30)}) for k in kinds for _ in range(reps if k.startswith("query_flip") else 1)]
+    return [
+        ("e", "cli", {"mutation": k, "seed": rng.randrange(1 << 30)})
+        for k in kinds
+        for _ in range(reps if k.startswith("query_flip") else 1)
+    ]
 
 
 def cli_setup(ctx):
@@ -1380,9 +1834,24 @@ def cli_setup(ctx):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "passages.jsonl"), "w") as handle:
         handle.write("".join(json.dumps({"text": t}) + "\n" for t in STORE_TEXTS[:3]))
-    done = subprocess.run([sys.executable, "-m", "hf_statecompose", "build", os.path.join(folder, "store"),
-                           os.path.join(folder, "passages.jsonl"), "--model", "demo"], check=False, capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hf_statecompose",
+            "build",
+            os.path.join(folder, "store"),
+            os.path.join(folder, "passages.jsonl"),
+            "--model",
+            "demo",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     if done.returncode != 0:
         raise RuntimeError(f"CLI setup failed: {done.stderr[-2000:]}")
     ctx.cli_store = os.path.join(folder, "store")
@@ -1390,7 +1859,13 @@ def cli_setup(ctx):
 
 def _cli_outcome(code, err, out, expect_ok=None) -> dict:
     lines = err.strip().splitlines()
-    if code == 2 and len(lines) == 1 and lines[0].startswith(PROG_ERROR) and "Traceback" not in err and len(lines[0]) <= 400 + len(PROG_ERROR):
+    if (
+        code == 2
+        and len(lines) == 1
+        and lines[0].startswith(PROG_ERROR)
+        and "Traceback" not in err
+        and len(lines[0]) <= 400 + len(PROG_ERROR)
+    ):
         return {"outcome": "clear", "detail": lines[0][:300]}
     if code == 0:
         if expect_ok is None:
@@ -1410,11 +1885,28 @@ def run_cli_case(ctx, params):
     store = os.path.join(tmp, "store")
     shutil.copytree(ctx.cli_store, store)
     if kind.startswith("subprocess_"):
-        argv = {"subprocess_no_args": [], "subprocess_bad_k": ["query", store, "fox", "-k", "-3"], "subprocess_help": ["--help"]}[kind]
-        done = subprocess.run([sys.executable, "-m", "hf_statecompose", *argv], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=ROOT))
-        return _cli_outcome(done.returncode, done.stderr, done.stdout,
-                            (lambda out: handled("help printed") if "usage" in out else silent("no help")) if kind == "subprocess_help" else None)
+        argv = {
+            "subprocess_no_args": [],
+            "subprocess_bad_k": ["query", store, "fox", "-k", "-3"],
+            "subprocess_help": ["--help"],
+        }[kind]
+        done = subprocess.run(
+            [sys.executable, "-m", "hf_statecompose", *argv],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+        )
+        return _cli_outcome(
+            done.returncode,
+            done.stderr,
+            done.stdout,
+            (lambda out: handled("help printed") if "usage" in out else silent("no help"))
+            if kind == "subprocess_help"
+            else None,
+        )
     bad_jsonl = os.path.join(tmp, "bad.jsonl")
     with open(bad_jsonl, "w") as handle:
         handle.write('{"text": "fine"}\n{oops\n')
@@ -1426,31 +1918,53 @@ def run_cli_case(ctx, params):
         handle.write("caf\xe9 au lait\n".encode("latin-1"))
     expect_ok = None
     if kind in ("query_corrupt_header", "query_flipped_manifest"):
-        target = os.path.join(store, "store.json") if kind == "query_corrupt_header" else \
-            os.path.join(store, "shards", rng.choice([n for n in os.listdir(os.path.join(store, "shards")) if n.endswith(".json")]))
+        target = (
+            os.path.join(store, "store.json")
+            if kind == "query_corrupt_header"
+            else os.path.join(
+                store,
+                "shards",
+                rng.choice([n for n in os.listdir(os.path.join(store, "shards")) if n.endswith(".json")]),
+            )
+        )
         data = bytearray(Path(target).read_bytes())
         data[rng.randrange(len(data))] ^= rng.randrange(1, 256)
         Path(target).write_bytes(bytes(data))
     argv = {
-        "no_command": [], "unknown_command": ["frobnicate"], "build_missing_input": ["build", os.path.join(tmp, "new"), os.path.join(tmp, "missing.jsonl")],
-        "build_store_is_file": ["build", a_file, good, "--model", "demo"], "build_bad_jsonl": ["build", os.path.join(tmp, "new"), bad_jsonl, "--model", "demo"],
+        "no_command": [],
+        "unknown_command": ["frobnicate"],
+        "build_missing_input": ["build", os.path.join(tmp, "new"), os.path.join(tmp, "missing.jsonl")],
+        "build_store_is_file": ["build", a_file, good, "--model", "demo"],
+        "build_bad_jsonl": ["build", os.path.join(tmp, "new"), bad_jsonl, "--model", "demo"],
         "build_blank_input": ["build", os.path.join(tmp, "new"), blank, "--model", "demo"],
-        "build_bad_model": ["build", os.path.join(tmp, "new"), good, "--model", tmp], "build_bad_batch": ["build", os.path.join(tmp, "new"), good, "--batch-size", "0"],
+        "build_bad_model": ["build", os.path.join(tmp, "new"), good, "--model", tmp],
+        "build_bad_batch": ["build", os.path.join(tmp, "new"), good, "--batch-size", "0"],
         "build_latin1": ["build", os.path.join(tmp, "new"), latin1, "--model", "demo"],
-        "query_no_store": ["query", os.path.join(tmp, "nowhere"), "fox"], "query_empty_text": ["query", store, "  "],
-        "query_k_negative": ["query", store, "fox", "-k", "-1"], "query_bad_composition": ["query", store, "fox", "--composition", "nope"],
+        "query_no_store": ["query", os.path.join(tmp, "nowhere"), "fox"],
+        "query_empty_text": ["query", store, "  "],
+        "query_k_negative": ["query", store, "fox", "-k", "-1"],
+        "query_bad_composition": ["query", store, "fox", "--composition", "nope"],
         "query_corrupt_header": ["query", store, "red fox", "--max-new-tokens", "2"],
         "query_flipped_manifest": ["query", store, "red fox", "--max-new-tokens", "2"],
-        "stats_on_file": ["stats", a_file], "stats_not_store": ["stats", tmp], "delete_bad_id": ["delete", store, "../../etc"],
-        "delete_absent_id": ["delete", store, "0123456789abcdef"], "compact_not_store": ["compact", tmp],
-        "migrate_dest_is_file": ["store", "migrate", store, a_file], "migrate_src_missing": ["store", "migrate", os.path.join(tmp, "nope"), os.path.join(tmp, "dst")],
+        "stats_on_file": ["stats", a_file],
+        "stats_not_store": ["stats", tmp],
+        "delete_bad_id": ["delete", store, "../../etc"],
+        "delete_absent_id": ["delete", store, "0123456789abcdef"],
+        "compact_not_store": ["compact", tmp],
+        "migrate_dest_is_file": ["store", "migrate", store, a_file],
+        "migrate_src_missing": ["store", "migrate", os.path.join(tmp, "nope"), os.path.join(tmp, "dst")],
         "encode_corpus_missing_input": ["encode-corpus", os.path.join(tmp, "dst"), os.path.join(tmp, "missing.jsonl")],
-        "query_ok": ["query", store, "red fox", "-k", "1", "--max-new-tokens", "2", "--json"], "stats_ok": ["stats", store],
+        "query_ok": ["query", store, "red fox", "-k", "1", "--max-new-tokens", "2", "--json"],
+        "stats_ok": ["stats", store],
     }[kind]
     if kind == "query_ok":
-        expect_ok = lambda out: handled("query answered") if json.loads(out).get("passages") or json.loads(out) else silent("empty answer")
+        expect_ok = lambda out: (
+            handled("query answered") if json.loads(out).get("passages") or json.loads(out) else silent("empty answer")
+        )
     elif kind == "stats_ok":
-        expect_ok = lambda out: handled("stats") if json.loads(out).get("entries") == 3 else silent(f"stats: {out[:80]}")
+        expect_ok = lambda out: (
+            handled("stats") if json.loads(out).get("entries") == 3 else silent(f"stats: {out[:80]}")
+        )
     elif kind == "query_flipped_manifest":
         expect_ok = None
     out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
@@ -1491,19 +2005,38 @@ def run_cli_case(ctx, params):
     err = Path(err_path).read_text(errors="replace")
     out = Path(out_path).read_text(errors="replace")
     if kind in ("query_corrupt_header", "query_flipped_manifest") and code == 0:
-        return handled("a flipped byte without effect on the answer") if "red fox" in out or out else silent("empty answer")
+        return (
+            handled("a flipped byte without effect on the answer")
+            if "red fox" in out or out
+            else silent("empty answer")
+        )
     return _cli_outcome(code, err, out, expect_ok)
 
 
 # ================================================================================================ category f: encode_corpus
-RAY_KINDS = ("passages_none", "passages_dict", "passages_int_item", "passages_missing_field", "passages_blank", "passages_missing_file",
-             "passages_duplicate_ids", "passages_bad_metadata", "batch_zero", "cpus_zero", "model_path_int", "retriever_not_callable",
-             "text_field_missing")
+RAY_KINDS = (
+    "passages_none",
+    "passages_dict",
+    "passages_int_item",
+    "passages_missing_field",
+    "passages_blank",
+    "passages_missing_file",
+    "passages_duplicate_ids",
+    "passages_bad_metadata",
+    "batch_zero",
+    "cpus_zero",
+    "model_path_int",
+    "retriever_not_callable",
+    "text_field_missing",
+)
 RAY_CI = ("passages_none", "passages_blank", "passages_duplicate_ids")
 
 
 def gen_ray(rng, scale):
-    return [("f", "ray", {"mutation": k, "seed": rng.randrange(1 << 30)}) for k in (RAY_KINDS if scale == "full" else RAY_CI)]
+    return [
+        ("f", "ray", {"mutation": k, "seed": rng.randrange(1 << 30)})
+        for k in (RAY_KINDS if scale == "full" else RAY_CI)
+    ]
 
 
 def run_ray_case(ctx, params):
@@ -1544,20 +2077,41 @@ def run_ray_case(ctx, params):
 
 
 # ================================================================================================ driver
-RUNNERS = {"file_bytes": run_file_case, "file_struct": run_file_case, "memory": run_memory_case, "api": run_api_case,
-           "store": run_store_case, "cli": None, "ray": run_ray_case}
+RUNNERS = {
+    "file_bytes": run_file_case,
+    "file_struct": run_file_case,
+    "memory": run_memory_case,
+    "api": run_api_case,
+    "store": run_store_case,
+    "cli": None,
+    "ray": run_ray_case,
+}
 IN_PARENT = ("store", "cli")  # these fork their own children (writers, kills, CLI)
 
 
 def generate_cases(seed: int, scale: str, backends) -> list[dict]:
     rng = random.Random(seed)
-    raw = gen_files(rng, scale) + gen_memory(rng, scale) + gen_api(rng, scale) + gen_store(rng, scale, backends) + gen_cli(rng, scale) + gen_ray(rng, scale)
+    raw = (
+        gen_files(rng, scale)
+        + gen_memory(rng, scale)
+        + gen_api(rng, scale)
+        + gen_store(rng, scale, backends)
+        + gen_cli(rng, scale)
+        + gen_ray(rng, scale)
+    )
     cases = []
     for n, (category, kind, params) in enumerate(raw):
         label = params.get("arch") or params.get("backend") or kind
         variant = f"/{params['variant']}" if "variant" in params else ""
-        cases.append({"id": f"{category}{n:04d}", "category": category, "kind": kind,
-                      "name": f"{label}:{params['mutation']}{variant}", "params": params})
+        cases.append(
+            {
+                "id": f"{category}{n:04d}",
+                "category": category,
+                "kind": kind,
+                "name": f"{label}:{params['mutation']}{variant}",
+                "params": params,
+            }
+        )
     return cases
 
 
@@ -1602,11 +2156,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", choices=("full", "ci"), default="full")
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "adversarial.json"))
-    parser.add_argument("--case", default=None, help="run one case id in this process and print its outcome and traceback")
+    parser.add_argument(
+        "--case", default=None, help="run one case id in this process and print its outcome and traceback"
+    )
     parser.add_argument("--backends", default="folder,lance", help="store backends (default: folder,lance)")
     parser.add_argument("--categories", default="abcdef", help="categories to run (default: all)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one thread: forking after torch's thread pool started would be unsafe, and cases are tiny
+    torch.set_num_threads(
+        1
+    )  # one thread: forking after torch's thread pool started would be unsafe, and cases are tiny
     warnings.filterwarnings("ignore")
     backends = tuple(b for b in args.backends.split(",") if b)
     cases = generate_cases(args.seed, args.scale, backends)
@@ -1636,23 +2194,46 @@ def main(argv=None) -> int:
                 print(json.dumps(classify_exception(error)))
             return 0
         results = []
-        for n, case in enumerate(cases):
+        for case in cases:
             results.append(run_case(ctx, case))
             if results[-1]["outcome"] not in ("clear", "handled"):
-                print(f"  {case['id']} {case['name']}: {results[-1]['outcome']}: {results[-1]['detail'][:200]}", flush=True)
+                print(
+                    f"  {case['id']} {case['name']}: {results[-1]['outcome']}: {results[-1]['detail'][:200]}",
+                    flush=True,
+                )
         summary = table(results, cases)
         elapsed = time.time() - started
         print(format_table(summary))
-        print(f"{len(cases)} cases, seed {args.seed}, scale {args.scale}, backends {','.join(backends)}: {elapsed:.0f} s "
-              f"(setup {setup_seconds:.0f} s)")
+        print(
+            f"{len(cases)} cases, seed {args.seed}, scale {args.scale}, backends {','.join(backends)}: {elapsed:.0f} s "
+            f"(setup {setup_seconds:.0f} s)"
+        )
         backend_flag = "" if backends == ("folder", "lance") else f" --backends {','.join(backends)}"
         report = {
-            "seed": args.seed, "scale": args.scale, "backends": list(backends), "cases": len(cases), "seconds": round(elapsed, 1),
-            "setup_seconds": round(setup_seconds, 1), "torch": torch.__version__, "table": summary,
-            "non_clean": [{"id": c["id"], "category": c["category"], "case": c["name"], "outcome": r["outcome"], "detail": r["detail"],
-                           "repro": f"python benchmarks/adversarial.py --seed {args.seed} --scale {args.scale}{backend_flag} --case {c['id']}"}
-                          for c, r in zip(cases, results) if r["outcome"] not in ("clear", "handled")],
-            "by_case": [{"id": c["id"], "case": c["name"], "outcome": r["outcome"], "seconds": r["seconds"]} for c, r in zip(cases, results)],
+            "seed": args.seed,
+            "scale": args.scale,
+            "backends": list(backends),
+            "cases": len(cases),
+            "seconds": round(elapsed, 1),
+            "setup_seconds": round(setup_seconds, 1),
+            "torch": torch.__version__,
+            "table": summary,
+            "non_clean": [
+                {
+                    "id": c["id"],
+                    "category": c["category"],
+                    "case": c["name"],
+                    "outcome": r["outcome"],
+                    "detail": r["detail"],
+                    "repro": f"python benchmarks/adversarial.py --seed {args.seed} --scale {args.scale}{backend_flag} --case {c['id']}",
+                }
+                for c, r in zip(cases, results)
+                if r["outcome"] not in ("clear", "handled")
+            ],
+            "by_case": [
+                {"id": c["id"], "case": c["name"], "outcome": r["outcome"], "seconds": r["seconds"]}
+                for c, r in zip(cases, results)
+            ],
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
@@ -1660,7 +2241,9 @@ def main(argv=None) -> int:
         print(f"wrote {args.json}")
         return 0
     finally:
-        for root, dirs, _ in os.walk(workdir):  # the read-only cases left read-only folders (a non-root user cannot remove them)
+        for root, dirs, _ in os.walk(
+            workdir
+        ):  # the read-only cases left read-only folders (a non-root user cannot remove them)
             for name in dirs:
                 with contextlib.suppress(OSError):
                     os.chmod(os.path.join(root, name), 0o755)

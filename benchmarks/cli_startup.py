@@ -8,6 +8,7 @@ every CLI call paid while the package imported everything. *all names* touches e
 the package, i.e. what ``import hf_statecompose`` cost before it became lazy. The machine may be
 shared: absolute times are noisy, ratios less so. Writes benchmarks/results/cli_startup.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,13 +36,22 @@ def main(argv=None):
             ("import torch, transformers (baseline)", python + ["-c", "import torch, transformers"], 0),
             ("python -c pass (interpreter)", python + ["-c", "pass"], 0),
             ("import hf_statecompose", python + ["-c", "import hf_statecompose"], 0),
-            ("import hf_statecompose, all names", python + ["-c", "import hf_statecompose as h; [getattr(h, n) for n in h.__all__]"], 0),
+            (
+                "import hf_statecompose, all names",
+                python + ["-c", "import hf_statecompose as h; [getattr(h, n) for n in h.__all__]"],
+                0,
+            ),
             ("python -m hf_statecompose --help", python + ["-m", "hf_statecompose", "--help"], 0),
-            ("query ... -k -1 (argument error)", python + ["-m", "hf_statecompose", "query", str(corrupt), "q", "-k", "-1"], 2),
+            (
+                "query ... -k -1 (argument error)",
+                python + ["-m", "hf_statecompose", "query", str(corrupt), "q", "-k", "-1"],
+                2,
+            ),
             ("stats <corrupt store.json>", python + ["-m", "hf_statecompose", "stats", str(corrupt)], 2),
         ]
         rows = []
         for what, command, expected in cases:
+
             def run():
                 done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode != expected:
@@ -51,13 +61,23 @@ def main(argv=None):
     baseline = rows[0]["s"]
     for row in rows:
         row["ratio"] = row["s"] / baseline
-    print(f"fresh interpreter per run, median of {args.repeats} (shared machine: noisy); ratio against `import torch, transformers`")
+    print(
+        f"fresh interpreter per run, median of {args.repeats} (shared machine: noisy); ratio against `import torch, transformers`"
+    )
     print("| what | time | ratio |")
     print("|---|---|---|")
     for r in rows:
         print(f"| {r['what']} | {r['s'] * 1e3:.0f} ms | {r['ratio']:.3f} |")
-    write_result({"rows": rows, "baseline": rows[0]["what"], "python": sys.version.split()[0], "commit": git_commit(),
-                  "note": "shared machine: absolute times are noisy"}, args.out)
+    write_result(
+        {
+            "rows": rows,
+            "baseline": rows[0]["what"],
+            "python": sys.version.split()[0],
+            "commit": git_commit(),
+            "note": "shared machine: absolute times are noisy",
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

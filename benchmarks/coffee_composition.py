@@ -23,19 +23,20 @@ the concatenation's prediction, and the relative distance of the composed state 
 state (max |difference| / max |state|, all layers). Order-dependent methods (``caso``, ``concat``) are
 reported for both orders (A, B) and (B, A). Writes benchmarks/results/coffee/composition.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-import argparse  # noqa: E402
-import json  # noqa: E402
+import argparse
+import json
 
-import torch  # noqa: E402
+import torch
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.benchmarking import git_commit, write_result  # noqa: E402
-from hf_statecompose.demo.induction_head import InductionHeadTask  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.benchmarking import git_commit, write_result
+from hf_statecompose.demo.induction_head import InductionHeadTask
 
 METHODS = ("soup", "caso", "picaso_s", "picaso_r", "piconcat_r", "concat")
 
@@ -90,14 +91,24 @@ def main(argv=None):
     full = model(ids).logits[:, -1]
     one = model(query, past_states=[state_a]).logits[:, -1]
     exact_error = float((one - full).abs().max() / full.abs().max())
-    rows = [{"noise": 0, "order": "A", "method": "A (one state)", "accuracy": float((one.argmax(-1) == target).float().mean()),
-             "agreement_with_concat": float((one.argmax(-1) == full.argmax(-1)).float().mean()),
-             "state_distance": 0.0, "logit_error_vs_full_sequence": exact_error}]
+    rows = [
+        {
+            "noise": 0,
+            "order": "A",
+            "method": "A (one state)",
+            "accuracy": float((one.argmax(-1) == target).float().mean()),
+            "agreement_with_concat": float((one.argmax(-1) == full.argmax(-1)).float().mean()),
+            "state_distance": 0.0,
+            "logit_error_vs_full_sequence": exact_error,
+        }
+    ]
     for m in args.noise:
         context_b = noise(task, args.sequences, m, g)
         state_b = hsc.ComposableMambaCache.encode(model, context_b)
-        for order, states, concat_ids in (("A,B", [state_a, state_b], torch.cat([context_a, context_b], 1)),
-                                          ("B,A", [state_b, state_a], torch.cat([context_b, context_a], 1))):
+        for order, states, concat_ids in (
+            ("A,B", [state_a, state_b], torch.cat([context_a, context_b], 1)),
+            ("B,A", [state_b, state_a], torch.cat([context_b, context_a], 1)),
+        ):
             truth_state = hsc.ComposableMambaCache.encode(model, concat_ids)
             truth = model(torch.cat([concat_ids, query], 1)).logits[:, -1].argmax(-1)
             for method in METHODS:
@@ -105,25 +116,52 @@ def main(argv=None):
                     continue  # order-invariant: the same as for (A, B)
                 composed = hsc.compose_states(states, method, model)
                 pred = model(query, past_states=states, composition=method).logits[:, -1].argmax(-1)
-                rows.append({"noise": m, "order": order if method in ("caso", "concat") else "any",
-                             "method": method, "accuracy": float((pred == target).float().mean()),
-                             "agreement_with_concat": float((pred == truth).float().mean()),
-                             "state_distance": state_distance(composed, truth_state)})
-            rows.append({"noise": m, "order": order, "method": "model on the concatenation (truth)",
-                         "accuracy": float((truth == target).float().mean()), "agreement_with_concat": 1.0,
-                         "state_distance": 0.0})
+                rows.append(
+                    {
+                        "noise": m,
+                        "order": order if method in ("caso", "concat") else "any",
+                        "method": method,
+                        "accuracy": float((pred == target).float().mean()),
+                        "agreement_with_concat": float((pred == truth).float().mean()),
+                        "state_distance": state_distance(composed, truth_state),
+                    }
+                )
+            rows.append(
+                {
+                    "noise": m,
+                    "order": order,
+                    "method": "model on the concatenation (truth)",
+                    "accuracy": float((truth == target).float().mean()),
+                    "agreement_with_concat": 1.0,
+                    "state_distance": 0.0,
+                }
+            )
             print(f"noise {m}, order {order}: done", flush=True)
-    print(f"\nCOFFEE IH model {model_dir.name}: target recall from composed states, {args.sequences} fresh sequences "
-          f"(task {task.to_dict()}); one state of A + query vs the full sequence: logits within {exact_error:.1e} "
-          "relative")
+    print(
+        f"\nCOFFEE IH model {model_dir.name}: target recall from composed states, {args.sequences} fresh sequences "
+        f"(task {task.to_dict()}); one state of A + query vs the full sequence: logits within {exact_error:.1e} "
+        "relative"
+    )
     print("| extra noise m | order | method | target recall | agrees with concat | state distance to concat |")
     print("|---:|---|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['noise']} | {r['order']} | {r['method']} | {r['accuracy']:.3f} | {r['agreement_with_concat']:.3f} "
-              f"| {r['state_distance']:.2e} |")
-    write_result({"rows": rows, "model": str(model_dir.relative_to(ROOT) if model_dir.is_relative_to(ROOT) else model_dir),
-                  "task": task.to_dict(), "sequences": args.sequences, "seed": args.seed,
-                  "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": git_commit()}, args.out)
+        print(
+            f"| {r['noise']} | {r['order']} | {r['method']} | {r['accuracy']:.3f} | {r['agreement_with_concat']:.3f} "
+            f"| {r['state_distance']:.2e} |"
+        )
+    write_result(
+        {
+            "rows": rows,
+            "model": str(model_dir.relative_to(ROOT) if model_dir.is_relative_to(ROOT) else model_dir),
+            "task": task.to_dict(),
+            "sequences": args.sequences,
+            "seed": args.seed,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "commit": git_commit(),
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -11,18 +11,19 @@ adjoint recurrence; the sequential path's is autograd through the loop). Before 
 checked against the sequential float64 loop (relative error reported; > 1e-4 stops the script). Ratios are
 parallel / sequential in the same run (< 1: parallel faster). Writes benchmarks/results/coffee_parallel.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import statistics  # noqa: E402
+import argparse
+import copy
+import statistics
 
-import torch  # noqa: E402
+import torch
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.benchmarking import git_commit, median_time, write_result  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.benchmarking import git_commit, median_time, write_result
 
 
 def trained(mixer, steps=5):
@@ -44,6 +45,7 @@ def forward_only(mixer, u, method):
     def run():
         with torch.no_grad():
             mixer(u, method=method)
+
     return run
 
 
@@ -52,6 +54,7 @@ def forward_backward(mixer, u, method):
         x = u.detach().requires_grad_(True)
         y = mixer(x, method=method)
         torch.autograd.grad(y.square().sum(), [x, *mixer.parameters()])
+
     return run
 
 
@@ -63,15 +66,20 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--state", type=int, default=8)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
-    parser.add_argument("--backward-max-length", type=int, default=16384,
-                        help="time forward+backward only up to this length")
-    parser.add_argument("--window", type=int, default=None,
-                        help="CoffeeMixer.newton_window (default: the class's, 1024)")
+    parser.add_argument(
+        "--backward-max-length", type=int, default=16384, help="time forward+backward only up to this length"
+    )
+    parser.add_argument(
+        "--window", type=int, default=None, help="CoffeeMixer.newton_window (default: the class's, 1024)"
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "coffee_parallel.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    weights = {"init": hsc.CoffeeMixer(args.hidden, args.state), "trained": trained(hsc.CoffeeMixer(args.hidden, args.state))}
+    weights = {
+        "init": hsc.CoffeeMixer(args.hidden, args.state),
+        "trained": trained(hsc.CoffeeMixer(args.hidden, args.state)),
+    }
     if args.window is not None:
         for mixer in weights.values():
             mixer.newton_window = args.window
@@ -90,8 +98,10 @@ def main(argv=None):
             error = float((y.double() - truth).abs().max() / truth.abs().max())
             loop_error = float((loop32.double() - truth).abs().max() / truth.abs().max())
             if error > 1e-4 or info.method != "parallel":
-                raise SystemExit(f"parallel forward is off ({error:.2e}, {info}) at L={length} ({label}): fix it "
-                                 "(tests/test_coffee_mixer.py) before timing it")
+                raise SystemExit(
+                    f"parallel forward is off ({error:.2e}, {info}) at L={length} ({label}): fix it "
+                    "(tests/test_coffee_mixer.py) before timing it"
+                )
             fns = [forward_only(mixer, u, "parallel"), forward_only(mixer, u, "sequential")]
             with_backward = length <= args.backward_max_length
             if with_backward:
@@ -101,29 +111,60 @@ def main(argv=None):
                 for fn, bucket in zip(fns, times):
                     bucket.append(median_time(fn, 1, args.device))
             t = [statistics.median(x) for x in times]
-            row = {"weights": label, "L": length, "D": args.hidden, "n": args.state, "newton_iterations": info.iterations,
-                   "newton_window": window, "windows": info.windows,
-                   "residual": info.residual, "tolerance": info.tolerance, "rel_error_vs_fp64_loop": error,
-                   "fp32_loop_rel_error_vs_fp64_loop": loop_error,
-                   "forward_parallel_s": t[0], "forward_sequential_s": t[1], "forward_ratio": t[0] / t[1]}
+            row = {
+                "weights": label,
+                "L": length,
+                "D": args.hidden,
+                "n": args.state,
+                "newton_iterations": info.iterations,
+                "newton_window": window,
+                "windows": info.windows,
+                "residual": info.residual,
+                "tolerance": info.tolerance,
+                "rel_error_vs_fp64_loop": error,
+                "fp32_loop_rel_error_vs_fp64_loop": loop_error,
+                "forward_parallel_s": t[0],
+                "forward_sequential_s": t[1],
+                "forward_ratio": t[0] / t[1],
+            }
             if with_backward:
                 row.update({"fwd_bwd_parallel_s": t[2], "fwd_bwd_sequential_s": t[3], "fwd_bwd_ratio": t[2] / t[3]})
             rows.append(row)
             print(row, flush=True)
-    print(f"\nCOFFEE mixer D={args.hidden} n={args.state} batch 1, {args.device}, threads={torch.get_num_threads()}, "
-          f"Newton window {window}, median of {args.repeats} interleaved runs; ratio = parallel / sequential (same run)")
-    print("| weights | L | Newton iterations (windows) | error vs fp64 loop (parallel / fp32 loop) | forward parallel | "
-          "forward sequential | ratio | fwd+bwd parallel | fwd+bwd sequential | ratio |")
+    print(
+        f"\nCOFFEE mixer D={args.hidden} n={args.state} batch 1, {args.device}, threads={torch.get_num_threads()}, "
+        f"Newton window {window}, median of {args.repeats} interleaved runs; ratio = parallel / sequential (same run)"
+    )
+    print(
+        "| weights | L | Newton iterations (windows) | error vs fp64 loop (parallel / fp32 loop) | forward parallel | "
+        "forward sequential | ratio | fwd+bwd parallel | fwd+bwd sequential | ratio |"
+    )
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        bwd = (f"{r['fwd_bwd_parallel_s'] * 1e3:.1f} ms | {r['fwd_bwd_sequential_s'] * 1e3:.1f} ms | "
-               f"{r['fwd_bwd_ratio']:.2f}") if "fwd_bwd_ratio" in r else "— | — | —"
-        print(f"| {r['weights']} | {r['L']} | {r['newton_iterations']} ({r['windows']}) | {r['rel_error_vs_fp64_loop']:.1e} / "
-              f"{r['fp32_loop_rel_error_vs_fp64_loop']:.1e} | {r['forward_parallel_s'] * 1e3:.1f} ms | "
-              f"{r['forward_sequential_s'] * 1e3:.1f} ms | {r['forward_ratio']:.2f} | {bwd} |")
-    write_result({"rows": rows, "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                  "commit": git_commit(), "note": "shared machine: absolute times are noisy; ratios are same-run"},
-                 args.out)
+        bwd = (
+            (
+                f"{r['fwd_bwd_parallel_s'] * 1e3:.1f} ms | {r['fwd_bwd_sequential_s'] * 1e3:.1f} ms | "
+                f"{r['fwd_bwd_ratio']:.2f}"
+            )
+            if "fwd_bwd_ratio" in r
+            else "— | — | —"
+        )
+        print(
+            f"| {r['weights']} | {r['L']} | {r['newton_iterations']} ({r['windows']}) | {r['rel_error_vs_fp64_loop']:.1e} / "
+            f"{r['fp32_loop_rel_error_vs_fp64_loop']:.1e} | {r['forward_parallel_s'] * 1e3:.1f} ms | "
+            f"{r['forward_sequential_s'] * 1e3:.1f} ms | {r['forward_ratio']:.2f} | {bwd} |"
+        )
+    write_result(
+        {
+            "rows": rows,
+            "device": args.device,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "commit": git_commit(),
+            "note": "shared machine: absolute times are noisy; ratios are same-run",
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

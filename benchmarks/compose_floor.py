@@ -29,6 +29,7 @@ Medians of --repeats runs; the machine may be shared: compare ratios within one 
 
     python benchmarks/compose_floor.py [--arch mamba mamba2] [--n 10] [--repeats 15] [--baseline-repeats 2] [--large-n 100 1000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,11 +48,26 @@ from hf_statecompose.composition import MODEL_FREE_METHODS
 from hf_statecompose.ops.compose import native as compose_native
 
 hf_logging.set_verbosity_error()
-CONFIGS = {"mamba": (MambaForCausalLM, MODEL_130M_KWARGS["mamba"]), "mamba2": (Mamba2ForCausalLM, MODEL_130M_KWARGS["mamba2"])}
+CONFIGS = {
+    "mamba": (MambaForCausalLM, MODEL_130M_KWARGS["mamba"]),
+    "mamba2": (Mamba2ForCausalLM, MODEL_130M_KWARGS["mamba2"]),
+}
 TINY = {
     "mamba": (MambaForCausalLM, dict(vocab_size=99, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2)),
-    "mamba2": (Mamba2ForCausalLM, dict(vocab_size=99, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
-                                       num_heads=8, head_dim=8, n_groups=2, chunk_size=16)),
+    "mamba2": (
+        Mamba2ForCausalLM,
+        dict(
+            vocab_size=99,
+            hidden_size=32,
+            state_size=8,
+            num_hidden_layers=2,
+            expand=2,
+            num_heads=8,
+            head_dim=8,
+            n_groups=2,
+            chunk_size=16,
+        ),
+    ),
 }
 
 
@@ -114,10 +130,15 @@ def run_arch(arch, n, repeats, baseline_repeats, length, bandwidth, seed):
     mamba1 = arch == "mamba"
     deltas = [d for s in states for d in s.delta_sums]  # state-major, as the kernel takes them
     A = list(states[0].A)
-    log_decays = torch.cat([
-        torch.stack([(s.delta_sums[i][:, :, None] * A[i] if mamba1 else s.delta_sums[i] * A[i]).reshape(-1) for s in states])
-        for i in layers
-    ], 1)  # [n, Σ weights per state]
+    log_decays = torch.cat(
+        [
+            torch.stack(
+                [(s.delta_sums[i][:, :, None] * A[i] if mamba1 else s.delta_sums[i] * A[i]).reshape(-1) for s in states]
+            )
+            for i in layers
+        ],
+        1,
+    )  # [n, Σ weights per state]
     exps = log_decays.numel()
     exp_out = torch.empty_like(log_decays)
     calls = {"floor": lambda: plain_sum(ssm + conv)}
@@ -142,20 +163,38 @@ def run_arch(arch, n, repeats, baseline_repeats, length, bandwidth, seed):
     for method in MODEL_FREE_METHODS:
         seconds = statistics.median(samples[method])
         decay_based = method not in ("soup", "weighted")
-        rows.append(dict(
-            arch=arch, n=n, method=method, seconds=seconds, seconds_min=min(samples[method]),
-            over_floor_sum=statistics.median(m / f for m, f in zip(samples[method], samples["floor"])),
-            over_floor_bandwidth=seconds / floor_bw,
-            over_floor_compute=(
-                statistics.median(m / f for m, f in zip(samples[method], samples["compute"]))
-                if decay_based and floor_compute else None
-            ),
-            speedup_vs_our_concat=ours / seconds, speedup_vs_transformers_prefill=theirs / seconds,
-        ))
+        rows.append(
+            dict(
+                arch=arch,
+                n=n,
+                method=method,
+                seconds=seconds,
+                seconds_min=min(samples[method]),
+                over_floor_sum=statistics.median(m / f for m, f in zip(samples[method], samples["floor"])),
+                over_floor_bandwidth=seconds / floor_bw,
+                over_floor_compute=(
+                    statistics.median(m / f for m, f in zip(samples[method], samples["compute"]))
+                    if decay_based and floor_compute
+                    else None
+                ),
+                speedup_vs_our_concat=ours / seconds,
+                speedup_vs_transformers_prefill=theirs / seconds,
+            )
+        )
     print(f"  {arch} done", file=sys.stderr, flush=True)
-    return rows, dict(arch=arch, n=n, bytes_moved=moved, floor_sum_s=floor_sum, floor_bandwidth_s=floor_bw,
-                      exps=exps, floor_compute_s=floor_compute, torch_exp_s=torch_exp,
-                      our_concat_s=ours, transformers_prefill_s=theirs, concat_tokens=int(concat_ids.shape[1]))
+    return rows, dict(
+        arch=arch,
+        n=n,
+        bytes_moved=moved,
+        floor_sum_s=floor_sum,
+        floor_bandwidth_s=floor_bw,
+        exps=exps,
+        floor_compute_s=floor_compute,
+        torch_exp_s=torch_exp,
+        our_concat_s=ours,
+        transformers_prefill_s=theirs,
+        concat_tokens=int(concat_ids.shape[1]),
+    )
 
 
 def run_large(arch, sizes, ns, length, seed):
@@ -184,7 +223,9 @@ def main():
     parser.add_argument("--baseline-repeats", type=int, default=2)
     parser.add_argument("--context-length", type=int, default=128)
     parser.add_argument("--large-n", nargs="*", type=int, default=[100, 1000])
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (the native kernel uses as many)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (the native kernel uses as many)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/compose_floor.json")
     args = parser.parse_args()
@@ -194,7 +235,9 @@ def main():
     bandwidth = stream_bandwidth(args.repeats)
     rows, floors, large = [], [], []
     for arch in args.arch:
-        arch_rows, floor = run_arch(arch, args.n, args.repeats, args.baseline_repeats, args.context_length, bandwidth, args.seed)
+        arch_rows, floor = run_arch(
+            arch, args.n, args.repeats, args.baseline_repeats, args.context_length, bandwidth, args.seed
+        )
         rows += arch_rows
         floors.append(floor)
     for arch in args.arch:
@@ -204,30 +247,53 @@ def main():
     print(f"\nstreaming bandwidth (copy, read + write): {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
     for f in floors:
         compute = f"{f['floor_compute_s'] * 1e3:.2f} ms" if f["floor_compute_s"] else "n/a (no C compiler)"
-        print(f"{f['arch']}: n = {f['n']}, {f['bytes_moved'] / 1e6:.1f} MB moved; floor: plain sum {f['floor_sum_s'] * 1e3:.2f} ms, "
-              f"bytes / bandwidth {f['floor_bandwidth_s'] * 1e3:.2f} ms, compute ({f['exps'] / 1e6:.2f} M exps, C loop) {compute} "
-              f"(torch.exp of them {f['torch_exp_s'] * 1e3:.2f} ms); our concat encode ({f['concat_tokens']} tokens) "
-              f"{f['our_concat_s'] * 1e3:.0f} ms, transformers' prefill {f['transformers_prefill_s'] * 1e3:.0f} ms")
-    print("\n| arch | method | time (ms) | / floor (sum) | / floor (bytes/bandwidth) | / floor (compute) | vs our concat | vs transformers' prefill |")
+        print(
+            f"{f['arch']}: n = {f['n']}, {f['bytes_moved'] / 1e6:.1f} MB moved; floor: plain sum {f['floor_sum_s'] * 1e3:.2f} ms, "
+            f"bytes / bandwidth {f['floor_bandwidth_s'] * 1e3:.2f} ms, compute ({f['exps'] / 1e6:.2f} M exps, C loop) {compute} "
+            f"(torch.exp of them {f['torch_exp_s'] * 1e3:.2f} ms); our concat encode ({f['concat_tokens']} tokens) "
+            f"{f['our_concat_s'] * 1e3:.0f} ms, transformers' prefill {f['transformers_prefill_s'] * 1e3:.0f} ms"
+        )
+    print(
+        "\n| arch | method | time (ms) | / floor (sum) | / floor (bytes/bandwidth) | / floor (compute) | vs our concat | vs transformers' prefill |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         compute = f"{r['over_floor_compute']:.2f}x" if r["over_floor_compute"] is not None else "–"
-        print(f"| {r['arch']} | {r['method']} | {r['seconds'] * 1e3:.2f} | {r['over_floor_sum']:.2f}x | "
-              f"{r['over_floor_bandwidth']:.2f}x | {compute} | {r['speedup_vs_our_concat']:.0f}x faster | "
-              f"{r['speedup_vs_transformers_prefill']:.0f}x faster |")
+        print(
+            f"| {r['arch']} | {r['method']} | {r['seconds'] * 1e3:.2f} | {r['over_floor_sum']:.2f}x | "
+            f"{r['over_floor_bandwidth']:.2f}x | {compute} | {r['speedup_vs_our_concat']:.0f}x faster | "
+            f"{r['speedup_vs_transformers_prefill']:.0f}x faster |"
+        )
     print("\n| arch | shapes | n | method | time (s) |")
     print("|---|---|---:|---|---:|")
     for r in large:
         shown = f"{r['seconds']:.3f}" if r["seconds"] is not None else f"refused ({r['refused']})"
         print(f"| {r['arch']} | {r['shapes']} | {r['n']} | {r['method']} | {shown} |")
 
-    write_result(dict(
-        benchmark="compose_floor", commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
-        python=platform.python_version(), machine=platform.machine(), threads=torch.get_num_threads(), device="cpu",
-        dtype="float32", n=args.n, context_length=args.context_length, repeats=args.repeats, baseline_repeats=args.baseline_repeats, statistic="median",
-        stream_bandwidth_bytes_per_s=bandwidth, floors=floors, rows=rows, large_n=large,
-        note="machine shared with other jobs while measured: ratios within this run only",
-    ), args.out)
+    write_result(
+        dict(
+            benchmark="compose_floor",
+            commit=git_commit(),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            python=platform.python_version(),
+            machine=platform.machine(),
+            threads=torch.get_num_threads(),
+            device="cpu",
+            dtype="float32",
+            n=args.n,
+            context_length=args.context_length,
+            repeats=args.repeats,
+            baseline_repeats=args.baseline_repeats,
+            statistic="median",
+            stream_bandwidth_bytes_per_s=bandwidth,
+            floors=floors,
+            rows=rows,
+            large_n=large,
+            note="machine shared with other jobs while measured: ratios within this run only",
+        ),
+        args.out,
+    )
 
 
 if __name__ == "__main__":

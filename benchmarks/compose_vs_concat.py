@@ -13,14 +13,13 @@ PICASO-R equal the brute-force mean over orders): a failing check stops the benc
 
     python benchmarks/compose_vs_concat.py [--arch mamba mamba2] [--repeats 3] [--out benchmarks/results/compose_vs_concat.json]
 """
+
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import platform
 import sys
-
 
 import torch
 import transformers
@@ -32,7 +31,10 @@ from hf_statecompose.benchmarking import MODEL_130M_KWARGS, git_commit, median_t
 
 hf_logging.set_verbosity_error()
 METHODS = ["soup", "caso", "picaso_s", "picaso_r", "piconcat_r"]
-CONFIGS = {"mamba": (MambaForCausalLM, MODEL_130M_KWARGS["mamba"]), "mamba2": (Mamba2ForCausalLM, MODEL_130M_KWARGS["mamba2"])}
+CONFIGS = {
+    "mamba": (MambaForCausalLM, MODEL_130M_KWARGS["mamba"]),
+    "mamba2": (Mamba2ForCausalLM, MODEL_130M_KWARGS["mamba2"]),
+}
 
 
 def check_correctness(model, states):
@@ -40,7 +42,10 @@ def check_correctness(model, states):
     one = hsc.StateComposer("picaso_s").compose(states[:1])
     assert all(torch.equal(one.ssm_states[i], states[0].ssm_states[i]) for i in range(one.num_layers)), "n=1 not exact"
     subset = states[:4]
-    for method, orders in (("picaso_s", list(itertools.permutations(range(4)))), ("picaso_r", [[(k + j) % 4 for j in range(4)] for k in range(4)])):
+    for method, orders in (
+        ("picaso_s", list(itertools.permutations(range(4)))),
+        ("picaso_r", [[(k + j) % 4 for j in range(4)] for k in range(4)]),
+    ):
         got = hsc.StateComposer(method).compose(subset).ssm_states[0].double()
         expected = 0
         for order in orders:
@@ -70,8 +75,14 @@ def run_arch(arch, ns, repeats, context_length, query_length, piconcat_max_n, se
         for n in ns:
             concat_ids = torch.cat(contexts[:n], 1)
             state_times = {"concat": median_time(lambda: model(concat_ids, use_cache=True, logits_to_keep=1), repeats)}
-            ttft = {"concat": median_time(
-                lambda: model(torch.cat([concat_ids, query], 1), use_cache=True, logits_to_keep=1).logits.argmax(-1), repeats)}
+            ttft = {
+                "concat": median_time(
+                    lambda: model(torch.cat([concat_ids, query], 1), use_cache=True, logits_to_keep=1).logits.argmax(
+                        -1
+                    ),
+                    repeats,
+                )
+            }
             for method in METHODS:
                 if method == "piconcat_r" and n > piconcat_max_n:
                     continue
@@ -88,13 +99,21 @@ def run_arch(arch, ns, repeats, context_length, query_length, piconcat_max_n, se
             for method in ["concat"] + METHODS:
                 if method not in state_times:
                     continue
-                rows.append(dict(
-                    arch=arch, n=n, method=method,
-                    state_s=state_times[method], state_speedup_vs_concat=state_times["concat"] / state_times[method],
-                    ttft_s=ttft[method], ttft_speedup_vs_concat=ttft["concat"] / ttft[method],
-                ))
+                rows.append(
+                    dict(
+                        arch=arch,
+                        n=n,
+                        method=method,
+                        state_s=state_times[method],
+                        state_speedup_vs_concat=state_times["concat"] / state_times[method],
+                        ttft_s=ttft[method],
+                        ttft_speedup_vs_concat=ttft["concat"] / ttft[method],
+                    )
+                )
             print(f"  {arch} n={n} done", file=sys.stderr, flush=True)
-    return rows, dict(prefill_one_context_s=prefill_one, encode_one_context_s=encode_one, encode_over_prefill=encode_one / prefill_one)
+    return rows, dict(
+        prefill_one_context_s=prefill_one, encode_one_context_s=encode_one, encode_over_prefill=encode_one / prefill_one
+    )
 
 
 def main():
@@ -111,23 +130,43 @@ def main():
 
     rows, encode = [], {}
     for arch in args.arch:
-        arch_rows, encode[arch] = run_arch(arch, args.n, args.repeats, args.context_length, args.query_length, args.piconcat_max_n, args.seed)
+        arch_rows, encode[arch] = run_arch(
+            arch, args.n, args.repeats, args.context_length, args.query_length, args.piconcat_max_n, args.seed
+        )
         rows += arch_rows
 
-    print(f"\nencode one {args.context_length}-token context vs transformers' prefill (use_cache=True, logits_to_keep=1):")
+    print(
+        f"\nencode one {args.context_length}-token context vs transformers' prefill (use_cache=True, logits_to_keep=1):"
+    )
     for arch, e in encode.items():
-        print(f"  {arch:<7} encode {e['encode_one_context_s']:.3f} s, prefill {e['prefill_one_context_s']:.3f} s, ratio {e['encode_over_prefill']:.2f}x")
+        print(
+            f"  {arch:<7} encode {e['encode_one_context_s']:.3f} s, prefill {e['prefill_one_context_s']:.3f} s, ratio {e['encode_over_prefill']:.2f}x"
+        )
     header = "| arch | n | method | state (s) | state speed-up vs concat | TTFT (s) | TTFT speed-up vs concat |"
     print("\n" + header + "\n|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['arch']} | {r['n']} | {r['method']} | {r['state_s']:.4f} | {r['state_speedup_vs_concat']:.1f}x | {r['ttft_s']:.4f} | {r['ttft_speedup_vs_concat']:.1f}x |")
+        print(
+            f"| {r['arch']} | {r['n']} | {r['method']} | {r['state_s']:.4f} | {r['state_speedup_vs_concat']:.1f}x | {r['ttft_s']:.4f} | {r['ttft_speedup_vs_concat']:.1f}x |"
+        )
 
     result = dict(
-        benchmark="compose_vs_concat", commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
-        python=platform.python_version(), machine=platform.machine(), threads=torch.get_num_threads(),
-        dtype="float32", device="cpu", context_length=args.context_length, query_length=args.query_length,
-        repeats=args.repeats, statistic="median", baseline="concat = transformers prefill of the concatenated contexts",
-        configs={a: CONFIGS[a][1] for a in args.arch}, encode=encode, rows=rows,
+        benchmark="compose_vs_concat",
+        commit=git_commit(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        machine=platform.machine(),
+        threads=torch.get_num_threads(),
+        dtype="float32",
+        device="cpu",
+        context_length=args.context_length,
+        query_length=args.query_length,
+        repeats=args.repeats,
+        statistic="median",
+        baseline="concat = transformers prefill of the concatenated contexts",
+        configs={a: CONFIGS[a][1] for a in args.arch},
+        encode=encode,
+        rows=rows,
     )
     write_result(result, args.out)
 

@@ -14,6 +14,7 @@
 Ratios are against the baseline measured in the same run (full hash; load), the candidates run in turn
 (interleaved) so that load swings of a shared machine hit all alike: absolute times are noisy, ratios less so. Writes benchmarks/results/fingerprint_speed.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -40,7 +41,10 @@ from hf_statecompose.state.validation import check_against_model, check_state
 def identity_key(model):
     """Names, storages, versions, shapes, dtypes alone (blind to ``.data`` edits): the floor of a check.
     ``untyped_storage()``, not ``data_ptr()``: that asks for a writable pointer and ends the sentinel."""
-    return tuple((n, t.untyped_storage()._cdata, t._version, tuple(t.shape), str(t.dtype)) for n, t in _state_shaping_tensors(model))
+    return tuple(
+        (n, t.untyped_storage()._cdata, t._version, tuple(t.shape), str(t.dtype))
+        for n, t in _state_shaping_tensors(model)
+    )
 
 
 def checksum_key(model):
@@ -64,8 +68,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)",
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "fingerprint_speed.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -77,14 +85,43 @@ def main(argv=None):
         params = sum(p.numel() for p in model.parameters())
         model_fingerprint(model)
         full, cached, identity, checksum = interleaved(
-            [lambda: model_fingerprint(model, cache=False), lambda: model_fingerprint(model), lambda: identity_key(model),
-             lambda: checksum_key(model)], args.repeats, args.device)
-        rows.append({"what": f"fingerprint, cached path, {str(dtype)[6:]}", "baseline": "full hash", "baseline_s": full,
-                     "s": cached, "ratio": cached / full, "params": params})
-        rows.append({"what": f"identity + content checksum, {str(dtype)[6:]} (the cached path before issue 21)",
-                     "baseline": "full hash", "baseline_s": full, "s": checksum, "ratio": checksum / full})
-        rows.append({"what": f"identity-only key, {str(dtype)[6:]} (the floor: misses .data edits)",
-                     "baseline": "full hash", "baseline_s": full, "s": identity, "ratio": identity / full})
+            [
+                lambda: model_fingerprint(model, cache=False),
+                lambda: model_fingerprint(model),
+                lambda: identity_key(model),
+                lambda: checksum_key(model),
+            ],
+            args.repeats,
+            args.device,
+        )
+        rows.append(
+            {
+                "what": f"fingerprint, cached path, {str(dtype)[6:]}",
+                "baseline": "full hash",
+                "baseline_s": full,
+                "s": cached,
+                "ratio": cached / full,
+                "params": params,
+            }
+        )
+        rows.append(
+            {
+                "what": f"identity + content checksum, {str(dtype)[6:]} (the cached path before issue 21)",
+                "baseline": "full hash",
+                "baseline_s": full,
+                "s": checksum,
+                "ratio": checksum / full,
+            }
+        )
+        rows.append(
+            {
+                "what": f"identity-only key, {str(dtype)[6:]} (the floor: misses .data edits)",
+                "baseline": "full hash",
+                "baseline_s": full,
+                "s": identity,
+                "ratio": identity / full,
+            }
+        )
         if dtype != torch.float32:
             continue
         with torch.no_grad():
@@ -94,18 +131,45 @@ def main(argv=None):
             path = Path(tmp) / "state.safetensors"
             state.save(path)
             load, against, schema = interleaved(
-                [lambda: ComposableMambaCache.load(path, model=model), lambda: check_against_model(state, model, fingerprint),
-                 lambda: check_state(state)], args.repeats, args.device)
+                [
+                    lambda: ComposableMambaCache.load(path, model=model),
+                    lambda: check_against_model(state, model, fingerprint),
+                    lambda: check_state(state),
+                ],
+                args.repeats,
+                args.device,
+            )
         for what, seconds in (("check_against_model (incl. A)", against), ("check_state (schema, values)", schema)):
-            rows.append({"what": what, "baseline": "load(path, model)", "baseline_s": load, "s": seconds, "ratio": seconds / load})
-    print(f"130M-shaped Mamba ({rows[0]['params'] / 1e6:.0f}M parameters), {args.device}, "
-          f"threads={torch.get_num_threads()}, median of {args.repeats} interleaved runs (shared machine: noisy)")
+            rows.append(
+                {
+                    "what": what,
+                    "baseline": "load(path, model)",
+                    "baseline_s": load,
+                    "s": seconds,
+                    "ratio": seconds / load,
+                }
+            )
+    print(
+        f"130M-shaped Mamba ({rows[0]['params'] / 1e6:.0f}M parameters), {args.device}, "
+        f"threads={torch.get_num_threads()}, median of {args.repeats} interleaved runs (shared machine: noisy)"
+    )
     print("| what | time | baseline | baseline time | ratio |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['what']} | {r['s'] * 1e3:.1f} ms | {r['baseline']} | {r['baseline_s'] * 1e3:.1f} ms | {r['ratio']:.4f} |")
-    write_result({"rows": rows, "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                  "commit": git_commit(), "note": "shared machine: absolute times are noisy"}, args.out)
+        print(
+            f"| {r['what']} | {r['s'] * 1e3:.1f} ms | {r['baseline']} | {r['baseline_s'] * 1e3:.1f} ms | {r['ratio']:.4f} |"
+        )
+    write_result(
+        {
+            "rows": rows,
+            "device": args.device,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "commit": git_commit(),
+            "note": "shared machine: absolute times are noisy",
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ float16; each file is loaded back with the model and the query's logits after it
 unsaved state: max |Δ logit|, the logits' magnitude, whether the greedy tokens agree, and the file sizes.
 Writes benchmarks/results/hybrid_keys_dtype.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -31,6 +32,7 @@ def main(argv=None):
     sys.path.insert(0, str(HERE.parent / "tests"))
     import hf_statecompose as hsc
     from hf_statecompose.state.cache import ComposableMambaCache
+
     from helpers import random_ids
     from hybrid_helpers import WORKING, tiny_hybrid
 
@@ -47,12 +49,28 @@ def main(argv=None):
                 path = os.path.join(folder, "state.safetensors")
                 state.save(path, keys_dtype=keys_dtype)
                 logits = model(query, past_states=[ComposableMambaCache.load(path, model=model)]).logits
-                row = {"model": arch, "keys_dtype": str(keys_dtype or state.model_dtype), "max_abs_dlogit": float((logits - exact).abs().max()),
-                       "max_abs_logit": float(exact.abs().max()), "greedy_same": bool(torch.equal(logits.argmax(-1), exact.argmax(-1))),
-                       "file_bytes": os.path.getsize(path)}
+                row = {
+                    "model": arch,
+                    "keys_dtype": str(keys_dtype or state.model_dtype),
+                    "max_abs_dlogit": float((logits - exact).abs().max()),
+                    "max_abs_logit": float(exact.abs().max()),
+                    "greedy_same": bool(torch.equal(logits.argmax(-1), exact.argmax(-1))),
+                    "file_bytes": os.path.getsize(path),
+                }
                 rows.append(row)
-                print(f"| {arch} | {row['keys_dtype']} | {row['max_abs_dlogit']:.2e} | {row['max_abs_logit']:.2f} | {row['greedy_same']} | {row['file_bytes']} |")
-    write_result({"benchmark": "hybrid_keys_dtype", "commit": git_commit(), "context": args.context, "query": args.query, "rows": rows}, args.out)
+                print(
+                    f"| {arch} | {row['keys_dtype']} | {row['max_abs_dlogit']:.2e} | {row['max_abs_logit']:.2f} | {row['greedy_same']} | {row['file_bytes']} |"
+                )
+    write_result(
+        {
+            "benchmark": "hybrid_keys_dtype",
+            "commit": git_commit(),
+            "context": args.context,
+            "query": args.query,
+            "rows": rows,
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

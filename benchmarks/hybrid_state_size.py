@@ -18,6 +18,7 @@ For a bf16 model and a float32 model (keys / values and conv windows follow the 
 "crossover" is the context length at which the attention part equals the fixed SSM part. Prints a markdown
 table and writes benchmarks/results/hybrid_state_size.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,43 +42,108 @@ CONFIGS = {
     # 1536 / 12 = 128, Mamba-2 layers of 48 heads x 64, state 128, 1 group, conv 4. Values as quoted from that
     # config in public test fixtures (e.g. GRANITE_H_TINY_HF of a hardware-model repository's hf_to_config tests).
     # Granite 4.0-H's attention has no positional encoding (NoPE): it changes no byte here.
-    "Granite-4.0-H-Tiny": ("granitemoehybrid", dict(
-        hidden_size=1536, num_hidden_layers=40, num_attention_heads=12, num_key_value_heads=4,
-        mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
-        layer_types=["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 9 + ["attention"]
-        + ["mamba"] * 9 + ["attention"] + ["mamba"] * 4,
-        position_embedding_type="nope")),
+    "Granite-4.0-H-Tiny": (
+        "granitemoehybrid",
+        dict(
+            hidden_size=1536,
+            num_hidden_layers=40,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            mamba_n_heads=48,
+            mamba_d_head=64,
+            mamba_d_state=128,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            layer_types=["mamba"] * 5
+            + ["attention"]
+            + ["mamba"] * 9
+            + ["attention"]
+            + ["mamba"] * 9
+            + ["attention"]
+            + ["mamba"] * 9
+            + ["attention"]
+            + ["mamba"] * 4,
+            position_embedding_type="nope",
+        ),
+    ),
     # nvidia/Nemotron-H-8B-Base-8K, https://huggingface.co/nvidia/Nemotron-H-8B-Base-8K/blob/main/config.json:
     # hidden 4096, 52 layers, hybrid_override_pattern with 24 Mamba-2 (M), 24 MLP (-) and 4 attention (*) layers;
     # attention 32 query / 8 kv heads of 128, no RoPE; Mamba-2 128 heads x 64, ssm_state_size 128, n_groups 8,
     # conv_kernel 4, expand 2 (Nemotron-H paper, arXiv:2504.03624, and the config's fields as quoted in public
     # write-ups). The pattern string below is Nemotron-H-4B's published one (52 layers, pruned from the 8B in
     # width only, Megatron-Bridge's Nemotron-H docs): only the counts of M / * matter for the bytes.
-    "Nemotron-H-8B": ("nemotron_h", dict(
-        hidden_size=4096, num_hidden_layers=52, num_attention_heads=32, num_key_value_heads=8,
-        mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2,
-        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")),
+    "Nemotron-H-8B": (
+        "nemotron_h",
+        dict(
+            hidden_size=4096,
+            num_hidden_layers=52,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            mamba_num_heads=128,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            conv_kernel=4,
+            expand=2,
+            hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        ),
+    ),
     # tiiuae/Falcon-H1-7B-Base, https://huggingface.co/tiiuae/Falcon-H1-7B-Base/blob/main/config.json: hidden 3072,
     # 44 layers, every layer both attention (12 query / 2 kv heads, head_dim 128, RoPE) and a Mamba-2 mixer in
     # parallel (mamba_d_ssm 3072 = 24 heads x 128, mamba_d_state 256, 1 group, conv 4); Falcon-H1 report
     # (arXiv:2507.22448) table of architectures, and the config as quoted in public test fixtures (FALCON_H1_7B_HF).
-    "Falcon-H1-7B": ("falcon_h1", dict(
-        hidden_size=3072, num_hidden_layers=44, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
-        mamba_n_heads=24, mamba_d_head=128, mamba_d_ssm=3072, mamba_d_state=256, mamba_n_groups=1, mamba_d_conv=4,
-        mamba_expand=2)),
+    "Falcon-H1-7B": (
+        "falcon_h1",
+        dict(
+            hidden_size=3072,
+            num_hidden_layers=44,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            head_dim=128,
+            mamba_n_heads=24,
+            mamba_d_head=128,
+            mamba_d_ssm=3072,
+            mamba_d_state=256,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            mamba_expand=2,
+        ),
+    ),
     # ai21labs/AI21-Jamba-1.5-Mini, https://huggingface.co/ai21labs/AI21-Jamba-1.5-Mini/blob/main/config.json:
     # hidden 4096, 32 layers, attention every 8 layers from 4 (attn_layer_period 8, attn_layer_offset 4: layers
     # 4, 12, 20, 28) of 32 query / 8 kv heads of 128, no positional encoding; Mamba-1 mixers with mamba_expand 2
     # (D = 8192), mamba_d_state 16, mamba_d_conv 4 (Jamba-1.5 report, arXiv:2408.12570: the Jamba-v0.1 layout).
-    "Jamba-1.5-Mini": ("jamba", dict(
-        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        attn_layer_period=8, attn_layer_offset=4, mamba_expand=2, mamba_d_state=16, mamba_d_conv=4)),
+    "Jamba-1.5-Mini": (
+        "jamba",
+        dict(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            attn_layer_period=8,
+            attn_layer_offset=4,
+            mamba_expand=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+        ),
+    ),
     # state-spaces/mamba2-2.7b, https://huggingface.co/state-spaces/mamba2-2.7b/blob/main/config.json: d_model 2560,
     # n_layer 64, Mamba-2 defaults of mamba_ssm (d_state 128, headdim 64, expand 2 -> 80 heads, ngroups 1,
     # d_conv 4); in transformers' Mamba2Config names. No attention: the state does not grow with the context.
-    "mamba2-2.7b (pure Mamba-2)": ("mamba2", dict(
-        hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64, state_size=128, n_groups=1,
-        conv_kernel=4, expand=2)),
+    "mamba2-2.7b (pure Mamba-2)": (
+        "mamba2",
+        dict(
+            hidden_size=2560,
+            num_hidden_layers=64,
+            num_heads=80,
+            head_dim=64,
+            state_size=128,
+            n_groups=1,
+            conv_kernel=4,
+            expand=2,
+        ),
+    ),
 }
 
 
@@ -114,11 +180,18 @@ def state_bytes(model_type: str, config, model_dtype: torch.dtype) -> dict:
     per_token = kv_per_token + (POSITION_BYTES if attention_layers else 0)
     fixed = sum(parts.values())
     return {
-        "model_type": model_type, "dtype": str(model_dtype).replace("torch.", ""),
+        "model_type": model_type,
+        "dtype": str(model_dtype).replace("torch.", ""),
         "layers": len(layout.layer_kinds(config)) if layout.is_hybrid else layout.num_state_layers(config),
-        "ssm_layers": ssm_layers, "attention_layers": attention_layers,
-        "ssm_state_shape": list(ssm_shape), "conv_shape": list(conv_shape), "kv_shape": [kv_heads, head_dim],
-        "fixed_bytes": fixed, "fixed_parts": parts, "kv_bytes_per_token": kv_per_token, "bytes_per_token": per_token,
+        "ssm_layers": ssm_layers,
+        "attention_layers": attention_layers,
+        "ssm_state_shape": list(ssm_shape),
+        "conv_shape": list(conv_shape),
+        "kv_shape": [kv_heads, head_dim],
+        "fixed_bytes": fixed,
+        "fixed_parts": parts,
+        "kv_bytes_per_token": kv_per_token,
+        "bytes_per_token": per_token,
         "crossover_tokens": (fixed / per_token) if per_token else None,
     }
 
@@ -142,22 +215,38 @@ def main(argv=None):
             row["config"] = values
             row["total_bytes_at"] = {n: row["fixed_bytes"] + n * row["bytes_per_token"] for n in lengths}
             rows.append(row)
-    print("One context's state (batch 1), as the package holds it; SSM state, ΣΔ, A in float32, conv windows and "
-          "keys / values in the model dtype, + 8 B/token of positions (int64, shared by the attention layers)\n")
-    print("| model | model dtype | layers (SSM / attention) | SSM state | conv | ΣΔ + A | fixed | per token (K+V+pos) | crossover (tokens) | "
-          + " | ".join(f"total at {n}" for n in lengths) + " |")
+    print(
+        "One context's state (batch 1), as the package holds it; SSM state, ΣΔ, A in float32, conv windows and "
+        "keys / values in the model dtype, + 8 B/token of positions (int64, shared by the attention layers)\n"
+    )
+    print(
+        "| model | model dtype | layers (SSM / attention) | SSM state | conv | ΣΔ + A | fixed | per token (K+V+pos) | crossover (tokens) | "
+        + " | ".join(f"total at {n}" for n in lengths)
+        + " |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(lengths))
     for row in rows:
         p = row["fixed_parts"]
         cross = "never (no attention)" if row["crossover_tokens"] is None else f"{row['crossover_tokens']:,.0f}"
         per_token = "0" if not row["bytes_per_token"] else f"{row['bytes_per_token'] / 1024:.2f} KiB"
-        print(f"| {row['model']} | {row['dtype']} | {row['layers']} ({row['ssm_layers']} / {row['attention_layers']}) | "
-              f"{_mib(p['ssm_state'])} | {_mib(p['conv_window'])} | {_mib(p['delta_sum'] + p['A'])} | "
-              f"{_mib(row['fixed_bytes'])} | {per_token} | {cross} | "
-              + " | ".join(_mib(row["total_bytes_at"][n]) for n in lengths) + " |")
-    write_result({"rows": rows, "position_bytes_per_token": POSITION_BYTES, "contexts": lengths, "commit": git_commit(),
-                  "note": "on paper from config values (see the script's comments for sources); batch 1; "
-                          "token_ids (8 B/token, optional) not counted"}, args.out)
+        print(
+            f"| {row['model']} | {row['dtype']} | {row['layers']} ({row['ssm_layers']} / {row['attention_layers']}) | "
+            f"{_mib(p['ssm_state'])} | {_mib(p['conv_window'])} | {_mib(p['delta_sum'] + p['A'])} | "
+            f"{_mib(row['fixed_bytes'])} | {per_token} | {cross} | "
+            + " | ".join(_mib(row["total_bytes_at"][n]) for n in lengths)
+            + " |"
+        )
+    write_result(
+        {
+            "rows": rows,
+            "position_bytes_per_token": POSITION_BYTES,
+            "contexts": lengths,
+            "commit": git_commit(),
+            "note": "on paper from config values (see the script's comments for sources); batch 1; "
+            "token_ids (8 B/token, optional) not counted",
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ hold or run in minutes. ``granite-h-tiny-10l`` keeps every width of it and its f
 token); ``tiny`` is a toy for the test. Medians; one thread by default (a shared machine: read the ratios).
 Writes benchmarks/results/hybrid_ttft.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,20 +45,62 @@ from hf_statecompose.benchmarking import git_commit, median_time, write_result
 from hf_statecompose.composition.attention import compose_attention
 from hf_statecompose.state.validation import check_against_model
 
-GRANITE_H_TINY_LAYERS = (["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 9 + ["attention"]
-                         + ["mamba"] * 9 + ["attention"] + ["mamba"] * 4)
-_GRANITE_H_TINY = dict(vocab_size=100352, hidden_size=1536, num_attention_heads=12, num_key_value_heads=4,
-                       intermediate_size=512, shared_intermediate_size=1024, num_experts_per_tok=6,
-                       mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4,
-                       mamba_expand=2, mamba_chunk_size=256, position_embedding_type="nope", tie_word_embeddings=True)
+GRANITE_H_TINY_LAYERS = (
+    ["mamba"] * 5
+    + ["attention"]
+    + ["mamba"] * 9
+    + ["attention"]
+    + ["mamba"] * 9
+    + ["attention"]
+    + ["mamba"] * 9
+    + ["attention"]
+    + ["mamba"] * 4
+)
+_GRANITE_H_TINY = dict(
+    vocab_size=100352,
+    hidden_size=1536,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    intermediate_size=512,
+    shared_intermediate_size=1024,
+    num_experts_per_tok=6,
+    mamba_n_heads=48,
+    mamba_d_head=64,
+    mamba_d_state=128,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=256,
+    position_embedding_type="nope",
+    tie_word_embeddings=True,
+)
 SIZES = {
-    "tiny": dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                 shared_intermediate_size=64, num_local_experts=0, num_experts_per_tok=0, num_hidden_layers=3,
-                 layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
-                 mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, position_embedding_type="nope"),
-    "granite-h-tiny-10l": dict(_GRANITE_H_TINY, num_hidden_layers=10, layer_types=GRANITE_H_TINY_LAYERS[:10],
-                               num_local_experts=8),
-    "granite-h-tiny": dict(_GRANITE_H_TINY, num_hidden_layers=40, layer_types=GRANITE_H_TINY_LAYERS, num_local_experts=64),
+    "tiny": dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        shared_intermediate_size=64,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        position_embedding_type="nope",
+    ),
+    "granite-h-tiny-10l": dict(
+        _GRANITE_H_TINY, num_hidden_layers=10, layer_types=GRANITE_H_TINY_LAYERS[:10], num_local_experts=8
+    ),
+    "granite-h-tiny": dict(
+        _GRANITE_H_TINY, num_hidden_layers=40, layer_types=GRANITE_H_TINY_LAYERS, num_local_experts=64
+    ),
 }
 CONTEXT_TOKENS, QUERY_TOKENS = 256, 16
 
@@ -120,14 +163,18 @@ def run(size: str, ks: list[int], repeats: int, baseline_repeats: int, method: s
             refill(repeats + 1)
             parts["ttft"] = median_time(ttft, repeats, warmup=1)
             parts["ttft_states_seen"] = median_time(
-                lambda: model.generate(query, past_states=states, composition=method, **gen), repeats, warmup=1)
+                lambda: model.generate(query, past_states=states, composition=method, **gen), repeats, warmup=1
+            )
             parts["fingerprint"] = median_time(lambda: hsc.model_fingerprint(model), repeats)
             refill(repeats)
             parts["state_checks"] = median_time(checks, repeats)
             parts["ssm_compose"] = median_time(lambda: ssm_composer.compose(states, model=model), repeats)
-            parts["attention_compose"] = median_time(lambda: compose_attention(ssm_only, states, "concat", model), repeats)
+            parts["attention_compose"] = median_time(
+                lambda: compose_attention(ssm_only, states, "concat", model), repeats
+            )
             parts["query_prefill_first_token"] = median_time(
-                lambda: model.generate(query, past_states=[composed], composition=method, **gen), repeats)
+                lambda: model.generate(query, past_states=[composed], composition=method, **gen), repeats
+            )
             concat = torch.cat(contexts[:k] + [query], 1)
             times, baseline_first = [], None
             for _ in range(baseline_repeats):
@@ -135,19 +182,36 @@ def run(size: str, ks: list[int], repeats: int, baseline_repeats: int, method: s
                 baseline_first = model.generate(concat, **gen)
                 times.append(time.perf_counter() - start)
         parts["baseline_prefill"] = statistics.median(times) if times else None
-        accounted = sum(parts[p] for p in ("fingerprint", "state_checks", "ssm_compose", "attention_compose",
-                                           "query_prefill_first_token"))
-        rows.append({"k": k, "context_tokens": k * CONTEXT_TOKENS, "query_tokens": QUERY_TOKENS,
-                     "baseline_tokens": concat.shape[1], "composed_keys": composed.context_length, "seconds": parts,
-                     "parts_sum": accounted, "baseline_runs": len(times),
-                     "speedup": parts["baseline_prefill"] / parts["ttft"] if times else None,
-                     "speedup_states_seen": parts["baseline_prefill"] / parts["ttft_states_seen"] if times else None,
-                     "first_token": int(first[0, -1]),
-                     "baseline_first_token": int(baseline_first[0, -1]) if baseline_first is not None else None})
+        accounted = sum(
+            parts[p]
+            for p in ("fingerprint", "state_checks", "ssm_compose", "attention_compose", "query_prefill_first_token")
+        )
+        rows.append(
+            {
+                "k": k,
+                "context_tokens": k * CONTEXT_TOKENS,
+                "query_tokens": QUERY_TOKENS,
+                "baseline_tokens": concat.shape[1],
+                "composed_keys": composed.context_length,
+                "seconds": parts,
+                "parts_sum": accounted,
+                "baseline_runs": len(times),
+                "speedup": parts["baseline_prefill"] / parts["ttft"] if times else None,
+                "speedup_states_seen": parts["baseline_prefill"] / parts["ttft_states_seen"] if times else None,
+                "first_token": int(first[0, -1]),
+                "baseline_first_token": int(baseline_first[0, -1]) if baseline_first is not None else None,
+            }
+        )
     for row in rows:
         row["ttft_over_k1"] = row["seconds"]["ttft"] / rows[0]["seconds"]["ttft"]
-    return {"size": size, "params": params, "config": SIZES[size], "build_s": build_s, "encode_s": encode_s,
-            "rows": rows}
+    return {
+        "size": size,
+        "params": params,
+        "config": SIZES[size],
+        "build_s": build_s,
+        "encode_s": encode_s,
+        "rows": rows,
+    }
 
 
 def main(argv=None):
@@ -156,36 +220,60 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="the tiny model, one repeat (seconds; the test runs it)")
     parser.add_argument("--ks", default="1,4,10", help="numbers of contexts, comma-separated, ascending")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each timing of the state path (median)")
-    parser.add_argument("--baseline-repeats", type=int, default=1, help="repeats of transformers' prefill (slow; no warm-up)")
+    parser.add_argument(
+        "--baseline-repeats", type=int, default=1, help="repeats of transformers' prefill (slow; no warm-up)"
+    )
     parser.add_argument("--composition", default="picaso_r", help="the SSM layers' composition method")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1: a shared machine)")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hybrid_ttft.json; --quick: a temp file)")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default benchmarks/results/hybrid_ttft.json; --quick: a temp file)"
+    )
     args = parser.parse_args(argv)
     size, repeats, baseline_repeats = ("tiny", 1, 1) if args.quick else (args.size, args.repeats, args.baseline_repeats)
     ks = sorted(int(k) for k in args.ks.split(",") if k.strip())
     torch.set_num_threads(args.threads)
     result = run(size, ks, repeats, baseline_repeats, args.composition)
-    print(f"GraniteMoeHybrid {size} ({result['params'] / 1e6:.0f}M parameters, random weights); k contexts of "
-          f"{CONTEXT_TOKENS} tokens + a {QUERY_TOKENS}-token query; SSM layers {args.composition}, attention layers "
-          f"concat; threads={torch.get_num_threads()}; medians of {repeats} (baseline {baseline_repeats}); shared machine: "
-          "read the ratios")
-    print("| k | TTFT | TTFT (states seen) | baseline prefill | speedup | speedup (seen) | TTFT/TTFT(k=1) | fingerprint "
-          "| state checks | SSM compose | attention compose | query prefill + 1st token |")
+    print(
+        f"GraniteMoeHybrid {size} ({result['params'] / 1e6:.0f}M parameters, random weights); k contexts of "
+        f"{CONTEXT_TOKENS} tokens + a {QUERY_TOKENS}-token query; SSM layers {args.composition}, attention layers "
+        f"concat; threads={torch.get_num_threads()}; medians of {repeats} (baseline {baseline_repeats}); shared machine: "
+        "read the ratios"
+    )
+    print(
+        "| k | TTFT | TTFT (states seen) | baseline prefill | speedup | speedup (seen) | TTFT/TTFT(k=1) | fingerprint "
+        "| state checks | SSM compose | attention compose | query prefill + 1st token |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in result["rows"]:
         s = row["seconds"]
         ms = lambda key: f"{s[key] * 1e3:.1f} ms"
         base = "not run" if s["baseline_prefill"] is None else f"{s['baseline_prefill']:.2f} s"
         speed = lambda v: "-" if v is None else f"{v:.1f}x"
-        print(f"| {row['k']} | {ms('ttft')} | {ms('ttft_states_seen')} | {base} | {speed(row['speedup'])} | "
-              f"{speed(row['speedup_states_seen'])} | {row['ttft_over_k1']:.2f} | {ms('fingerprint')} | {ms('state_checks')} | "
-              f"{ms('ssm_compose')} | {ms('attention_compose')} | {ms('query_prefill_first_token')} |")
-    out = args.out or (str(Path(tempfile.gettempdir()) / "hybrid-ttft-quick.json") if args.quick
-                       else str(HERE / "results" / "hybrid_ttft.json"))
-    write_result({"result": result, "ks": ks, "composition": args.composition, "attention": "concat", "repeats": repeats,
-                  "baseline_repeats": baseline_repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                  "commit": git_commit(), "note": "shared 2-core machine (other processes running): the ratios within "
-                                                  "one run are the figure to read"}, out)
+        print(
+            f"| {row['k']} | {ms('ttft')} | {ms('ttft_states_seen')} | {base} | {speed(row['speedup'])} | "
+            f"{speed(row['speedup_states_seen'])} | {row['ttft_over_k1']:.2f} | {ms('fingerprint')} | {ms('state_checks')} | "
+            f"{ms('ssm_compose')} | {ms('attention_compose')} | {ms('query_prefill_first_token')} |"
+        )
+    out = args.out or (
+        str(Path(tempfile.gettempdir()) / "hybrid-ttft-quick.json")
+        if args.quick
+        else str(HERE / "results" / "hybrid_ttft.json")
+    )
+    write_result(
+        {
+            "result": result,
+            "ks": ks,
+            "composition": args.composition,
+            "attention": "concat",
+            "repeats": repeats,
+            "baseline_repeats": baseline_repeats,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "commit": git_commit(),
+            "note": "shared 2-core machine (other processes running): the ratios within one run are the figure to read",
+        },
+        out,
+    )
 
 
 if __name__ == "__main__":

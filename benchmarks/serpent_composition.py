@@ -24,6 +24,7 @@ CASO's gap that the resampling state explains.
 
     python benchmarks/serpent_composition.py [--examples 30] [--out benchmarks/results/serpent_composition.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,14 +54,17 @@ def windows(tokenizer, count: int, seed: int) -> torch.Tensor:
     the articles long enough)."""
     length = max(NS) * CONTEXT + CONTINUATION
     _, held_out = wikipedia_split()
-    articles = [ids for ids in (tokenizer(text, add_special_tokens=False)["input_ids"] for _, text in held_out)
-                if len(ids) >= length]
+    articles = [
+        ids
+        for ids in (tokenizer(text, add_special_tokens=False)["input_ids"] for _, text in held_out)
+        if len(ids) >= length
+    ]
     rng = random.Random(seed)
     rows = []
     for i in range(count):
         ids = articles[i % len(articles)]
         start = rng.randrange(0, len(ids) - length + 1)
-        rows.append(ids[start:start + length])
+        rows.append(ids[start : start + length])
     return torch.tensor(rows), len(articles)
 
 
@@ -81,26 +85,30 @@ def score(logp, targets):
 def run_model(name, path, data, threads):
     torch.set_num_threads(threads)
     model = hsc.enable(AutoModelForCausalLM.from_pretrained(path).eval())
-    targets = data[:, -CONTINUATION + 1:]
+    targets = data[:, -CONTINUATION + 1 :]
     continuation = data[:, -CONTINUATION:]
     none_logp = next_token_logprobs(model, continuation)
     none_loss, _ = score(none_logp, targets)
     rows = {}
     for n in NS:
         start = time.perf_counter()
-        contexts = [data[:, -CONTINUATION - (n - k) * CONTEXT: -CONTINUATION - (n - k - 1) * CONTEXT] for k in range(n)]
+        contexts = [
+            data[:, -CONTINUATION - (n - k) * CONTEXT : -CONTINUATION - (n - k - 1) * CONTEXT] for k in range(n)
+        ]
         states = [hsc.ComposableMambaCache.encode(model, c) for c in contexts]  # each context alone, batch = examples
         concat = hsc.StateComposer("concat").compose(states, model=model)
         concat_logp = next_token_logprobs(model, continuation, concat)
         # the reference is exact: one forward over contexts + continuation
-        full = torch.log_softmax(model(data[:, -CONTINUATION - n * CONTEXT:]).logits[:, n * CONTEXT:-1].double(), -1)
+        full = torch.log_softmax(model(data[:, -CONTINUATION - n * CONTEXT :]).logits[:, n * CONTEXT : -1].double(), -1)
         err = float((full - concat_logp).abs().max())
         if err > 1e-3:
             sys.exit(f"{name} n={n}: concat differs from the full forward by {err:.3g} (log-prob): not reporting")
         concat_loss, _ = score(concat_logp, targets)
         kl_none = kl(concat_logp, none_logp)
-        entry = {"concat": {"loss": concat_loss, "kl_from_concat": 0.0, "kl_share": 0.0},
-                 "none": {"loss": none_loss, "kl_from_concat": kl_none, "kl_share": 1.0}}
+        entry = {
+            "concat": {"loss": concat_loss, "kl_from_concat": 0.0, "kl_share": 0.0},
+            "none": {"loss": none_loss, "kl_from_concat": kl_none, "kl_share": 1.0},
+        }
         for method in METHODS:
             composed = hsc.StateComposer(method).compose(states, model=model)
             logp = next_token_logprobs(model, continuation, composed)
@@ -114,9 +122,13 @@ def run_model(name, path, data, threads):
             # context's (an oracle): how much of CASO's gap the resampling state (phase, window, last ȳ) explains
             oracle = hsc.StateComposer("caso").compose(states)
             oracle._finish_composition([concat])
-            entry["caso_oracle_resampling"] = {"loss": score(next_token_logprobs(model, continuation, oracle), targets)[0]}
+            entry["caso_oracle_resampling"] = {
+                "loss": score(next_token_logprobs(model, continuation, oracle), targets)[0]
+            }
             logp = next_token_logprobs(model, continuation, oracle)
-            entry["caso_oracle_resampling"].update(kl_from_concat=kl(concat_logp, logp), kl_share=kl(concat_logp, logp) / kl_none)
+            entry["caso_oracle_resampling"].update(
+                kl_from_concat=kl(concat_logp, logp), kl_share=kl(concat_logp, logp) / kl_none
+            )
         entry["seconds"] = round(time.perf_counter() - start, 1)
         rows[n] = entry
         print(f"  {name} n={n}: {entry['seconds']} s", flush=True)
@@ -168,17 +180,31 @@ def main(argv=None):
         for n, entry in rows.items():
             if "caso_oracle_resampling" in entry and n > 1:
                 e = entry["caso_oracle_resampling"]
-                print(f"{name} n={n}: caso with the concatenation's resampling state (oracle): loss {e['loss']:.4f}, "
-                      f"KL {e['kl_from_concat']:.5f} ({100 * e['kl_share']:.2f}%) vs caso's {entry['caso']['kl_from_concat']:.5f}")
+                print(
+                    f"{name} n={n}: caso with the concatenation's resampling state (oracle): loss {e['loss']:.4f}, "
+                    f"KL {e['kl_from_concat']:.5f} ({100 * e['kl_share']:.2f}%) vs caso's {entry['caso']['kl_from_concat']:.5f}"
+                )
     result = {
         "benchmark": "serpent_composition",
         "commit": git_commit(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
         "machine": platform.machine(),
         "models": {name: {"path": path, "weights_sha256": weights_digest(path)} for name, path in MODELS.items()},
-        "protocol": {"examples": args.examples, "seed": args.seed, "context_tokens": CONTEXT,
-                     "continuation_tokens": CONTINUATION, "scored_tokens": CONTINUATION - 1, "ns": list(NS),
-                     "held_out_articles": articles, "dtype": "float32", "threads": args.threads},
+        "protocol": {
+            "examples": args.examples,
+            "seed": args.seed,
+            "context_tokens": CONTEXT,
+            "continuation_tokens": CONTINUATION,
+            "scored_tokens": CONTINUATION - 1,
+            "ns": list(NS),
+            "held_out_articles": articles,
+            "dtype": "float32",
+            "threads": args.threads,
+        },
         "results": {name: {str(n): entry for n, entry in rows.items()} for name, rows in results.items()},
     }
     write_result(result, args.out)

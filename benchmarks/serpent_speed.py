@@ -18,6 +18,7 @@ tokens/s (> 1: SeRpEnt faster) and SeRpEnt decode time ÷ baseline decode time (
     python benchmarks/serpent_speed.py [--lengths 128 512 2048] [--batch 4] [--rounds 3] [--repeats 3] [--threads 2]
     python benchmarks/serpent_speed.py --smoke --out /tmp/serpent_speed.json     # tiny models, one round (tests)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "serpent.json"
-SMOKE_MODELS = {"serpent": {"hidden_size": 24, "num_hidden_layers": 2, "intermediate_size": 48},
-                "mamba": {"hidden_size": 24, "num_hidden_layers": 2}}
+SMOKE_MODELS = {
+    "serpent": {"hidden_size": 24, "num_hidden_layers": 2, "intermediate_size": 48},
+    "mamba": {"hidden_size": 24, "num_hidden_layers": 2},
+}
 
 
 def build_models(config_path: Path, smoke: bool, vocab_size: int = 4096):
@@ -76,10 +79,9 @@ def call_kwargs(name: str, model):
 
 
 def measure(models, lengths, batch, rounds, repeats, warmup=1):
-    import hf_statecompose as hsc
-
     import torch
 
+    import hf_statecompose as hsc
     from hf_statecompose.benchmarking import median_time
 
     per_round = {(name, kind, length): [] for name in models for kind in ("forward", "decode") for length in lengths}
@@ -90,10 +92,13 @@ def measure(models, lengths, batch, rounds, repeats, warmup=1):
             for length in lengths:
                 ids = inputs[length]
                 for name, model in models.items():
+
                     def prefill(name=name, model=model, ids=ids):
                         return model(input_ids=ids, **call_kwargs(name, model))
 
-                    per_round[(name, "forward", length)].append(median_time(prefill, repeats, warmup=warmup if round_index == 0 else 0))
+                    per_round[(name, "forward", length)].append(
+                        median_time(prefill, repeats, warmup=warmup if round_index == 0 else 0)
+                    )
                     out = model(input_ids=ids, **{**call_kwargs(name, model), "use_cache": True})
                     cache, next_token = hsc.compat.output_cache(out), out.logits[:, -1:].argmax(-1)
 
@@ -132,28 +137,55 @@ def main(argv=None):
     medians, per_round = measure(models, args.lengths, args.batch, args.rounds, args.repeats)
 
     rows = []
-    print(f"\nSeRpEnt {params['serpent']:,} vs Mamba-1 {params['mamba']:,} parameters; batch {args.batch}, float32, "
-          f"{args.threads} thread(s), {args.rounds} interleaved rounds")
-    print(f"{'L':>6} {'model':>18} {'forward tok/s':>14} {'decode ms':>10} {'SeRpEnt fwd ×':>14} {'SeRpEnt decode ×':>17}")
+    print(
+        f"\nSeRpEnt {params['serpent']:,} vs Mamba-1 {params['mamba']:,} parameters; batch {args.batch}, float32, "
+        f"{args.threads} thread(s), {args.rounds} interleaved rounds"
+    )
+    print(
+        f"{'L':>6} {'model':>18} {'forward tok/s':>14} {'decode ms':>10} {'SeRpEnt fwd ×':>14} {'SeRpEnt decode ×':>17}"
+    )
     for length in args.lengths:
         for name in models:
             forward, decode = medians[(name, "forward", length)], medians[(name, "decode", length)]
-            row = {"length": length, "batch": args.batch, "model": name, "forward_seconds": forward,
-                   "forward_tokens_per_second": args.batch * length / forward, "decode_step_seconds": decode,
-                   "forward_rounds": per_round[(name, "forward", length)], "decode_rounds": per_round[(name, "decode", length)]}
+            row = {
+                "length": length,
+                "batch": args.batch,
+                "model": name,
+                "forward_seconds": forward,
+                "forward_tokens_per_second": args.batch * length / forward,
+                "decode_step_seconds": decode,
+                "forward_rounds": per_round[(name, "forward", length)],
+                "decode_rounds": per_round[(name, "decode", length)],
+            }
             if name != "serpent":
                 # tokens/s ratio (> 1: SeRpEnt faster) and decode time ratio (< 1: SeRpEnt faster)
                 row["serpent_forward_speed_ratio"] = forward / medians[("serpent", "forward", length)]
                 row["serpent_decode_time_ratio"] = medians[("serpent", "decode", length)] / decode
             rows.append(row)
-            ratios = (f"{row['serpent_forward_speed_ratio']:>14.2f} {row['serpent_decode_time_ratio']:>17.2f}"
-                      if name != "serpent" else f"{'':>14} {'':>17}")
+            ratios = (
+                f"{row['serpent_forward_speed_ratio']:>14.2f} {row['serpent_decode_time_ratio']:>17.2f}"
+                if name != "serpent"
+                else f"{'':>14} {'':>17}"
+            )
             print(f"{length:>6} {name:>18} {row['forward_tokens_per_second']:>14,.0f} {decode * 1e3:>10.2f} {ratios}")
-    result = {"benchmark": "serpent_speed", "git_commit": git_commit(), "serpent_source_sha256": serpent_source_digest(), "torch": torch.__version__,
-              "transformers": transformers.__version__, "platform": platform.platform(), "processor": platform.processor(),
-              "threads": args.threads, "dtype": "float32", "device": "cpu", "rounds": args.rounds, "repeats": args.repeats,
-              "smoke": args.smoke, "parameters": params, "model_configs": {k: v["config"] for k, v in specs.items()},
-              "rows": rows}
+    result = {
+        "benchmark": "serpent_speed",
+        "git_commit": git_commit(),
+        "serpent_source_sha256": serpent_source_digest(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "threads": args.threads,
+        "dtype": "float32",
+        "device": "cpu",
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "smoke": args.smoke,
+        "parameters": params,
+        "model_configs": {k: v["config"] for k, v in specs.items()},
+        "rows": rows,
+    }
     write_result(result, args.out)
 
 

@@ -12,6 +12,7 @@ already-checked ones (what a reused state costs per call). Runs on older commits
 remembered check are skipped there), so before / after compare with the same script.
 Writes benchmarks/results/state_checks.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,18 +45,35 @@ def timed(fn):
 def tiny(arch):
     torch.manual_seed(0)
     if arch == "mamba":
-        model = MambaForCausalLM(MambaConfig(vocab_size=99, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2))
+        model = MambaForCausalLM(
+            MambaConfig(vocab_size=99, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2)
+        )
     else:
-        model = Mamba2ForCausalLM(Mamba2Config(vocab_size=99, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
-                                               num_heads=8, head_dim=8, n_groups=2, chunk_size=16))
+        model = Mamba2ForCausalLM(
+            Mamba2Config(
+                vocab_size=99,
+                hidden_size=32,
+                state_size=8,
+                num_hidden_layers=2,
+                expand=2,
+                num_heads=8,
+                head_dim=8,
+                n_groups=2,
+                chunk_size=16,
+            )
+        )
     return hsc.enable(model.eval())
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)",
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "state_checks.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -73,11 +91,14 @@ def main(argv=None):
             return model.generate(query, past_states=past, max_new_tokens=8, do_sample=False)
 
         generate(states)
-        reused, fresh, clones = interleaved([
-            timed(lambda: generate(states)),
-            timed(lambda: generate([s.clone() for s in states])),
-            timed(lambda: [s.clone() for s in states]),
-        ], args.repeats)
+        reused, fresh, clones = interleaved(
+            [
+                timed(lambda: generate(states)),
+                timed(lambda: generate([s.clone() for s in states])),
+                timed(lambda: [s.clone() for s in states]),
+            ],
+            args.repeats,
+        )
         rows += [
             {"case": f"generate tiny {arch}, k=10 states reused", "ms": reused * 1e3},
             {"case": f"generate tiny {arch}, k=10 never-seen states (incl. cloning)", "ms": fresh * 1e3},
@@ -85,8 +106,18 @@ def main(argv=None):
         ]
 
     torch.manual_seed(0)
-    config = Mamba2Config(vocab_size=50288, hidden_size=768, num_hidden_layers=24, state_size=128, expand=2, head_dim=64,
-                          num_heads=24, n_groups=1, conv_kernel=4, chunk_size=256)
+    config = Mamba2Config(
+        vocab_size=50288,
+        hidden_size=768,
+        num_hidden_layers=24,
+        state_size=128,
+        expand=2,
+        head_dim=64,
+        num_heads=24,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=256,
+    )
     model = hsc.enable(Mamba2ForCausalLM(config).eval())
     with torch.no_grad():
         states = [ComposableMambaCache.encode(model, torch.randint(3, 50000, (1, 8), generator=g)) for _ in range(10)]
@@ -108,11 +139,19 @@ def main(argv=None):
         {"case": "compose picaso_r, 10 Mamba-2 130M-shaped states never seen", "ms": fresh * 1e3},
     ]
     one = states[0].clone()
-    rows.append({"case": "check_state of one Mamba-2 130M-shaped state",
-                 "ms": median_time(lambda: validation.check_state(one), args.repeats, warmup=1) * 1e3})
+    rows.append(
+        {
+            "case": "check_state of one Mamba-2 130M-shaped state",
+            "ms": median_time(lambda: validation.check_state(one), args.repeats, warmup=1) * 1e3,
+        }
+    )
     if once is not None:
-        rows.append({"case": "remembered check of 10 checked Mamba-2 130M-shaped states (per call)",
-                     "ms": median_time(lambda: [once(s) for s in states], args.repeats, warmup=1) * 1e3})
+        rows.append(
+            {
+                "case": "remembered check of 10 checked Mamba-2 130M-shaped states (per call)",
+                "ms": median_time(lambda: [once(s) for s in states], args.repeats, warmup=1) * 1e3,
+            }
+        )
     for row in rows:
         print(f"{row['case']:<75} {row['ms']:9.2f} ms")
     write_result({"commit": git_commit(), "threads": args.threads, "repeats": args.repeats, "rows": rows}, args.out)

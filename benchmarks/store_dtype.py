@@ -8,6 +8,7 @@ the store (bf16 / fp32), the relative error of the bf16 states, and the continua
 retrieved contexts composed by PICASO-R and Soup from either store (the same samples, the same run).
 Writes benchmarks/results/store_dtype.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,14 +46,30 @@ def main(argv=None):
         model, tok = hsc.load_demo(arch)
         for dataset in ("wikipedia", "recall"):
             with tempfile.TemporaryDirectory() as tmp:
-                runs = {dtype: evaluate(model, tok, dataset, args.queries, args.k, store_dir=tmp, storage_dtype=dtype,
-                                        methods=("soup", "picaso_r"), log=lambda *a: None) for dtype in ("fp32", "bf16")}
+                runs = {
+                    dtype: evaluate(
+                        model,
+                        tok,
+                        dataset,
+                        args.queries,
+                        args.k,
+                        store_dir=tmp,
+                        storage_dtype=dtype,
+                        methods=("soup", "picaso_r"),
+                        log=lambda *a: None,
+                    )
+                    for dtype in ("fp32", "bf16")
+                }
                 stores = {dtype: hsc.StateStore(Path(tmp) / f"{dataset}-{dtype}", model, tok) for dtype in runs}
                 stats = {dtype: store.stats() for dtype, store in stores.items()}
                 error = state_error(stores["fp32"], stores["bf16"])
             database, _ = build_samples(dataset, tok, args.queries)
             row = {
-                "model": f"demo-{arch}", "dataset": dataset, "entries": len(database), "k": args.k, "samples": runs["fp32"]["samples"],
+                "model": f"demo-{arch}",
+                "dataset": dataset,
+                "entries": len(database),
+                "k": args.k,
+                "samples": runs["fp32"]["samples"],
                 "state_bytes_per_entry": {d: s["state_bytes_per_entry"] for d, s in stats.items()},
                 "store_bytes": {d: s["bytes"] for d, s in stats.items()},
                 "bf16_state_relative_error_max": error,
@@ -60,13 +77,17 @@ def main(argv=None):
                 "baseline_loss": runs["fp32"]["loss"]["baseline"][0],
             }
             rows.append(row)
-    print("| model | dataset | entry bytes fp32 | bf16/fp32 entry | bf16/fp32 store | max rel. state error | PICASO-R loss fp32 → bf16 | Soup loss fp32 → bf16 |")
+    print(
+        "| model | dataset | entry bytes fp32 | bf16/fp32 entry | bf16/fp32 store | max rel. state error | PICASO-R loss fp32 → bf16 | Soup loss fp32 → bf16 |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         b, s, lo = r["state_bytes_per_entry"], r["store_bytes"], r["loss"]
-        print(f"| {r['model']} | {r['dataset']} | {b['fp32']} | {b['bf16'] / b['fp32']:.3f} | {s['bf16'] / s['fp32']:.3f} | "
-              f"{r['bf16_state_relative_error_max']:.1e} | {lo['fp32']['picaso_r']:.4f} → {lo['bf16']['picaso_r']:.4f} | "
-              f"{lo['fp32']['soup']:.4f} → {lo['bf16']['soup']:.4f} |")
+        print(
+            f"| {r['model']} | {r['dataset']} | {b['fp32']} | {b['bf16'] / b['fp32']:.3f} | {s['bf16'] / s['fp32']:.3f} | "
+            f"{r['bf16_state_relative_error_max']:.1e} | {lo['fp32']['picaso_r']:.4f} → {lo['bf16']['picaso_r']:.4f} | "
+            f"{lo['fp32']['soup']:.4f} → {lo['bf16']['soup']:.4f} |"
+        )
     write_result({"rows": rows, "threads": torch.get_num_threads(), "torch": torch.__version__}, args.out)
 
 

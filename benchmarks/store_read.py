@@ -20,6 +20,7 @@ including a read of every page of the tensors it returns (both return tensors th
 
 Ratios are against ``load_file`` measured in the same run. Writes benchmarks/results/store_read.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,8 +46,6 @@ class CharTokenizer:
         return {"input_ids": [3 + ord(c) % 61 for c in text]}
 
 
-
-
 def touch(tensors) -> int:
     """Read one byte of every 4 KiB page of every tensor. ``load_file`` and ``get`` both return tensors
     that map the file (safetensors reads lazily): without this, neither time would include the read."""
@@ -63,8 +62,17 @@ def state_tensors(states):
 def state_shaped_like_2p7b() -> torch.nn.Module:
     from transformers import MambaConfig, MambaForCausalLM
 
-    config = MambaConfig(vocab_size=64, hidden_size=32, expand=D_INNER // 32, state_size=N, conv_kernel=CONV,
-                         num_hidden_layers=LAYERS, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config = MambaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        expand=D_INNER // 32,
+        state_size=N,
+        conv_kernel=CONV,
+        num_hidden_layers=LAYERS,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     torch.manual_seed(0)
     return hsc.enable(MambaForCausalLM(config).eval())
 
@@ -85,8 +93,13 @@ def main(argv=None):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for per_shard in (1, args.k):
-            store = hsc.StateStore(Path(tmp) / f"per-shard-{per_shard}", model, CharTokenizer(), retriever=BagOfWords(),
-                                   storage_dtype=args.storage_dtype)
+            store = hsc.StateStore(
+                Path(tmp) / f"per-shard-{per_shard}",
+                model,
+                CharTokenizer(),
+                retriever=BagOfWords(),
+                storage_dtype=args.storage_dtype,
+            )
             ids = store.add(texts, batch_size=per_shard, show_progress=False)
             shard_files = sorted((store.path / "shards").glob("*.safetensors"))
             probe = store.get(ids)
@@ -100,28 +113,56 @@ def main(argv=None):
                 touch(state_tensors(store.get(ids)))
 
             times = {
-                "load_file": median_time(lambda: touch(t for p in shard_files for t in load_file(p).values()), args.repeats, warmup=1),
-                "get (verified before)": median_time(lambda: touch(state_tensors(store.get(ids))), args.repeats, warmup=1),
+                "load_file": median_time(
+                    lambda: touch(t for p in shard_files for t in load_file(p).values()), args.repeats, warmup=1
+                ),
+                "get (verified before)": median_time(
+                    lambda: touch(state_tensors(store.get(ids))), args.repeats, warmup=1
+                ),
                 "get (first read)": median_time(first_read, args.repeats, warmup=1),
-                "retrieve": median_time(lambda: touch(state_tensors(e.state for e in store.retrieve("the shared word", k=args.k))),
-                                        args.repeats, warmup=1),
+                "retrieve": median_time(
+                    lambda: touch(state_tensors(e.state for e in store.retrieve("the shared word", k=args.k))),
+                    args.repeats,
+                    warmup=1,
+                ),
             }
-            rows.append({"entries_per_shard": per_shard, "k": args.k, "shard_files": len(shard_files),
-                         "file_bytes": sum(p.stat().st_size for p in shard_files), "state_bytes_per_entry": entry_bytes,
-                         "ssm_shape": shape[0], "conv_shape": shape[1], "seconds": times,
-                         "ratio_to_load_file": {name: t / times["load_file"] for name, t in times.items()}})
-    print(f"k = {args.k} states shaped like Mamba-1 2.7B ({LAYERS} layers, d_inner {D_INNER}, N {N}, conv {CONV}), "
-          f"{args.storage_dtype}; median of {args.repeats}; {torch.get_num_threads()} threads; shared, noisy machine")
+            rows.append(
+                {
+                    "entries_per_shard": per_shard,
+                    "k": args.k,
+                    "shard_files": len(shard_files),
+                    "file_bytes": sum(p.stat().st_size for p in shard_files),
+                    "state_bytes_per_entry": entry_bytes,
+                    "ssm_shape": shape[0],
+                    "conv_shape": shape[1],
+                    "seconds": times,
+                    "ratio_to_load_file": {name: t / times["load_file"] for name, t in times.items()},
+                }
+            )
+    print(
+        f"k = {args.k} states shaped like Mamba-1 2.7B ({LAYERS} layers, d_inner {D_INNER}, N {N}, conv {CONV}), "
+        f"{args.storage_dtype}; median of {args.repeats}; {torch.get_num_threads()} threads; shared, noisy machine"
+    )
     print("| entries per shard | files read | method | seconds | × load_file |")
     print("|---|---|---|---|---|")
     for row in rows:
         for name, seconds in row["seconds"].items():
-            print(f"| {row['entries_per_shard']} | {row['shard_files']} ({row['file_bytes'] / 1e6:.0f} MB) | {name} | {seconds:.3f} | "
-                  f"{row['ratio_to_load_file'][name]:.2f} |")
-    write_result({"rows": rows, "storage_dtype": args.storage_dtype, "repeats": args.repeats, "threads": torch.get_num_threads(),
-                  "torch": torch.__version__, "commit": git_commit(),
-                  "note": "timings on a shared machine (other processes running): ratios within one run are the figure to read"},
-                 args.out)
+            print(
+                f"| {row['entries_per_shard']} | {row['shard_files']} ({row['file_bytes'] / 1e6:.0f} MB) | {name} | {seconds:.3f} | "
+                f"{row['ratio_to_load_file'][name]:.2f} |"
+            )
+    write_result(
+        {
+            "rows": rows,
+            "storage_dtype": args.storage_dtype,
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "commit": git_commit(),
+            "note": "timings on a shared machine (other processes running): ratios within one run are the figure to read",
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ Ratios: baseline / TTFT (the speedup), and TTFT(k=max) / TTFT(k=1) (target <= 1.
 grow with k). Medians; one thread by default (a shared machine; set ``--threads``). Writes
 benchmarks/results/ttft.json.
 """
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,12 +42,39 @@ import hf_statecompose as hsc
 from hf_statecompose.benchmarking import BagOfWords, git_commit, median_time, write_result
 
 SIZES = {
-    "tiny": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=16, num_heads=4, head_dim=32,
-                 expand=2, n_groups=1, chunk_size=64),
-    "130m": dict(vocab_size=50288, hidden_size=768, num_hidden_layers=24, state_size=128, num_heads=24, head_dim=64,
-                 expand=2, n_groups=1, chunk_size=256),
-    "1.4b": dict(vocab_size=50288, hidden_size=2048, num_hidden_layers=48, state_size=128, num_heads=64, head_dim=64,
-                 expand=2, n_groups=1, chunk_size=256),
+    "tiny": dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        state_size=16,
+        num_heads=4,
+        head_dim=32,
+        expand=2,
+        n_groups=1,
+        chunk_size=64,
+    ),
+    "130m": dict(
+        vocab_size=50288,
+        hidden_size=768,
+        num_hidden_layers=24,
+        state_size=128,
+        num_heads=24,
+        head_dim=64,
+        expand=2,
+        n_groups=1,
+        chunk_size=256,
+    ),
+    "1.4b": dict(
+        vocab_size=50288,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        state_size=128,
+        num_heads=64,
+        head_dim=64,
+        expand=2,
+        n_groups=1,
+        chunk_size=256,
+    ),
 }
 CONTEXT_TOKENS, QUERY_TOKENS = 256, 16
 
@@ -59,8 +87,6 @@ class CharTokenizer:
     def __call__(self, text, add_special_tokens=True, return_tensors=None):
         ids = [3 + ord(c) % 61 for c in text]
         return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
-
-
 
 
 def passage(i: int) -> str:
@@ -76,8 +102,9 @@ def build_model(size: str):
     return hsc.enable(Mamba2ForCausalLM(config).eval())
 
 
-def run_size(size: str, ks: list[int], repeats: int, baseline_repeats: int, composition: str, tmp: Path,
-             baseline_ks=None) -> dict:
+def run_size(
+    size: str, ks: list[int], repeats: int, baseline_repeats: int, composition: str, tmp: Path, baseline_ks=None
+) -> dict:
     started = time.perf_counter()
     model = build_model(size)
     params = sum(p.numel() for p in model.parameters())
@@ -101,15 +128,21 @@ def run_size(size: str, ks: list[int], repeats: int, baseline_repeats: int, comp
         ids = [entry.id for entry in retrieved]
         states = [s for s in reversed(store.get(ids))]  # least relevant first, as the pipeline orders them
         composed = hsc.compose_states(states, composition, model=model)
+
         # the whole request, fresh store object, and with the store kept open
         def ttft(opened=None):
             s = opened or open_store()
             entries = s.retrieve(query, k)
-            return model.generate(query_ids, past_states=[e.state for e in reversed(entries)], composition=composition, **gen)
+            return model.generate(
+                query_ids, past_states=[e.state for e in reversed(entries)], composition=composition, **gen
+            )
 
         first = ttft()
-        concat = torch.cat([tokenizer(t, return_tensors="pt")["input_ids"] for t in reversed([e.text for e in retrieved])]
-                           + [query_ids], 1)
+        concat = torch.cat(
+            [tokenizer(t, return_tensors="pt")["input_ids"] for t in reversed([e.text for e in retrieved])]
+            + [query_ids],
+            1,
+        )
         parts = {
             "ttft": median_time(ttft, repeats, warmup=1),
             "ttft_store_open": median_time(lambda: ttft(store), repeats, warmup=1),
@@ -117,8 +150,9 @@ def run_size(size: str, ks: list[int], repeats: int, baseline_repeats: int, comp
             "retrieval": median_time(lambda: store.retrieve(query, k, load_states=False), repeats),
             "read_verify": median_time(lambda: store.get(ids), repeats),
             "compose": median_time(lambda: hsc.compose_states(states, composition, model=model), repeats),
-            "prefill_first_token": median_time(lambda: model.generate(query_ids, past_states=[composed], composition=composition, **gen),
-                                               repeats),
+            "prefill_first_token": median_time(
+                lambda: model.generate(query_ids, past_states=[composed], composition=composition, **gen), repeats
+            ),
             "fingerprint_check": median_time(lambda: hsc.model_fingerprint(model), repeats),
         }
         baseline_first, times = None, []
@@ -128,16 +162,31 @@ def run_size(size: str, ks: list[int], repeats: int, baseline_repeats: int, comp
                 baseline_first = model.generate(concat, **gen)
                 times.append(time.perf_counter() - start)
         parts["baseline_prefill"] = statistics.median(times) if times else None
-        rows.append({"size": size, "k": k, "context_tokens": k * CONTEXT_TOKENS, "query_tokens": query_ids.shape[1],
-                     "baseline_tokens": concat.shape[1], "seconds": parts, "baseline_runs": len(times),
-                     "speedup": parts["baseline_prefill"] / parts["ttft"] if times else None,
-                     "speedup_store_open": parts["baseline_prefill"] / parts["ttft_store_open"] if times else None,
-                     "first_token": int(first[0, -1]),
-                     "baseline_first_token": int(baseline_first[0, -1]) if baseline_first is not None else None})
+        rows.append(
+            {
+                "size": size,
+                "k": k,
+                "context_tokens": k * CONTEXT_TOKENS,
+                "query_tokens": query_ids.shape[1],
+                "baseline_tokens": concat.shape[1],
+                "seconds": parts,
+                "baseline_runs": len(times),
+                "speedup": parts["baseline_prefill"] / parts["ttft"] if times else None,
+                "speedup_store_open": parts["baseline_prefill"] / parts["ttft_store_open"] if times else None,
+                "first_token": int(first[0, -1]),
+                "baseline_first_token": int(baseline_first[0, -1]) if baseline_first is not None else None,
+            }
+        )
     for row in rows:
         row["ttft_over_k1"] = row["seconds"]["ttft"] / rows[0]["seconds"]["ttft"]
-    return {"size": size, "params": params, "config": SIZES[size], "build_and_encode_s": build_s, "rows": rows,
-            "ttft_kmax_over_k1": rows[-1]["seconds"]["ttft"] / rows[0]["seconds"]["ttft"]}
+    return {
+        "size": size,
+        "params": params,
+        "config": SIZES[size],
+        "build_and_encode_s": build_s,
+        "rows": rows,
+        "ttft_kmax_over_k1": rows[-1]["seconds"]["ttft"] / rows[0]["seconds"]["ttft"],
+    }
 
 
 def main(argv=None):
@@ -145,13 +194,24 @@ def main(argv=None):
     parser.add_argument("--sizes", "--size", default="130m", help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--ks", default="1,4,10", help="numbers of retrieved contexts, comma-separated, ascending")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of the store path's timings (median)")
-    parser.add_argument("--baseline-repeats", type=int, default=3, help="repeats of transformers' prefill (slow; no warm-up run)")
-    parser.add_argument("--baseline-ks", default=None,
-                        help="the ks whose baseline is measured (default all; at 1.4B on a CPU the k=10 prefill takes many minutes)")
+    parser.add_argument(
+        "--baseline-repeats", type=int, default=3, help="repeats of transformers' prefill (slow; no warm-up run)"
+    )
+    parser.add_argument(
+        "--baseline-ks",
+        default=None,
+        help="the ks whose baseline is measured (default all; at 1.4B on a CPU the k=10 prefill takes many minutes)",
+    )
     parser.add_argument("--composition", default="picaso_r")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ttft.json; tiny: a temp file)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)",
+    )
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default benchmarks/results/ttft.json; tiny: a temp file)"
+    )
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
@@ -163,12 +223,18 @@ def main(argv=None):
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
-            results.append(run_size(size, ks, args.repeats, args.baseline_repeats, args.composition, Path(tmp), baseline_ks))
-    print(f"Mamba-2, random weights; k contexts of {CONTEXT_TOKENS} tokens + a {QUERY_TOKENS}-token query; composition "
-          f"{args.composition}; threads={torch.get_num_threads()}; medians of {args.repeats} (baseline {args.baseline_repeats}); "
-          "shared machine: noisy")
-    print("| size | k | TTFT store | TTFT store kept open | baseline prefill | speedup | speedup (kept open) | TTFT/TTFT(k=1) "
-          "| open | retrieval | read+verify | compose | prefill+1st token | fingerprint check |")
+            results.append(
+                run_size(size, ks, args.repeats, args.baseline_repeats, args.composition, Path(tmp), baseline_ks)
+            )
+    print(
+        f"Mamba-2, random weights; k contexts of {CONTEXT_TOKENS} tokens + a {QUERY_TOKENS}-token query; composition "
+        f"{args.composition}; threads={torch.get_num_threads()}; medians of {args.repeats} (baseline {args.baseline_repeats}); "
+        "shared machine: noisy"
+    )
+    print(
+        "| size | k | TTFT store | TTFT store kept open | baseline prefill | speedup | speedup (kept open) | TTFT/TTFT(k=1) "
+        "| open | retrieval | read+verify | compose | prefill+1st token | fingerprint check |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for result in results:
         for row in result["rows"]:
@@ -176,14 +242,30 @@ def main(argv=None):
             ms = lambda key: f"{s[key] * 1e3:.1f} ms"
             base = "not run" if s["baseline_prefill"] is None else f"{s['baseline_prefill']:.2f} s"
             speed = lambda v: "-" if v is None else f"{v:.0f}x"
-            print(f"| {result['size']} | {row['k']} | {ms('ttft')} | {ms('ttft_store_open')} | {base} | "
-                  f"{speed(row['speedup'])} | {speed(row['speedup_store_open'])} | {row['ttft_over_k1']:.2f} | {ms('store_open')} | "
-                  f"{ms('retrieval')} | {ms('read_verify')} | {ms('compose')} | {ms('prefill_first_token')} | {ms('fingerprint_check')} |")
-    out = args.out or (str(Path(tempfile.gettempdir()) / "ttft-tiny.json") if sizes == ["tiny"] else str(HERE / "results" / "ttft.json"))
-    write_result({"results": results, "ks": ks, "composition": args.composition, "repeats": args.repeats,
-                  "baseline_repeats": args.baseline_repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                  "commit": git_commit(), "note": "shared machine (other processes running): ratios within one run are the figure to read"},
-                 out)
+            print(
+                f"| {result['size']} | {row['k']} | {ms('ttft')} | {ms('ttft_store_open')} | {base} | "
+                f"{speed(row['speedup'])} | {speed(row['speedup_store_open'])} | {row['ttft_over_k1']:.2f} | {ms('store_open')} | "
+                f"{ms('retrieval')} | {ms('read_verify')} | {ms('compose')} | {ms('prefill_first_token')} | {ms('fingerprint_check')} |"
+            )
+    out = args.out or (
+        str(Path(tempfile.gettempdir()) / "ttft-tiny.json")
+        if sizes == ["tiny"]
+        else str(HERE / "results" / "ttft.json")
+    )
+    write_result(
+        {
+            "results": results,
+            "ks": ks,
+            "composition": args.composition,
+            "repeats": args.repeats,
+            "baseline_repeats": args.baseline_repeats,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "commit": git_commit(),
+            "note": "shared machine (other processes running): ratios within one run are the figure to read",
+        },
+        out,
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ run when (and if) the module it needs is imported by anyone:
   (``model_type = "serpent_mamba"``) and the COFFEE models (``model_type = "coffee"``, also with
   ``AutoModelForImageClassification``) when transformers imports them.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -25,11 +26,16 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers (at run ti
     from .distributed import encode_corpus
     from .generation import disable, enable, get_backend, is_enabled, set_backend
     from .models import (
-        CoffeeConfig, CoffeeForCausalLM, CoffeeForImageClassification, CoffeeModel, SeRpEntMambaConfig,
-        SeRpEntMambaForCausalLM, SeRpEntMambaModel,
+        CoffeeConfig,
+        CoffeeForCausalLM,
+        CoffeeForImageClassification,
+        CoffeeModel,
+        SeRpEntMambaConfig,
+        SeRpEntMambaForCausalLM,
+        SeRpEntMambaModel,
     )
-    from .models.encode import encode
     from .models.coffee import CoffeeMixer
+    from .models.encode import encode
     from .pipeline import RetrievalGeneration, continuation_losses, generate_with_retrieval
     from .state import ComposableMambaCache, ComposableSeRpEntCache, model_fingerprint, refresh_fingerprint
     from .store import StateStore, StoreEntry
@@ -73,40 +79,54 @@ _EXPORTS = {
     "encode_corpus": "distributed",
 }
 _SUBPACKAGES = (
-    "attribution", "benchmarking", "cli", "compat", "composition", "demo", "distributed", "generation", "lmeval", "models", "ops",
-    "pipeline", "retrieval", "state", "store", "training",
+    "attribution",
+    "benchmarking",
+    "cli",
+    "compat",
+    "composition",
+    "demo",
+    "distributed",
+    "generation",
+    "lmeval",
+    "models",
+    "ops",
+    "pipeline",
+    "retrieval",
+    "state",
+    "store",
+    "training",
 )
 
 __all__ = [
-    "Attribution",
-    "CompositionExample",
     "METHODS",
-    "RetrievalGeneration",
-    "StateStore",
-    "StoreEntry",
-    "composition_loss",
-    "continuation_losses",
-    "generate_with_retrieval",
-    "leave_one_out",
-    "load_demo",
-    "ComposableMambaCache",
+    "Attribution",
     "CoffeeConfig",
     "CoffeeForCausalLM",
     "CoffeeForImageClassification",
     "CoffeeMixer",
     "CoffeeModel",
+    "ComposableMambaCache",
     "ComposableSeRpEntCache",
+    "CompositionExample",
+    "RetrievalGeneration",
     "SeRpEntMambaConfig",
     "SeRpEntMambaForCausalLM",
     "SeRpEntMambaModel",
     "StateComposer",
+    "StateStore",
+    "StoreEntry",
     "compose_states",
+    "composition_loss",
+    "continuation_losses",
     "disable",
     "enable",
     "encode",
     "encode_corpus",
+    "generate_with_retrieval",
     "get_backend",
     "is_enabled",
+    "leave_one_out",
+    "load_demo",
     "model_fingerprint",
     "refresh_fingerprint",
     "set_backend",

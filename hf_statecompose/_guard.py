@@ -11,6 +11,7 @@
 This module sits outside the layers (it is part of the root package's import): it imports nothing
 from ``hf_statecompose`` and nothing beyond the standard library.
 """
+
 from __future__ import annotations
 
 import functools

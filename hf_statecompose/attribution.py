@@ -4,6 +4,7 @@ Leave-one-out: compose all ``n`` contexts, and each set of ``n - 1``; a context'
 much the continuation's loss rises without it. Composition makes this cheap: no context is re-read,
 the ``n + 1`` compositions are elementwise, and their losses come from one batched forward.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,5 +39,7 @@ def leave_one_out(model, states: list, query_ids, continuation_ids, composition=
     composer = composition if isinstance(composition, StateComposer) else StateComposer(composition)
     subsets = [states] + [states[:i] + states[i + 1 :] for i in range(len(states))]
     composed = [composer.compose(s, model=model) if s else None for s in subsets]
-    losses = continuation_losses(model, composed, torch.as_tensor(query_ids), torch.as_tensor(continuation_ids)).tolist()
+    losses = continuation_losses(
+        model, composed, torch.as_tensor(query_ids), torch.as_tensor(continuation_ids)
+    ).tolist()
     return Attribution(losses[0], losses[1:], [without - losses[0] for without in losses[1:]])

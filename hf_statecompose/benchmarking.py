@@ -1,4 +1,5 @@
 """Small helpers shared by the scripts in ``benchmarks/``: timing, provenance, writing results, a toy retriever."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,17 @@ MODEL_130M_KWARGS = {
     # state-spaces/mamba-130m-hf shapes: D = 1536, N = 16, 24 layers
     "mamba": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, expand=2, conv_kernel=4),
     # mamba2-130m shapes: H = 24 heads of P = 64, N = 128, 24 layers
-    "mamba2": dict(vocab_size=50280, hidden_size=768, state_size=128, num_hidden_layers=24, expand=2,
-                   num_heads=24, head_dim=64, n_groups=1, chunk_size=256),
+    "mamba2": dict(
+        vocab_size=50280,
+        hidden_size=768,
+        state_size=128,
+        num_hidden_layers=24,
+        expand=2,
+        num_heads=24,
+        head_dim=64,
+        n_groups=1,
+        chunk_size=256,
+    ),
 }
 
 
@@ -42,7 +52,10 @@ def median_time(fn, repeats: int, device=None, warmup: int = 0) -> float:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+        return (
+            subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 

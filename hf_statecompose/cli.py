@@ -17,6 +17,7 @@ any other fields, kept as metadata) or UTF-8 plain text, one passage per blank-l
 A failed ``build`` of a new store leaves nothing behind (a killed one's hidden folder is removed by the
 next ``build``). User errors print one line and exit with 2; internal errors keep their traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -125,13 +126,19 @@ def _load_model(spec: str):
         model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CommandLineError(f"--model {spec!r}: cannot load a causal LM and its tokenizer from it ({_text(error)})") from error
+        raise CommandLineError(
+            f"--model {spec!r}: cannot load a causal LM and its tokenizer from it ({_text(error)})"
+        ) from error
     if not tokenizer("a")["input_ids"]:  # transformers makes an empty tokenizer from a config without vocabulary
-        raise CommandLineError(f"--model {spec!r}: its tokenizer has no vocabulary (it turns text into no tokens); save the real one beside the model")
+        raise CommandLineError(
+            f"--model {spec!r}: its tokenizer has no vocabulary (it turns text into no tokens); save the real one beside the model"
+        )
     try:
         return enable(model.eval()), tokenizer
     except (ValueError, TypeError, AttributeError) as error:
-        raise CommandLineError(f"--model {spec!r}: {type(model).__name__} is not a Mamba / Mamba-2 model ({_text(error)})") from error
+        raise CommandLineError(
+            f"--model {spec!r}: {type(model).__name__} is not a Mamba / Mamba-2 model ({_text(error)})"
+        ) from error
 
 
 def read_passages(path: str, text_field: str = "text") -> tuple[list[str], list[dict]]:
@@ -142,7 +149,9 @@ def read_passages(path: str, text_field: str = "text") -> tuple[list[str], list[
     try:
         content = source.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise CommandLineError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8") from None
+        raise CommandLineError(
+            f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8"
+        ) from None
     except OSError as error:
         raise CommandLineError(f"cannot read {path}: {error.strerror or error}") from None
     if source.suffix == ".jsonl":
@@ -180,7 +189,9 @@ def read_header(path: str) -> dict | None:
     try:
         data = json.loads(header.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:  # ValueError: JSON and UTF-8 errors
-        raise CommandLineError(f"{header} is unreadable or corrupted ({_text(error)}); it is not a usable store") from None
+        raise CommandLineError(
+            f"{header} is unreadable or corrupted ({_text(error)}); it is not a usable store"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("info", {}), dict):
         raise CommandLineError(f"{header} is corrupted (not a store header); it is not a usable store")
     return data
@@ -203,13 +214,21 @@ def open_store(path: str, model_spec: str | None, storage_dtype: str | None = No
         try:
             model, tokenizer = load_model(model_spec)
         except CommandLineError as error:
-            raise CommandLineError(f"the store at {path} records the model {model_spec!r}, which cannot be loaded here: "
-                                   f"pass --model ({error})") from None
+            raise CommandLineError(
+                f"the store at {path} records the model {model_spec!r}, which cannot be loaded here: "
+                f"pass --model ({error})"
+            ) from None
     else:
         model, tokenizer = load_model(model_spec)
     with _quiet_loading():
-        store = StateStore(path, model, tokenizer, storage_dtype=storage_dtype, info={"model": _recorded(model_spec)},  # type: ignore[abstract]  # StateStore() returns its backend's class
-                           backend=(header or {}).get("backend", "folder"))
+        store = StateStore(
+            path,
+            model,
+            tokenizer,
+            storage_dtype=storage_dtype,
+            info={"model": _recorded(model_spec)},  # type: ignore[abstract]  # StateStore() returns its backend's class
+            backend=(header or {}).get("backend", "folder"),
+        )
     return store, model, tokenizer
 
 
@@ -244,7 +263,7 @@ def _start_building(target: Path) -> tuple[Path, int | None]:
         lock = os.open(starting / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         with contextlib.suppress(OSError):  # a filesystem without locks: the folder is never taken for stale
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    building = target.parent / f".{target.name}.building-{starting.name[len(prefix):]}"
+    building = target.parent / f".{target.name}.building-{starting.name[len(prefix) :]}"
     os.rename(starting, building)
     return building, lock
 
@@ -309,7 +328,13 @@ def _build(args) -> None:
         building, lock = _start_building(target)
         try:
             with _quiet_loading():
-                draft = StateStore(building / "store", model, tokenizer, storage_dtype=args.storage_dtype, info={"model": _recorded(spec)})  # type: ignore[abstract]  # StateStore() returns its backend's class
+                draft = StateStore(
+                    building / "store",
+                    model,
+                    tokenizer,
+                    storage_dtype=args.storage_dtype,
+                    info={"model": _recorded(spec)},
+                )  # type: ignore[abstract]  # StateStore() returns its backend's class
             ids = draft.add(texts, metadata, batch_size=args.batch_size)
             try:
                 if target.is_dir():
@@ -317,8 +342,10 @@ def _build(args) -> None:
                 os.replace(building / "store", target)
             except OSError:
                 if target.is_dir() and any(target.iterdir()):
-                    raise CommandLineError(f"{target} was created meanwhile (by another build?), so these passages were not added: "
-                                           "run the build again to add them to it") from None
+                    raise CommandLineError(
+                        f"{target} was created meanwhile (by another build?), so these passages were not added: "
+                        "run the build again to add them to it"
+                    ) from None
                 raise
         finally:
             shutil.rmtree(building, ignore_errors=True)
@@ -336,17 +363,33 @@ def _query(args) -> None:
     composition = args.composition
     if args.attention is not None:
         if not store._attention_layers:
-            raise CommandLineError(f"--attention applies to hybrid models (with attention layers); the store's model "
-                                   f"({store.header['model_type']}) has none: leave it out")
+            raise CommandLineError(
+                f"--attention applies to hybrid models (with attention layers); the store's model "
+                f"({store.header['model_type']}) has none: leave it out"
+            )
         from .composition import StateComposer
 
         composition = StateComposer(args.composition, attention=args.attention)
     result = generate_with_retrieval(
-        model, tokenizer, args.query, store, k=args.k, composition=composition, max_new_tokens=args.max_new_tokens, do_sample=False
+        model,
+        tokenizer,
+        args.query,
+        store,
+        k=args.k,
+        composition=composition,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=False,
     )
     if args.json:
-        print(json.dumps({"query": args.query, "generated": result.text,
-                          "retrieved": [{"id": e.id, "score": e.score, "text": e.text} for e in result.retrieved]}))
+        print(
+            json.dumps(
+                {
+                    "query": args.query,
+                    "generated": result.text,
+                    "retrieved": [{"id": e.id, "score": e.score, "text": e.text} for e in result.retrieved],
+                }
+            )
+        )
     else:
         for rank, entry in enumerate(result.retrieved, 1):
             print(f"[{rank}] {entry.score:.3f} {entry.id}  {entry.text[:100]!r}")
@@ -377,7 +420,9 @@ def _store_command(args) -> None:
     elif args.store_command == "repair":
         store, _, _ = open_store(args.store, args.model)
         if not hasattr(store, "repair"):
-            raise CommandLineError(f"{args.store} is a folder store: its entries are never stored twice (repair is for Lance stores)")
+            raise CommandLineError(
+                f"{args.store} is a folder store: its entries are never stored twice (repair is for Lance stores)"
+            )
         print(json.dumps(store.repair(), indent=1))
 
 
@@ -389,9 +434,17 @@ def _encode_corpus(args) -> None:
     passages = [{**meta, args.text_field: text} for text, meta in zip(texts, metadata)]
     # encode_corpus checks the store, the model and the retriever before it starts Ray (check_before_ray)
     with _quiet_loading():  # the driver loads the model to check an existing store's fingerprint
-        report = encode_corpus(passages, model, args.store, batch_size=args.batch_size, num_actors=args.actors,
-                               cpus_per_actor=args.cpus_per_actor, storage_dtype=args.storage_dtype, text_field=args.text_field,
-                               store_options={"info": {"model": _recorded(model)}})
+        report = encode_corpus(
+            passages,
+            model,
+            args.store,
+            batch_size=args.batch_size,
+            num_actors=args.actors,
+            cpus_per_actor=args.cpus_per_actor,
+            storage_dtype=args.storage_dtype,
+            text_field=args.text_field,
+            store_options={"info": {"model": _recorded(model)}},
+        )
     print(json.dumps(report, indent=1))
 
 
@@ -405,60 +458,147 @@ def _text(error: BaseException) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-    sub.add_parser("lm-eval", add_help=False,
-                   help="lm-eval's own command line with the `statecompose` model and the bundled tasks (see: lm-eval --help)")
+    sub.add_parser(
+        "lm-eval",
+        add_help=False,
+        help="lm-eval's own command line with the `statecompose` model and the bundled tasks (see: lm-eval --help)",
+    )
     store_help = "store folder (made by build)"
     model_help = "demo (embedded Mamba-2) | demo-mamba (embedded Mamba-1) | demo-hybrid (embedded NemotronH hybrid) | a local checkpoint folder"
 
     build = sub.add_parser("build", help="encode passages into a store (creates it, or extends an existing one)")
     build.add_argument("store", help="store folder: a new or empty one is created, an existing store is extended")
-    build.add_argument("input", help="UTF-8 .jsonl (one {\"text\": ...} object per line) or text file (blank-line-separated passages)")
-    build.add_argument("--model", type=_model_spec, default=None, metavar="MODEL",
-                       help=f"{model_help} (default: the store's model, else demo)")
-    build.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=None,
-                       help="dtype of the stored states, fixed when the store is created (default: the store's, else fp32)")
-    build.add_argument("--batch-size", type=_count(1), default=16, metavar="N", help="passages encoded per batch (default 16)")
-    build.add_argument("--text-field", default="text", metavar="FIELD", help="field of each .jsonl object holding the text (default: text)")
+    build.add_argument(
+        "input", help='UTF-8 .jsonl (one {"text": ...} object per line) or text file (blank-line-separated passages)'
+    )
+    build.add_argument(
+        "--model",
+        type=_model_spec,
+        default=None,
+        metavar="MODEL",
+        help=f"{model_help} (default: the store's model, else demo)",
+    )
+    build.add_argument(
+        "--storage-dtype",
+        choices=STORAGE_DTYPES,
+        default=None,
+        help="dtype of the stored states, fixed when the store is created (default: the store's, else fp32)",
+    )
+    build.add_argument(
+        "--batch-size", type=_count(1), default=16, metavar="N", help="passages encoded per batch (default 16)"
+    )
+    build.add_argument(
+        "--text-field",
+        default="text",
+        metavar="FIELD",
+        help="field of each .jsonl object holding the text (default: text)",
+    )
 
     query = sub.add_parser("query", help="retrieve the closest passages, compose their states, generate")
     query.add_argument("store", help=store_help)
     query.add_argument("query", type=_query_text, help="the query text (retrieval and the start of generation)")
-    query.add_argument("-k", type=_count(0), default=5, metavar="K", help="passages to retrieve (default 5; 0: the query alone)")
-    query.add_argument("--composition", choices=COMPOSITIONS, default="picaso_r", help="how the states are composed (default picaso_r)")
-    query.add_argument("--attention", choices=ATTENTION_POLICIES, default=None,
-                       help="hybrid models: where the retrieved contexts' attention keys go: concat (default: one after another, "
-                            "the most relevant last), shared (each at its own positions) or none (no keys: the query attends to itself)")
-    query.add_argument("--max-new-tokens", type=_count(1), default=32, metavar="N", help="tokens to generate (default 32)")
-    query.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the store's)")
+    query.add_argument(
+        "-k", type=_count(0), default=5, metavar="K", help="passages to retrieve (default 5; 0: the query alone)"
+    )
+    query.add_argument(
+        "--composition", choices=COMPOSITIONS, default="picaso_r", help="how the states are composed (default picaso_r)"
+    )
+    query.add_argument(
+        "--attention",
+        choices=ATTENTION_POLICIES,
+        default=None,
+        help="hybrid models: where the retrieved contexts' attention keys go: concat (default: one after another, "
+        "the most relevant last), shared (each at its own positions) or none (no keys: the query attends to itself)",
+    )
+    query.add_argument(
+        "--max-new-tokens", type=_count(1), default=32, metavar="N", help="tokens to generate (default 32)"
+    )
+    query.add_argument(
+        "--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the store's)"
+    )
     query.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
-    sub.add_parser("stats", help="entries, bytes and settings of a store, as JSON").add_argument("store", help=store_help)
+    sub.add_parser("stats", help="entries, bytes and settings of a store, as JSON").add_argument(
+        "store", help=store_help
+    )
     delete = sub.add_parser("delete", help="delete entries (their bytes are reclaimed by compact)")
     delete.add_argument("store", help=store_help)
     delete.add_argument("ids", nargs="+", metavar="ID", help="entry ids (as printed by query)")
-    sub.add_parser("compact", help="rewrite the shards without the deleted entries").add_argument("store", help=store_help)
+    sub.add_parser("compact", help="rewrite the shards without the deleted entries").add_argument(
+        "store", help=store_help
+    )
 
-    store = sub.add_parser("store", help="store maintenance across backends (store migrate SRC DST, store repair STORE)")
-    store_sub = store.add_subparsers(dest="store_command", required=True, metavar="STORE_COMMAND", parser_class=_Parser,
-                                     help="migrate: copy a folder store into a Lance store; repair: remove an entry's extra copies")
-    migrate = store_sub.add_parser("migrate", help="copy a folder store into a Lance store (needs the [scale] extra) and verify every entry")
+    store = sub.add_parser(
+        "store", help="store maintenance across backends (store migrate SRC DST, store repair STORE)"
+    )
+    store_sub = store.add_subparsers(
+        dest="store_command",
+        required=True,
+        metavar="STORE_COMMAND",
+        parser_class=_Parser,
+        help="migrate: copy a folder store into a Lance store; repair: remove an entry's extra copies",
+    )
+    migrate = store_sub.add_parser(
+        "migrate", help="copy a folder store into a Lance store (needs the [scale] extra) and verify every entry"
+    )
     migrate.add_argument("source", help="the folder store to copy")
-    migrate.add_argument("destination", help="the Lance store: a local folder or an object-storage URI (created, or extended)")
-    migrate.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the source store's)")
-    migrate.add_argument("--batch-size", type=_count(1), default=64, metavar="N", help="entries copied per commit (default 64)")
-    repair = store_sub.add_parser("repair", help="keep one verified copy of each entry a Lance store holds more than once; prints counts as JSON")
+    migrate.add_argument(
+        "destination", help="the Lance store: a local folder or an object-storage URI (created, or extended)"
+    )
+    migrate.add_argument(
+        "--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the source store's)"
+    )
+    migrate.add_argument(
+        "--batch-size", type=_count(1), default=64, metavar="N", help="entries copied per commit (default 64)"
+    )
+    repair = store_sub.add_parser(
+        "repair", help="keep one verified copy of each entry a Lance store holds more than once; prints counts as JSON"
+    )
     repair.add_argument("store", help="the Lance store: a local folder or an object-storage URI")
-    repair.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the store's)")
+    repair.add_argument(
+        "--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the store's)"
+    )
 
-    corpus = sub.add_parser("encode-corpus", help="encode passages into a Lance store on Ray Data (resumable; needs the [scale] extra)")
-    corpus.add_argument("store", help="the Lance store: a local folder or an object-storage URI (created, or extended: stored ids are skipped)")
-    corpus.add_argument("input", help="UTF-8 .jsonl (one {\"text\": ..., \"id\": ...} object per line) or text file (blank-line-separated passages)")
-    corpus.add_argument("--model", type=_model_spec, default=None, metavar="MODEL", help=f"{model_help} (default: the store's model, else demo)")
-    corpus.add_argument("--actors", type=_count(1), default=None, metavar="N", help="Ray actors (default: one per GPU, else per CPU)")
-    corpus.add_argument("--cpus-per-actor", type=_count(1), default=1, metavar="N", help="CPUs (torch threads) per CPU actor (default 1)")
-    corpus.add_argument("--batch-size", type=_count(1), default=16, metavar="N", help="passages per batch and commit (default 16)")
-    corpus.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default=None, help="dtype of the stored states (fixed at creation)")
-    corpus.add_argument("--text-field", default="text", metavar="FIELD", help="field of each .jsonl object holding the text (default: text)")
+    corpus = sub.add_parser(
+        "encode-corpus", help="encode passages into a Lance store on Ray Data (resumable; needs the [scale] extra)"
+    )
+    corpus.add_argument(
+        "store",
+        help="the Lance store: a local folder or an object-storage URI (created, or extended: stored ids are skipped)",
+    )
+    corpus.add_argument(
+        "input",
+        help='UTF-8 .jsonl (one {"text": ..., "id": ...} object per line) or text file (blank-line-separated passages)',
+    )
+    corpus.add_argument(
+        "--model",
+        type=_model_spec,
+        default=None,
+        metavar="MODEL",
+        help=f"{model_help} (default: the store's model, else demo)",
+    )
+    corpus.add_argument(
+        "--actors", type=_count(1), default=None, metavar="N", help="Ray actors (default: one per GPU, else per CPU)"
+    )
+    corpus.add_argument(
+        "--cpus-per-actor",
+        type=_count(1),
+        default=1,
+        metavar="N",
+        help="CPUs (torch threads) per CPU actor (default 1)",
+    )
+    corpus.add_argument(
+        "--batch-size", type=_count(1), default=16, metavar="N", help="passages per batch and commit (default 16)"
+    )
+    corpus.add_argument(
+        "--storage-dtype", choices=STORAGE_DTYPES, default=None, help="dtype of the stored states (fixed at creation)"
+    )
+    corpus.add_argument(
+        "--text-field",
+        default="text",
+        metavar="FIELD",
+        help="field of each .jsonl object holding the text (default: text)",
+    )
     return parser
 
 
@@ -469,13 +609,20 @@ def main(argv=None) -> int:
 
         return run_cli(argv[1:])
     args = build_parser().parse_args(argv)  # --help and argument errors end here, before torch is imported
-    run = {"build": _build, "query": _query, "store": _store_command, "encode-corpus": _encode_corpus}.get(args.command, _maintain)
+    run = {"build": _build, "query": _query, "store": _store_command, "encode-corpus": _encode_corpus}.get(
+        args.command, _maintain
+    )
     try:
         run(args)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, KeyError, OSError, ImportError) as error:  # CommandLineError, the store's / loaders' refusals, a missing extra
+    except (
+        ValueError,
+        KeyError,
+        OSError,
+        ImportError,
+    ) as error:  # CommandLineError, the store's / loaders' refusals, a missing extra
         if os.environ.get("HF_STATECOMPOSE_DEBUG"):  # the traceback, for a bug report
             raise
         _fail(_text(error))

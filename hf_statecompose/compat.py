@@ -30,11 +30,13 @@ What it covers:
 
 Importing this module is light (standard library only): the names that need transformers load on first use.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import re
 import warnings
@@ -55,7 +57,10 @@ GUARDED: dict[str, tuple[str, ...]] = {
     "transformers.models.jamba.modeling_jamba": ("JambaModel", "JambaForCausalLM"),
     "transformers.models.zamba2.modeling_zamba2": ("Zamba2Model", "Zamba2ForCausalLM"),
     "transformers.models.bamba.modeling_bamba": ("BambaModel", "BambaForCausalLM"),
-    "transformers.models.granitemoehybrid.modeling_granitemoehybrid": ("GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM"),
+    "transformers.models.granitemoehybrid.modeling_granitemoehybrid": (
+        "GraniteMoeHybridModel",
+        "GraniteMoeHybridForCausalLM",
+    ),
     "transformers.models.nemotron_h.modeling_nemotron_h": ("NemotronHModel", "NemotronHForCausalLM"),
     "transformers.models.falcon_h1.modeling_falcon_h1": ("FalconH1Model", "FalconH1ForCausalLM"),
 }
@@ -68,7 +73,10 @@ MIXER_MODULES = {
     "jamba": ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),
     "zamba2": ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"),
     "bamba": ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
-    "granitemoehybrid": ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+    "granitemoehybrid": (
+        "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+        "GraniteMoeHybridMambaLayer",
+    ),
     "nemotron_h": ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
     "falcon_h1": ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
 }
@@ -84,7 +92,7 @@ def _release(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def transformers_version() -> str | None:
     """The installed transformers' version string (None if it is not installed); read without importing it."""
     try:
@@ -181,7 +189,7 @@ def cache_output(cls):
     on transformers < 5.24 the field is named ``cache_params`` (what that release's ``generate`` looks for in
     outputs) and ``cache`` reads it; on >= 5.24 it is ``cache`` and ``cache_params`` stays readable (transformers'
     ``ModelOutput`` provides it). Then applies ``@dataclass``."""
-    annotations = dict(cls.__dict__.get("__annotations__", {}))
+    annotations = dict(inspect.get_annotations(cls))
     if "cache" not in annotations:
         raise TypeError(f"{cls.__name__} declares no `cache` field")
     if cache_is_renamed():
@@ -195,7 +203,7 @@ def cache_output(cls):
     return cls
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mixer_classes() -> dict:
     """model_type -> transformers' stock mixer class, for the architectures the installed release has."""
     out = {}
@@ -302,8 +310,10 @@ def _make_ssm_layer_base():
             super().prefetch()
             if self.device is None:
                 return
-            self._map_row_tensors(lambda t: t.to(self.device, non_blocking=True) if t.device != self.device else t,
-                                  self._row_tensors + self._fixed_tensors)
+            self._map_row_tensors(
+                lambda t: t.to(self.device, non_blocking=True) if t.device != self.device else t,
+                self._row_tensors + self._fixed_tensors,
+            )
 
         def reset(self) -> None:
             """transformers' reset: zero states, no previous state; the per-row extras are forgotten with them."""
@@ -350,8 +360,11 @@ def _make_attention_layer_base():
             if self.positions is None or self.positions.shape[-1] + length != keys.shape[-2]:
                 self.positions = step.expand(batch, length).clone() if keys.shape[-2] == length else None
             else:
-                last = (self.positions.max(dim=-1, keepdim=True).values.clamp(min=-1) if self.positions.shape[-1]
-                        else self.positions.new_full((self.positions.shape[0], 1), -1))
+                last = (
+                    self.positions.max(dim=-1, keepdim=True).values.clamp(min=-1)
+                    if self.positions.shape[-1]
+                    else self.positions.new_full((self.positions.shape[0], 1), -1)
+                )
                 self.positions = torch.cat([self.positions, last + 1 + step], dim=-1)
             return keys, values
 
@@ -463,7 +476,9 @@ def _make_empty_layer():
 
     dummy = getattr(cache_utils, "DummyLayer", None)
     if dummy is None:  # pragma: no cover - both tested releases have it
-        raise ImportError("transformers.cache_utils.DummyLayer is missing: this transformers is outside the tested range")
+        raise ImportError(
+            "transformers.cache_utils.DummyLayer is missing: this transformers is outside the tested range"
+        )
     return dummy
 
 
@@ -492,14 +507,27 @@ def _make_generation_mixin():
             if cache is not None:
                 model_kwargs.update(cache_kwargs(cache))
 
-        def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, use_cache=None, cache=None,
-                                          cache_params=None, attention_mask: torch.LongTensor | None = None,
-                                          is_first_iteration: bool | None = False, **kwargs):
+        def prepare_inputs_for_generation(
+            self,
+            input_ids,
+            inputs_embeds=None,
+            use_cache=None,
+            cache=None,
+            cache_params=None,
+            attention_mask: torch.LongTensor | None = None,
+            is_first_iteration: bool | None = False,
+            **kwargs,
+        ):
             # both names in the signature: generate() validates its model kwargs against it
             cache = pop_cache({"cache": cache, "cache_params": cache_params})
             model_inputs = super().prepare_inputs_for_generation(
-                input_ids, inputs_embeds=inputs_embeds, use_cache=use_cache, attention_mask=attention_mask,
-                is_first_iteration=is_first_iteration, **cache_kwargs(cache), **kwargs,
+                input_ids,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                attention_mask=attention_mask,
+                is_first_iteration=is_first_iteration,
+                **cache_kwargs(cache),
+                **kwargs,
             )
             if use_cache and not is_first_iteration:
                 model_inputs["attention_mask"] = None  # after the prompt every token fed is real

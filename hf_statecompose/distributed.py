@@ -15,12 +15,13 @@ Nothing here is pickled by us: passages travel as Arrow strings (metadata as JSO
 safetensors bytes in Lance. Ray itself serializes the actor's constructor arguments (the model spec,
 the retriever and loader factories) to start the actors.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .store.format import check_count, checked_json
 from .store.lance import DIMENSION_PROBE, HEADER_TABLE, STATES_TABLE, LanceStateStore, import_lancedb, read_lance_header
@@ -49,7 +50,9 @@ def load_model_spec(spec):
         model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True).eval()
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
         if not tokenizer("a")["input_ids"]:  # transformers makes an empty tokenizer from a config without vocabulary
-            raise ValueError(f"model {os.fspath(spec)!r}: its tokenizer has no vocabulary (it turns text into no tokens); save the real one beside the model")
+            raise ValueError(
+                f"model {os.fspath(spec)!r}: its tokenizer has no vocabulary (it turns text into no tokens); save the real one beside the model"
+            )
     from .generation.integration import enable
 
     return enable(model), tokenizer
@@ -72,10 +75,14 @@ def _checkpoint_config(spec):
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"model {os.fspath(spec)!r}: its config.json does not load ({error}); fix or re-save the checkpoint") from None
+        raise ValueError(
+            f"model {os.fspath(spec)!r}: its config.json does not load ({error}); fix or re-save the checkpoint"
+        ) from None
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model {os.fspath(spec)!r} is a {config.model_type!r} model, not one of {', '.join(sorted(SUPPORTED_MODEL_TYPES))}: "
-                         "its states cannot be stored or composed")
+        raise ValueError(
+            f"model {os.fspath(spec)!r} is a {config.model_type!r} model, not one of {', '.join(sorted(SUPPORTED_MODEL_TYPES))}: "
+            "its states cannot be stored or composed"
+        )
     return config
 
 
@@ -84,17 +91,26 @@ def _probe_retriever(retriever, store_dim: int | None, where: str) -> None:
     import torch
 
     if not callable(retriever):
-        raise TypeError(f"the retriever factory returned a {type(retriever).__name__}, not a callable list[str] -> [n, E] vectors")
+        raise TypeError(
+            f"the retriever factory returned a {type(retriever).__name__}, not a callable list[str] -> [n, E] vectors"
+        )
     vectors = torch.as_tensor(retriever([DIMENSION_PROBE, "a"]))
     if vectors.dim() != 2 or vectors.shape[0] != 2:
         raise ValueError(f"the retriever returned shape {tuple(vectors.shape)} for 2 texts; expected [n, E]")
     if store_dim is not None and vectors.shape[1] != store_dim:
-        raise ValueError(f"the retriever gives {vectors.shape[1]}-dim vectors; the Lance store at {where} holds {store_dim}-dim ones: "
-                         "pass the retriever that built it, or encode into a new store")
+        raise ValueError(
+            f"the retriever gives {vectors.shape[1]}-dim vectors; the Lance store at {where} holds {store_dim}-dim ones: "
+            "pass the retriever that built it, or encode into a new store"
+        )
 
 
-def check_before_ray(model_path, store_uri, retriever: Callable | None = None, storage_dtype: str | None = None,
-                     store_options: dict | None = None) -> None:
+def check_before_ray(
+    model_path,
+    store_uri,
+    retriever: Callable | None = None,
+    storage_dtype: str | None = None,
+    store_options: dict | None = None,
+) -> None:
     """Refuse on the driver, before Ray starts, what would make every actor fail (Ray reports that as an
     ``ActorDiedError`` and kilobytes of trace): a store path that holds a folder store or other files, a
     model spec naming no loadable Mamba checkpoint, a retriever that gives no ``[n, E]`` vectors, and a
@@ -110,11 +126,17 @@ def check_before_ray(model_path, store_uri, retriever: Callable | None = None, s
         if exists and not os.path.isdir(folder):
             raise ValueError(f"{uri} is a file, not a Lance store folder: give a new folder or an existing Lance store")
         if os.path.isfile(os.path.join(folder, "store.json")):
-            raise ValueError(f"{uri} holds a folder store, not a Lance store: encode into a new folder, or copy this store into a "
-                             f"Lance store first (hf-statecompose store migrate {uri} NEW_FOLDER)")
+            raise ValueError(
+                f"{uri} holds a folder store, not a Lance store: encode into a new folder, or copy this store into a "
+                f"Lance store first (hf-statecompose store migrate {uri} NEW_FOLDER)"
+            )
         if exists and any(not name.endswith(".lance") for name in os.listdir(folder)):
-            raise ValueError(f"{uri} exists and is not a Lance store (it holds other files): give a new or empty folder, or a Lance store")
-    header = read_lance_header(uri, options.get("storage_options")) if exists else None  # (connecting creates the folder)
+            raise ValueError(
+                f"{uri} exists and is not a Lance store (it holds other files): give a new or empty folder, or a Lance store"
+            )
+    header = (
+        read_lance_header(uri, options.get("storage_options")) if exists else None
+    )  # (connecting creates the folder)
     config = None if callable(model_path) else _checkpoint_config(model_path)
     if header is None:  # a new store: nothing to match yet
         if retriever is not None:
@@ -129,7 +151,14 @@ def check_before_ray(model_path, store_uri, retriever: Callable | None = None, s
         )
     model, tokenizer = load_model_spec(model_path)
     # the fingerprint, tokenizer, retriever name and storage dtype checks of opening the store
-    store = LanceStateStore(uri, model, tokenizer, retriever=retriever() if retriever is not None else None, storage_dtype=storage_dtype, **options)
+    store = LanceStateStore(
+        uri,
+        model,
+        tokenizer,
+        retriever=retriever() if retriever is not None else None,
+        storage_dtype=storage_dtype,
+        **options,
+    )
     _probe_retriever(store.retriever, store.embedding_dim, uri)
 
 
@@ -151,7 +180,9 @@ def _normalise(passages, text_field: str) -> tuple[list[str], list[str], list[st
             if isinstance(passage, str):
                 passage = {text_field: passage}
             if not isinstance(passage, dict) or not isinstance(passage.get(text_field), str):
-                raise TypeError(f"passage {n} is a {type(passage).__name__}, not a string or a dict with a string {text_field!r}")
+                raise TypeError(
+                    f"passage {n} is a {type(passage).__name__}, not a string or a dict with a string {text_field!r}"
+                )
             passage = dict(passage)
             texts.append(passage.pop(text_field))
             metadata.append(passage)
@@ -168,8 +199,10 @@ def _normalise(passages, text_field: str) -> tuple[list[str], list[str], list[st
             if entry_id in seen:
                 dupes.append(text[:40])
             seen.add(entry_id)
-        raise ValueError(f"{len(dupes)} passages repeat another's id or (without ids) its text, e.g. {dupes[0]!r}; "
-                         "give each passage a unique 'id' field or drop the repeats")
+        raise ValueError(
+            f"{len(dupes)} passages repeat another's id or (without ids) its text, e.g. {dupes[0]!r}; "
+            "give each passage a unique 'id' field or drop the repeats"
+        )
     return ids, texts, metas
 
 
@@ -187,7 +220,9 @@ def stored_ids(store_uri, storage_options: dict | None = None) -> set[str]:
 class _EncodeActor:
     """One Ray actor: loads the model (and retriever) once, encodes and commits one batch per call."""
 
-    def __init__(self, model, store_uri, retriever=None, storage_dtype=None, store_options=None, device=None, threads=None):
+    def __init__(
+        self, model, store_uri, retriever=None, storage_dtype=None, store_options=None, device=None, threads=None
+    ):
         import torch
 
         if threads:
@@ -195,13 +230,23 @@ class _EncodeActor:
         model, tokenizer = load_model_spec(model)
         if device is not None:
             model = model.to(device)
-        self.store = LanceStateStore(store_uri, model, tokenizer, retriever=retriever() if retriever is not None else None,
-                                     storage_dtype=storage_dtype, **(store_options or {}))
+        self.store = LanceStateStore(
+            store_uri,
+            model,
+            tokenizer,
+            retriever=retriever() if retriever is not None else None,
+            storage_dtype=storage_dtype,
+            **(store_options or {}),
+        )
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
 
-        ids, texts, metas = [str(i) for i in batch["id"]], [str(t) for t in batch["text"]], [json.loads(m) for m in batch["metadata"]]
+        ids, texts, metas = (
+            [str(i) for i in batch["id"]],
+            [str(t) for t in batch["text"]],
+            [json.loads(m) for m in batch["metadata"]],
+        )
         present = set(self.store._rows(ids, ["id"]))  # a retried batch, or another run meanwhile
         todo = [n for n, entry_id in enumerate(ids) if entry_id not in present]
         if todo:
@@ -211,10 +256,22 @@ class _EncodeActor:
         return {"id": np.array(ids), "written": np.array([n in written for n in range(len(ids))])}
 
 
-def encode_corpus(passages, model_path, store_uri, *, retriever: Callable | None = None, batch_size: int = 16,
-                  num_actors: int | None = None, num_gpus_per_actor: float | None = None, cpus_per_actor: int = 1,
-                  storage_dtype: str | None = None, text_field: str = "text", show_progress: bool = True,
-                  store_options: dict | None = None, ray_remote_args: dict | None = None) -> dict:
+def encode_corpus(
+    passages,
+    model_path,
+    store_uri,
+    *,
+    retriever: Callable | None = None,
+    batch_size: int = 16,
+    num_actors: int | None = None,
+    num_gpus_per_actor: float | None = None,
+    cpus_per_actor: int = 1,
+    storage_dtype: str | None = None,
+    text_field: str = "text",
+    show_progress: bool = True,
+    store_options: dict | None = None,
+    ray_remote_args: dict | None = None,
+) -> dict:
     """Encode ``passages`` with ``model_path`` into the Lance store at ``store_uri`` on Ray Data.
 
     Args:
@@ -244,11 +301,15 @@ def encode_corpus(passages, model_path, store_uri, *, retriever: Callable | None
         import ray
         import ray.data
     except ImportError as error:
-        raise ImportError("encode_corpus needs Ray Data: pip install 'hf_statecompose[scale]' (or pip install -c constraints.txt 'ray[data]')") from error
+        raise ImportError(
+            "encode_corpus needs Ray Data: pip install 'hf_statecompose[scale]' (or pip install -c constraints.txt 'ray[data]')"
+        ) from error
     batch_size = check_count(batch_size, "batch_size", 1)
     cpus_per_actor = check_count(cpus_per_actor, "cpus_per_actor", 1)
     if not callable(model_path) and not isinstance(model_path, (str, os.PathLike)):
-        raise TypeError(f"model_path must be a demo name, a checkpoint folder or a callable, got {type(model_path).__name__}")
+        raise TypeError(
+            f"model_path must be a demo name, a checkpoint folder or a callable, got {type(model_path).__name__}"
+        )
     if retriever is not None and not callable(retriever):
         raise TypeError("retriever must be a zero-argument callable returning the retriever (a class works)")
     ids, texts, metas = _normalise(passages, text_field)
@@ -273,13 +334,25 @@ def encode_corpus(passages, model_path, store_uri, *, retriever: Callable | None
         rows = [{"id": ids[n], "text": texts[n], "metadata": metas[n]} for n in todo]
         dataset = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows) // batch_size, 4 * num_actors)))
         encoded = dataset.map_batches(
-            _EncodeActor, batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=num_actors),
-            num_gpus=num_gpus_per_actor, num_cpus=cpus_per_actor,
-            fn_constructor_kwargs={"model": model_path, "store_uri": os.fspath(store_uri), "retriever": retriever,
-                                   "storage_dtype": storage_dtype, "store_options": store_options,
-                                   "device": "cuda" if num_gpus_per_actor else None, "threads": cpus_per_actor},
+            _EncodeActor,
+            batch_size=batch_size,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=num_actors),
+            num_gpus=num_gpus_per_actor,
+            num_cpus=cpus_per_actor,
+            fn_constructor_kwargs={
+                "model": model_path,
+                "store_uri": os.fspath(store_uri),
+                "retriever": retriever,
+                "storage_dtype": storage_dtype,
+                "store_options": store_options,
+                "device": "cuda" if num_gpus_per_actor else None,
+                "threads": cpus_per_actor,
+            },
             **dict(ray_remote_args or {}),
         )
-        result["encoded"] = sum(int(batch["written"].sum()) for batch in encoded.iter_batches(batch_size=None, batch_format="numpy"))
+        result["encoded"] = sum(
+            int(batch["written"].sum()) for batch in encoded.iter_batches(batch_size=None, batch_format="numpy")
+        )
     result["entries"] = len(stored_ids(store_uri, store_options.get("storage_options")) & set(ids))
     return result

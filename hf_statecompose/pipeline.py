@@ -1,8 +1,9 @@
 """The whole job in one call: retrieve stored states, compose, generate; and losses of continuations."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -58,10 +59,12 @@ def generate_with_retrieval(
     if attention_mask is not None:
         generate_kwargs.setdefault("attention_mask", attention_mask.to(device))
     if retrieved:
-        sequences = model.generate(input_ids, past_states=context_order(retrieved), composition=composition, **generate_kwargs)
+        sequences = model.generate(
+            input_ids, past_states=context_order(retrieved), composition=composition, **generate_kwargs
+        )
     else:
         sequences = model.generate(input_ids, **generate_kwargs)
-    text = tokenizer.decode(sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
     return RetrievalGeneration(text, sequences, retrieved)
 
 
@@ -81,9 +84,13 @@ def continuation_losses(model, states: list, query_ids: torch.Tensor, continuati
 
     def losses(logits):
         logits = logits[:, q - 1 : q + c - 1].double()
-        return torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.expand(logits.shape[0], -1).reshape(-1), reduction="none"
-        ).view(logits.shape[0], c).mean(1)
+        return (
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.expand(logits.shape[0], -1).reshape(-1), reduction="none"
+            )
+            .view(logits.shape[0], c)
+            .mean(1)
+        )
 
     out = torch.empty(len(states), dtype=torch.float64)
     with_state = [i for i, s in enumerate(states) if s is not None]

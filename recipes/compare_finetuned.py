@@ -9,6 +9,7 @@ variant encodes its own store (a state belongs to the model that encoded it; the
 states). Writes ``finetune_<arch>.json``, ``.md`` (table) and ``.png`` (loss vs k) to ``--out``, with
 the training time per step of each adapter (from its ``results.json``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,21 +51,34 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     variants = [("zero-shot", None)] + [(Path(a).name, a) for a in args.adapters]
-    result = {"arch": args.arch, "queries": args.queries, "k": list(range(args.k_max + 1)), "variants": {}, "training": {}}
+    result = {
+        "arch": args.arch,
+        "queries": args.queries,
+        "k": list(range(args.k_max + 1)),
+        "variants": {},
+        "training": {},
+    }
     for name, adapter in variants:
         if adapter:
             trained = json.loads((Path(adapter) / "results.json").read_text())
-            result["training"][name] = {k: trained["training"][k] for k in ("steps", "train_seconds", "seconds_per_step_mean", "seconds_per_step_by_k")}
+            result["training"][name] = {
+                k: trained["training"][k]
+                for k in ("steps", "train_seconds", "seconds_per_step_mean", "seconds_per_step_by_k")
+            }
             result["training"][name]["objective"] = trained["config"]["objective"]
         model, tok = load_variant(args.arch, adapter)
         for dataset in args.datasets:
             start = time.time()
-            r = evaluate(model, tok, dataset, args.queries, args.k_max, methods=("concat", "picaso_r"), log=lambda *a: None)
+            r = evaluate(
+                model, tok, dataset, args.queries, args.k_max, methods=("concat", "picaso_r"), log=lambda *a: None
+            )
             result["variants"].setdefault(name, {})[dataset] = {"loss": r["loss"], "samples": r["samples"]}
-            print(f"{name:>14s} {dataset:9s} baseline {r['loss']['baseline'][0]:.3f}  picaso_r k=1/5/10 "
-                  f"{r['loss']['picaso_r'][1]:.3f}/{r['loss']['picaso_r'][5]:.3f}/{r['loss']['picaso_r'][args.k_max]:.3f}  concat "
-                  f"{r['loss']['concat'][1]:.3f}/{r['loss']['concat'][5]:.3f}/{r['loss']['concat'][args.k_max]:.3f}  ({time.time() - start:.0f}s)",
-                  flush=True)
+            print(
+                f"{name:>14s} {dataset:9s} baseline {r['loss']['baseline'][0]:.3f}  picaso_r k=1/5/10 "
+                f"{r['loss']['picaso_r'][1]:.3f}/{r['loss']['picaso_r'][5]:.3f}/{r['loss']['picaso_r'][args.k_max]:.3f}  concat "
+                f"{r['loss']['concat'][1]:.3f}/{r['loss']['concat'][5]:.3f}/{r['loss']['concat'][args.k_max]:.3f}  ({time.time() - start:.0f}s)",
+                flush=True,
+            )
     stem = out / f"finetune_{args.arch}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(table(result) + "\n")
@@ -77,15 +91,21 @@ def table(result: dict) -> str:
     from hf_statecompose.demo.eval import LABELS
 
     ks = [k for k in (1, 2, 5, 10) if k < len(result["k"])]
-    lines = [f"| dataset | model | method | k=0 | {' | '.join(f'k={k}' for k in ks)} |", "|---|---|---|---:|" + "---:|" * len(ks)]
+    lines = [
+        f"| dataset | model | method | k=0 | {' | '.join(f'k={k}' for k in ks)} |",
+        "|---|---|---|---:|" + "---:|" * len(ks),
+    ]
     datasets = next(iter(result["variants"].values())).keys()
     for dataset in datasets:
         for name, per in result["variants"].items():
             loss = per[dataset]["loss"]
             for method in ("picaso_r", "concat"):
                 label = LABELS[method]
-                lines.append(f"| {dataset} | {name} | {label} | {loss['baseline'][0]:.3f} | "
-                             + " | ".join(f"{loss[method][k]:.3f}" for k in ks) + " |")
+                lines.append(
+                    f"| {dataset} | {name} | {label} | {loss['baseline'][0]:.3f} | "
+                    + " | ".join(f"{loss[method][k]:.3f}" for k in ks)
+                    + " |"
+                )
     return "\n".join(lines)
 
 
@@ -102,9 +122,20 @@ def plot(result: dict, path: Path) -> None:
         ax = axes[0][col]
         for i, (name, per) in enumerate(result["variants"].items()):
             loss = per[dataset]["loss"]
-            ax.plot(result["k"], loss["picaso_r"], "-o", markersize=3, color=colors[i % len(colors)], label=f"{name} · PICASO-R")
+            ax.plot(
+                result["k"],
+                loss["picaso_r"],
+                "-o",
+                markersize=3,
+                color=colors[i % len(colors)],
+                label=f"{name} · PICASO-R",
+            )
             ax.plot(result["k"], loss["concat"], "--", color=colors[i % len(colors)], label=f"{name} · Concat")
-        ax.set(xlabel="retrieved contexts k", ylabel="continuation loss (nats/token)", title=f"demo {result['arch']} · {dataset}")
+        ax.set(
+            xlabel="retrieved contexts k",
+            ylabel="continuation loss (nats/token)",
+            title=f"demo {result['arch']} · {dataset}",
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -30,6 +30,7 @@ Metrics per condition: accuracy (the greedy answer, as many tokens as the refere
 and the answer's mean cross-entropy (nats/token; lower is better). Prints a markdown table; writes
 ``eval_hybrid_demo_<arch>.json`` and ``.md`` to ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,9 +80,14 @@ def stock_condition(model, tokenizer, item: dict, with_context: bool) -> dict:
     device = next(model.parameters()).device
     ids = torch.tensor([prefix + query], device=device)
     loss = _answer_loss(model(input_ids=torch.tensor([prefix + query + answer], device=device)).logits, answer)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(answer), do_sample=False,
-                         pad_token_id=tokenizer.eos_token_id)
-    return {"correct": tokenizer.decode(out[0, ids.shape[1]:]) == item["answer"], "loss": loss}
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=len(answer),
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return {"correct": tokenizer.decode(out[0, ids.shape[1] :]) == item["answer"], "loss": loss}
 
 
 @torch.no_grad()
@@ -94,10 +100,18 @@ def composed_condition(model, tokenizer, item: dict, composer) -> dict:
     states = [hsc.encode(model, torch.tensor([tokenizer(p)["input_ids"]], device=device)) for p in item["passages"]]
     query, answer = tokenizer(item["query"])["input_ids"], tokenizer(item["answer"])["input_ids"]
     ids = torch.tensor([query], device=device)
-    logits = model(input_ids=torch.tensor([query + answer], device=device), past_states=states, composition=composer).logits
-    out = model.generate(ids, past_states=states, composition=composer, max_new_tokens=len(answer), do_sample=False,
-                         pad_token_id=tokenizer.eos_token_id)
-    return {"correct": tokenizer.decode(out[0, -len(answer):]) == item["answer"], "loss": _answer_loss(logits, answer)}
+    logits = model(
+        input_ids=torch.tensor([query + answer], device=device), past_states=states, composition=composer
+    ).logits
+    out = model.generate(
+        ids,
+        past_states=states,
+        composition=composer,
+        max_new_tokens=len(answer),
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return {"correct": tokenizer.decode(out[0, -len(answer) :]) == item["answer"], "loss": _answer_loss(logits, answer)}
 
 
 def composers_available(model, tokenizer) -> dict:
@@ -109,7 +123,12 @@ def composers_available(model, tokenizer) -> dict:
     for condition, options in COMPOSERS.items():
         try:
             composer = hsc.StateComposer("picaso_s", **options)
-            composed_condition(model, tokenizer, {"query": "Sollo river", "answer": " North.", "passages": ["Sollo river North.\n"]}, composer)
+            composed_condition(
+                model,
+                tokenizer,
+                {"query": "Sollo river", "answer": " North.", "passages": ["Sollo river North.\n"]},
+                composer,
+            )
             out[condition] = composer
         except (TypeError, ValueError, NotImplementedError) as error:
             out[condition] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -139,8 +158,11 @@ def evaluate(model, tokenizer, ks=(1, 4), seed: int = 0, limit: int | None = Non
             if not values:
                 per_k[condition] = {"not_available": composers[condition]}
                 continue
-            per_k[condition] = {"accuracy": sum(v["correct"] for v in values) / len(values),
-                                "answer_loss": sum(v["loss"] for v in values) / len(values), "questions": len(values)}
+            per_k[condition] = {
+                "accuracy": sum(v["correct"] for v in values) / len(values),
+                "answer_loss": sum(v["loss"] for v in values) / len(values),
+                "questions": len(values),
+            }
         result["k"][k] = per_k
         log(f"k={k}: {len(items)} questions in {time.time() - start:.0f}s")
     return result
@@ -149,9 +171,15 @@ def evaluate(model, tokenizer, ks=(1, 4), seed: int = 0, limit: int | None = Non
 @torch.no_grad()
 def zero_attention(model) -> None:
     """Zero the output projection of every attention layer (NemotronH's ``full_attention`` blocks), in place."""
-    layers = [layer for layer in getattr(getattr(model, "model", None), "layers", []) if getattr(layer, "block_type", None) == "full_attention"]
+    layers = [
+        layer
+        for layer in getattr(getattr(model, "model", None), "layers", [])
+        if getattr(layer, "block_type", None) == "full_attention"
+    ]
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no attention layers to zero: --zero-attention is for the hybrid demo")
+        raise ValueError(
+            f"{type(model).__name__} has no attention layers to zero: --zero-attention is for the hybrid demo"
+        )
     for layer in layers:
         layer.mixer.o_proj.weight.zero_()
 
@@ -170,12 +198,18 @@ def table(result: dict) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="hybrid", choices=["hybrid", "mamba2", "mamba"], help="which demo model (hsc.load_demo)")
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4], help="passages per question (the answer's and k - 1 others)")
+    parser.add_argument(
+        "--arch", default="hybrid", choices=["hybrid", "mamba2", "mamba"], help="which demo model (hsc.load_demo)"
+    )
+    parser.add_argument(
+        "--k", type=int, nargs="+", default=[1, 2, 4], help="passages per question (the answer's and k - 1 others)"
+    )
     parser.add_argument("--questions", type=int, default=None, help="the first N demo questions (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="picks the distractors and the passages' order")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--zero-attention", action="store_true", help="ablation: zero the attention layers' output projections (hybrid)")
+    parser.add_argument(
+        "--zero-attention", action="store_true", help="ablation: zero the attention layers' output projections (hybrid)"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     if args.threads:
@@ -187,8 +221,13 @@ def main(argv=None):
     if args.zero_attention:
         zero_attention(model)
     result = evaluate(model, tokenizer, args.k, args.seed, args.questions)
-    result.update(model=f"demo-{args.arch}", seed=args.seed, threads=torch.get_num_threads(), torch=torch.__version__,
-                  attention_zeroed=args.zero_attention)
+    result.update(
+        model=f"demo-{args.arch}",
+        seed=args.seed,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        attention_zeroed=args.zero_attention,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"eval_hybrid_demo_{args.arch}" + ("_zero_attention" if args.zero_attention else "")

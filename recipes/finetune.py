@@ -32,6 +32,7 @@ Output (``out``): the adapter (``save_pretrained``), ``results.json`` (config, p
 step, evaluation before and after through lm-eval: the composition tasks at k = ``eval.k`` and the
 plain held-out LM loss without contexts), and a model card, also written to ``model_cards/``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,6 +47,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from model_card import write_adapter_card  # recipes/ (this script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +141,9 @@ class Sampler:
     def __init__(self, tokenizer, cfg: dict, log=print, process_index: int = 0):
         self.tok, self.cfg = tokenizer, cfg
         self.rng = random.Random(cfg["seed"] * 1000 + process_index)  # each process its own data
-        self.pool, self.neighbours = wiki_pool(tokenizer, cfg["wiki_pool_segments"], cfg["segment_tokens"], cfg["seed"], log=log)
+        self.pool, self.neighbours = wiki_pool(
+            tokenizer, cfg["wiki_pool_segments"], cfg["segment_tokens"], cfg["seed"], log=log
+        )
         self.pool_ids = [torch.tensor(self.ids(text)) for text in self.pool]
 
     def ids(self, text: str) -> list[int]:
@@ -168,14 +172,17 @@ class Sampler:
         chosen = ([gold] + self.rng.sample(others, min(k - 1, len(others)))) if k else []
         self.rng.shuffle(chosen)
         return CompositionExample(
-            torch.tensor(self.ids(question.query)), torch.tensor(self.ids(question.answer)),
+            torch.tensor(self.ids(question.query)),
+            torch.tensor(self.ids(question.answer)),
             [torch.tensor(self.ids(world.passages[i])) for i in chosen],
         )
 
     def batch(self):
         k = self.rng.randint(self.cfg["k_min"], self.cfg["k_max"])
-        rows = [self.recall_row(k) if self.rng.random() < self.cfg["recall_fraction"] else self.wiki_row(k)
-                for _ in range(self.cfg["batch_size"])]
+        rows = [
+            self.recall_row(k) if self.rng.random() < self.cfg["recall_fraction"] else self.wiki_row(k)
+            for _ in range(self.cfg["batch_size"])
+        ]
         return k, rows
 
 
@@ -196,8 +203,14 @@ def add_lora(model, cfg: dict):
     targets = lora["target_modules"]
     if isinstance(targets, dict):
         targets = targets[model.config.model_type]
-    config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=targets,
-                        task_type="CAUSAL_LM", bias="none")
+    config = LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        bias="none",
+    )
     return get_peft_model(model, config)
 
 
@@ -214,12 +227,20 @@ def lm_eval_suite(model, tokenizer, cfg: dict, log=print) -> dict:
     limit = cfg["eval"].get("limit")
     manager = TaskManager(include_path=str(TASKS_DIR))
     out = {}
-    for k, tasks in ((cfg["eval"]["k"], ["statecompose_wikipedia", "statecompose_recall_mc"]), (0, ["statecompose_wikipedia_rolling"])):
+    for k, tasks in (
+        (cfg["eval"]["k"], ["statecompose_wikipedia", "statecompose_recall_mc"]),
+        (0, ["statecompose_wikipedia_rolling"]),
+    ):
         start = time.time()
-        lm = StateComposeLM(pretrained=model, tokenizer=tokenizer, passages="bundled", k=k, composition=cfg["composition"], batch_size=8)
+        lm = StateComposeLM(
+            pretrained=model, tokenizer=tokenizer, passages="bundled", k=k, composition=cfg["composition"], batch_size=8
+        )
         result = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=False)
         for task, metrics in result["results"].items():
-            out[task] = {"k": k, **{m: v for m, v in metrics.items() if isinstance(v, (int, float)) and "stderr" not in m}}
+            out[task] = {
+                "k": k,
+                **{m: v for m, v in metrics.items() if isinstance(v, (int, float)) and "stderr" not in m},
+            }
         log(f"  lm-eval k={k} {tasks}: {time.time() - start:.0f}s")
     return out
 
@@ -243,10 +264,14 @@ def train(cfg: dict, log=print) -> dict:
 
     model = add_lora(base, cfg)
     trainable, total = model.get_nb_trainable_parameters()
-    say(f"{cfg['name']}: {cfg['arch']} + LoRA {cfg['lora']['r']} ({trainable:,} of {total:,} parameters trainable), objective {cfg['objective']}")
+    say(
+        f"{cfg['name']}: {cfg['arch']} + LoRA {cfg['lora']['r']} ({trainable:,} of {total:,} parameters trainable), objective {cfg['objective']}"
+    )
     with accelerator.main_process_first():  # the main process embeds and caches the pool, the others read it
         sampler = Sampler(tokenizer, cfg, log=say, process_index=accelerator.process_index)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg["lr"], weight_decay=cfg["weight_decay"]
+    )
     steps, warmup = cfg["max_steps"], cfg["warmup_steps"]
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
@@ -259,8 +284,15 @@ def train(cfg: dict, log=print) -> dict:
         k, rows = sampler.batch()
         t0 = time.perf_counter()
         with accelerator.accumulate(model):
-            loss = composition_loss(model, rows, cfg["objective"], cfg["composition"], pad_id=pad,
-                                    checkpoint_contexts=cfg["checkpoint_contexts"], reduction=cfg["loss_reduction"])
+            loss = composition_loss(
+                model,
+                rows,
+                cfg["objective"],
+                cfg["composition"],
+                pad_id=pad,
+                checkpoint_contexts=cfg["checkpoint_contexts"],
+                reduction=cfg["loss_reduction"],
+            )
             accelerator.backward(loss)
             if accelerator.sync_gradients and cfg["max_grad_norm"]:
                 accelerator.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
@@ -268,7 +300,9 @@ def train(cfg: dict, log=print) -> dict:
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
-        log_rows.append({"step": step, "k": k, "loss": loss.item(), "seconds": seconds, "lr": schedule.get_last_lr()[0]})
+        log_rows.append(
+            {"step": step, "k": k, "loss": loss.item(), "seconds": seconds, "lr": schedule.get_last_lr()[0]}
+        )
         if step % cfg["log_every"] == 0 or step == 1:
             say(f"step {step}/{steps} k={k:2d} loss {loss.item():.3f} {seconds:.2f}s/step ({time.time() - start:.0f}s)")
     train_seconds = time.time() - start
@@ -277,12 +311,14 @@ def train(cfg: dict, log=print) -> dict:
     for row in timed:
         per_k.setdefault(row["k"], []).append(row["seconds"])
     results["training"] = {
-        "steps": steps, "train_seconds": round(train_seconds, 1),
+        "steps": steps,
+        "train_seconds": round(train_seconds, 1),
         "seconds_per_step_mean": sum(r["seconds"] for r in timed) / len(timed),
         "seconds_per_step_by_k": {k: sum(v) / len(v) for k, v in sorted(per_k.items())},
         "loss_first_10": sum(r["loss"] for r in log_rows[:10]) / len(log_rows[:10]),
         "loss_last_10": sum(r["loss"] for r in log_rows[-10:]) / len(log_rows[-10:]),
-        "trainable_parameters": trainable, "total_parameters": total,
+        "trainable_parameters": trainable,
+        "total_parameters": total,
     }
     accelerator.wait_for_everyone()
     model = accelerator.unwrap_model(model)
@@ -332,9 +368,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experiment", help="a name from the config's `experiments`")
     parser.add_argument("--config", default=str(CONFIG))
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a parameter (repeatable)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a parameter (repeatable)"
+    )
     parser.add_argument("--list", action="store_true", help="list the experiments and exit")
-    parser.add_argument("--evaluate", nargs="+", metavar="ADAPTER_DIR", help="only run the lm-eval evaluation (before/after) of saved adapters")
+    parser.add_argument(
+        "--evaluate",
+        nargs="+",
+        metavar="ADAPTER_DIR",
+        help="only run the lm-eval evaluation (before/after) of saved adapters",
+    )
     args = parser.parse_args(argv)
     if args.evaluate:
         sys.path.insert(0, str(ROOT))

@@ -7,6 +7,7 @@
 * 60 paragraphs of the held-out Wikipedia articles of the gensim excerpt (never trained on), cut to
   at most 600 characters at a sentence end. Text © Wikipedia contributors, CC BY-SA 4.0.
 """
+
 import json
 import re
 from pathlib import Path
@@ -36,11 +37,16 @@ def main():
     wiki = []
     for title, text in held_out:
         paragraphs = [p for p in text.split("\n") if len(p) >= 200][:per_article]
-        wiki += [{"text": cut(p), "source": f"Wikipedia: {title}", "license": "CC BY-SA 4.0, © Wikipedia contributors"} for p in paragraphs]
+        wiki += [
+            {"text": cut(p), "source": f"Wikipedia: {title}", "license": "CC BY-SA 4.0, © Wikipedia contributors"}
+            for p in paragraphs
+        ]
     rows += wiki[:60]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "passages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    questions = [{"query": q.query, "answer": q.answer, "town": q.town, "relation": q.relation} for q in world.questions]
+    questions = [
+        {"query": q.query, "answer": q.answer, "town": q.town, "relation": q.relation} for q in world.questions
+    ]
     (OUT / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
     print(f"wrote {len(rows)} passages and {len(questions)} questions to {OUT}")
 

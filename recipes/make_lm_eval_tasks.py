@@ -17,6 +17,7 @@
 
 Wikipedia text: CC BY-SA 4.0, (c) Wikipedia contributors (the excerpt shipped in the gensim wheel).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,9 @@ WIKI_LICENSE = "CC BY-SA 4.0, (c) Wikipedia contributors"
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows), encoding="utf-8"
+    )
 
 
 def rolling_documents(text: str, low: int = 1500, high: int = 2500) -> list[str]:
@@ -52,8 +55,8 @@ def rolling_documents(text: str, low: int = 1500, high: int = 2500) -> list[str]
 def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
-    from hf_statecompose.demo.corpora import RELATIONS, recall_world, segments, wikipedia_split
     from hf_statecompose.demo import DEMO_DIR
+    from hf_statecompose.demo.corpora import RELATIONS, recall_world, segments, wikipedia_split
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(TASKS_DIR))
@@ -70,7 +73,9 @@ def main(argv=None) -> None:
     for title in WIKI_ARTICLES:
         for number, segment in enumerate(segments(by_title[title], tokenizer, SEGMENT)):
             wiki_segments.append(segment)
-            passages.append({"text": segment, "source": "wikipedia", "title": title, "segment": number, "license": WIKI_LICENSE})
+            passages.append(
+                {"text": segment, "source": "wikipedia", "title": title, "segment": number, "license": WIKI_LICENSE}
+            )
     rng = random.Random(0)
     wiki_docs = []
     for index in sorted(rng.sample(range(len(wiki_segments)), WIKI_DOCS)):
@@ -78,8 +83,15 @@ def main(argv=None) -> None:
         query, continuation = tokenizer.decode(ids[:HALF]), tokenizer.decode(ids[HALF:])
         if query + continuation != wiki_segments[index]:
             raise SystemExit(f"segment {index}: query + continuation does not decode back to the segment")
-        wiki_docs.append({"id": f"wiki-{index}", "title": passages[index]["title"], "query": query, "continuation": continuation,
-                          "exclude_passages": [wiki_segments[index]]})
+        wiki_docs.append(
+            {
+                "id": f"wiki-{index}",
+                "title": passages[index]["title"],
+                "query": query,
+                "continuation": continuation,
+                "exclude_passages": [wiki_segments[index]],
+            }
+        )
 
     rolling = []
     for title, text in held_out:
@@ -90,7 +102,15 @@ def main(argv=None) -> None:
 
     world = recall_world(WORLD_SEED, towns=WORLD_TOWNS)
     for number, text in enumerate(world.passages):
-        passages.append({"text": text, "source": "recall", "world_seed": WORLD_SEED, "passage": number, "license": "CC0 (generated)"})
+        passages.append(
+            {
+                "text": text,
+                "source": "recall",
+                "world_seed": WORLD_SEED,
+                "passage": number,
+                "license": "CC0 (generated)",
+            }
+        )
     rng = random.Random(WORLD_SEED)
     mc = []
     for q in world.questions:
@@ -98,8 +118,16 @@ def main(argv=None) -> None:
         others = rng.sample([v for v in RELATIONS[q.relation][2] if v != right], 3)
         values = [right] + others
         rng.shuffle(values)
-        mc.append({"id": f"recall-{q.town}", "query": q.query, "choices": [f" {v}." for v in values], "gold": values.index(right),
-                   "relation": q.relation, "answer_passage": q.passages[0]})
+        mc.append(
+            {
+                "id": f"recall-{q.town}",
+                "query": q.query,
+                "choices": [f" {v}." for v in values],
+                "gold": values.index(right),
+                "relation": q.relation,
+                "answer_passage": q.passages[0],
+            }
+        )
 
     write_jsonl(out / "passages.jsonl", passages)
     write_jsonl(out / "wikipedia.jsonl", wiki_docs)

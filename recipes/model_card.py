@@ -1,4 +1,5 @@
 """Model cards for the demo checkpoints, filled from the figures the training run measured."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,10 +17,10 @@ def render(summary: dict) -> str:
 license: cc-by-sa-4.0
 library_name: transformers
 pipeline_tag: text-generation
-tags: [mamba, {arch}, state-space-model, hf_statecompose, demo{', nemotron_h' if arch == 'hybrid' else ''}]
+tags: [mamba, {arch}, state-space-model, hf_statecompose, demo{", nemotron_h" if arch == "hybrid" else ""}]
 ---
 
-# hf_statecompose demo {NAMES[arch]} ({s['parameters'] / 1e6:.2f}M parameters)
+# hf_statecompose demo {NAMES[arch]} ({s["parameters"] / 1e6:.2f}M parameters)
 
 A tiny {NAMES[arch]} causal LM shipped inside `hf_statecompose` (`hsc.load_demo({LOAD_ARGS[arch]})`)
 so that the state database, composition and evaluation run offline on a CPU. It is a **demo model**:
@@ -27,15 +28,15 @@ it writes Wikipedia-flavoured English and recalls facts from its context; it kno
 not be used for anything but exercising and measuring the library.
 {_architecture(s)}
 ## Training
-- Recipe: `python recipes/train_demo.py --arch {arch} --minutes {s['train_seconds'] / 60:.0f}{_hybrid_flags(s)}` ({s['steps']} steps of
-  {s['batch_size']} × {s['seq_len']} tokens = {s['tokens_seen'] / 1e6:.2f}M tokens, {s['train_seconds'] / 60:.1f} min on
-  {s['device']} with {s['threads']} threads; AdamW, lr {s['lr']}, warm-up + cosine; seed {s['seed']}).
+- Recipe: `python recipes/train_demo.py --arch {arch} --minutes {s["train_seconds"] / 60:.0f}{_hybrid_flags(s)}` ({s["steps"]} steps of
+  {s["batch_size"]} × {s["seq_len"]} tokens = {s["tokens_seen"] / 1e6:.2f}M tokens, {s["train_seconds"] / 60:.1f} min on
+  {s["device"]} with {s["threads"]} threads; AdamW, lr {s["lr"]}, warm-up + cosine; seed {s["seed"]}).
 - Data: 3/8 of each batch Wikipedia, 5/8 synthetic recall:
   - the training articles of the English Wikipedia excerpt shipped in the `gensim` wheel
     (`gensim/test/test_data/enwiki-latest-pages-articles1*.bz2`). Text © Wikipedia contributors,
     licensed [CC BY-SA 4.0](https://creativecommons.org/licenses/by-sa/4.0/); the held-out articles
-    ({', '.join(s['held_out_articles'])}) were never trained on;
-  - a synthetic multi-context fact-recall task (`hf_statecompose.demo.corpora`): 2–{s.get('max_towns', 8)} fictional towns with
+    ({", ".join(s["held_out_articles"])}) were never trained on;
+  - a synthetic multi-context fact-recall task (`hf_statecompose.demo.corpora`): 2–{s.get("max_towns", 8)} fictional towns with
     one fact each (terse records, `Gasol river Iron.`, two towns per passage), shuffled, then every
     fact asked back (`Gasol river` → ` Iron.`), the loss taken on the answers only (the facts are
     random: predicting them is noise). A fresh random world per example, so facts can only come from
@@ -45,10 +46,10 @@ not be used for anything but exercising and measuring the library.
 ## Measured at the end of training
 | metric | value |
 |---|---|
-| mean training loss, last 50 steps | {s['final_train_loss_mean_last_50']:.3f} |
-| held-out Wikipedia loss (nats/token, {s['held_out_wikipedia_windows']} windows of {s['seq_len']} tokens, no context) | {s['held_out_wikipedia_loss']:.3f} |
-| recall accuracy, answer's passage in context (exact greedy answer, {s['recall_questions']} questions) | {s['recall_accuracy_with_context']:.1%} |
-| recall accuracy, no context (chance-level guessing) | {s['recall_accuracy_no_context']:.1%} |
+| mean training loss, last 50 steps | {s["final_train_loss_mean_last_50"]:.3f} |
+| held-out Wikipedia loss (nats/token, {s["held_out_wikipedia_windows"]} windows of {s["seq_len"]} tokens, no context) | {s["held_out_wikipedia_loss"]:.3f} |
+| recall accuracy, answer's passage in context (exact greedy answer, {s["recall_questions"]} questions) | {s["recall_accuracy_with_context"]:.1%} |
+| recall accuracy, no context (chance-level guessing) | {s["recall_accuracy_no_context"]:.1%} |
 
 {_evaluation(arch)}
 
@@ -62,7 +63,13 @@ def _hybrid_flags(s: dict) -> str:
     if s["arch"] != "hybrid":
         return ""
     flags = f" --lr {s['lr']} --threads {s['threads']}"
-    for key, default in (("max_towns", 8), ("attn_init_std", 0.0), ("qk_init_std", None), ("attn_lr_mult", 1.0), ("freeze_ssm_steps", 0)):
+    for key, default in (
+        ("max_towns", 8),
+        ("attn_init_std", 0.0),
+        ("qk_init_std", None),
+        ("attn_lr_mult", 1.0),
+        ("freeze_ssm_steps", 0),
+    ):
         if s.get(key, default) != default:
             flags += f" --{key.replace('_', '-')} {s[key]}"
     if s.get("induction_init"):
@@ -72,10 +79,14 @@ def _hybrid_flags(s: dict) -> str:
 
 def _evaluation(arch: str) -> str:
     if arch == "hybrid":
-        return ("Its evaluation with contexts (none / concatenated / composed states / SSM states only, on the demo\n"
-                "questions) is `python recipes/eval_hybrid_demo.py`: the repository README and `benchmarks/results/`.")
-    return ("The composition evaluation (losses for k = 0…10 retrieved contexts, every method) is in the\n"
-            "repository README and `benchmarks/results/`.")
+        return (
+            "Its evaluation with contexts (none / concatenated / composed states / SSM states only, on the demo\n"
+            "questions) is `python recipes/eval_hybrid_demo.py`: the repository README and `benchmarks/results/`."
+        )
+    return (
+        "The composition evaluation (losses for k = 0…10 retrieved contexts, every method) is in the\n"
+        "repository README and `benchmarks/results/`."
+    )
 
 
 def _architecture(s: dict) -> str:
@@ -83,32 +94,40 @@ def _architecture(s: dict) -> str:
     if s["arch"] != "hybrid":
         return ""
     if s.get("attn_init_std"):
-        o_proj = (f"with the attention layers' output projections drawn from N(0, {s['attn_init_std']}²) (so that their "
-                  "queries and keys learn from the first step)")
+        o_proj = (
+            f"with the attention layers' output projections drawn from N(0, {s['attn_init_std']}²) (so that their "
+            "queries and keys learn from the first step)"
+        )
     else:
         o_proj = "with the attention layers' output projections at zero, i.e. as exactly that model,"
     if not s.get("init_from"):
         start = "Trained from scratch."
     else:
-        start = (f"It started from `{s['init_from']}` (the Mamba-2 demo: embeddings, lm_head = those embeddings, "
-                 f"its six Mamba-2 layers in order, final norm) {o_proj.rstrip(',')}.")
+        start = (
+            f"It started from `{s['init_from']}` (the Mamba-2 demo: embeddings, lm_head = those embeddings, "
+            f"its six Mamba-2 layers in order, final norm) {o_proj.rstrip(',')}."
+        )
         if s.get("qk_init_std"):
             start += f" The attention layers' query / key projections were drawn from N(0, {s['qk_init_std']}²) (scores of order 1, not ~0.1)."
         if s.get("induction_init"):
-            start += (" Then the first attention layer was given a recall lookup by least squares (`induction_init` in the recipe: "
-                      "on its input hidden states over 60 fixed 16-town recall worlds, keys map an answer's position onto its "
-                      "question's query, values and output projection write the answer token's embedding), because NoPE attention "
-                      "trained from a random init learnt no lookup within a few hundred steps here.")
+            start += (
+                " Then the first attention layer was given a recall lookup by least squares (`induction_init` in the recipe: "
+                "on its input hidden states over 60 fixed 16-town recall worlds, keys map an answer's position onto its "
+                "question's query, values and output projection write the answer token's embedding), because NoPE attention "
+                "trained from a random init learnt no lookup within a few hundred steps here."
+            )
         start += " It was then trained as below."
     if s.get("attn_lr_mult", 1.0) != 1.0:
         start += f" The attention layers' learning rate is {s['attn_lr_mult']} × the rest's."
     if s.get("freeze_ssm_steps"):
-        start += (f" For the first {s['freeze_ssm_steps']} steps only the attention layers trained (everything else frozen, "
-                  "every row a recall row, so that the recall loss could only fall through attention), then every layer on the mix below.")
+        start += (
+            f" For the first {s['freeze_ssm_steps']} steps only the attention layers trained (everything else frozen, "
+            "every row a recall row, so that the recall loss could only fall through attention), then every layer on the mix below."
+        )
     return f"""
 ## Architecture
 transformers' `NemotronHForCausalLM` (model_type `nemotron_h`), hidden size 256, layer pattern
-`{s['pattern']}` (`M`: a Mamba-2 layer with the Mamba-2 demo's settings, 8 heads × 64, state 64, one group;
+`{s["pattern"]}` (`M`: a Mamba-2 layer with the Mamba-2 demo's settings, 8 heads × 64, state 64, one group;
 `*`: an attention layer, 4 query heads × 32 and 2 key/value heads, **no positional encoding** (NemotronH's
 attention has none; the Mamba-2 layers before it carry the order); no MLP layers, like the Mamba-2 demo.
 NemotronH does not tie its lm_head to the embeddings, hence the small attention layers (the file stays
@@ -135,8 +154,10 @@ def render_adapter(results: dict) -> str:
     """The card of a LoRA adapter trained by ``recipes/finetune.py``, from its ``results.json``."""
     cfg, tr = results["config"], results["training"]
     name, arch = cfg["name"], cfg["arch"]
-    objective = {"bptc": "BPTC (backpropagation through the composition and the context encodings)",
-                 "bp2c": "BP2C (gradient stopped at the composed state)"}[cfg["objective"]]
+    objective = {
+        "bptc": "BPTC (backpropagation through the composition and the context encodings)",
+        "bp2c": "BP2C (gradient stopped at the composed state)",
+    }[cfg["objective"]]
     rows = []
     for task in sorted(set(results.get("before", {})) | set(results.get("after", {}))):
         before, after = results.get("before", {}).get(task, {}), results.get("after", {}).get(task, {})
@@ -144,23 +165,29 @@ def render_adapter(results: dict) -> str:
             if metric in ("k", "alias", "sample_len"):
                 continue
             b, a = before.get(metric), after.get(metric)
-            fmt = lambda v: "–" if v is None else f"{v:.4f}"  # noqa: E731
+            fmt = lambda v: "–" if v is None else f"{v:.4f}"
             docs = after.get("sample_len", before.get("sample_len"))
-            rows.append(f"| {task} (k={after.get('k', before.get('k'))}, {docs} docs) | {metric.removesuffix(',none')} | {fmt(b)} | {fmt(a)} |")
-    table = "\n".join(["| task | metric | base model | with this adapter |", "|---|---|---:|---:|", *rows]) if rows else "(not evaluated)"
+            rows.append(
+                f"| {task} (k={after.get('k', before.get('k'))}, {docs} docs) | {metric.removesuffix(',none')} | {fmt(b)} | {fmt(a)} |"
+            )
+    table = (
+        "\n".join(["| task | metric | base model | with this adapter |", "|---|---|---:|---:|", *rows])
+        if rows
+        else "(not evaluated)"
+    )
     base = "hsc.load_demo()" if arch == "mamba2" else 'hsc.load_demo("mamba")'
     return f"""---
 license: cc-by-sa-4.0
 library_name: peft
 base_model: hf_statecompose/demo-{arch}
-tags: [mamba, {arch}, lora, hf_statecompose, composition, {cfg['objective']}]
+tags: [mamba, {arch}, lora, hf_statecompose, composition, {cfg["objective"]}]
 ---
 
-# {name}: LoRA adapter for composed states ({cfg['objective'].upper()})
+# {name}: LoRA adapter for composed states ({cfg["objective"].upper()})
 
-A LoRA adapter (r = {cfg['lora']['r']}, alpha = {cfg['lora']['alpha']}, on `{', '.join(cfg['lora']['target_modules'][arch] if isinstance(cfg['lora']['target_modules'], dict) else cfg['lora']['target_modules'])}`;
-{tr['trainable_parameters']:,} trainable parameters) for the embedded demo {NAMES[arch]} of `hf_statecompose`, fine-tuned
-to read a **composition of context states** ({cfg['composition']}): {objective}. A demo adapter: what it
+A LoRA adapter (r = {cfg["lora"]["r"]}, alpha = {cfg["lora"]["alpha"]}, on `{", ".join(cfg["lora"]["target_modules"][arch] if isinstance(cfg["lora"]["target_modules"], dict) else cfg["lora"]["target_modules"])}`;
+{tr["trainable_parameters"]:,} trainable parameters) for the embedded demo {NAMES[arch]} of `hf_statecompose`, fine-tuned
+to read a **composition of context states** ({cfg["composition"]}): {objective}. A demo adapter: what it
 changes (little, see below and the repository README, "Fine-tuning for composition") was measured, not tuned for.
 
 ## Use
@@ -172,17 +199,17 @@ base, tok = {base}
 model = PeftModel.from_pretrained(base, "adapters/{name}")       # this folder
 # states must be encoded by the adapted model (its fingerprint includes the adapter)
 states = [hsc.ComposableMambaCache.encode(model, tok(c, return_tensors="pt").input_ids) for c in contexts]
-out = model.generate(tok(query, return_tensors="pt").input_ids, past_states=states, composition="{cfg['composition']}", max_new_tokens=8)
+out = model.generate(tok(query, return_tensors="pt").input_ids, past_states=states, composition="{cfg["composition"]}", max_new_tokens=8)
 ```
-With lm-eval: `hf-statecompose lm-eval run --model statecompose --model_args pretrained=demo{'' if arch == 'mamba2' else '-mamba'},peft=adapters/{name},passages=bundled,k=5 --tasks statecompose_recall_mc`.
+With lm-eval: `hf-statecompose lm-eval run --model statecompose --model_args pretrained=demo{"" if arch == "mamba2" else "-mamba"},peft=adapters/{name},passages=bundled,k=5 --tasks statecompose_recall_mc`.
 
 ## Training
 `accelerate launch recipes/finetune.py --experiment {name}` (config: `recipes/configs/finetune.json`):
-{tr['steps']} steps of {cfg['batch_size']} rows, k ∈ [{cfg['k_min']}, {cfg['k_max']}] contexts sampled per batch,
-{1 - cfg['recall_fraction']:.0%} Wikipedia rows (training articles; query 64 tokens, target 64 tokens, contexts retrieved
-from training segments) and {cfg['recall_fraction']:.0%} synthetic recall rows; AdamW lr {cfg['lr']}, warm-up + cosine, seed {cfg['seed']};
-{tr['train_seconds'] / 60:.1f} min on {results['device']} ({tr['seconds_per_step_mean']:.2f} s/step);
-training loss {tr['loss_first_10']:.3f} (first 10 steps) → {tr['loss_last_10']:.3f} (last 10).
+{tr["steps"]} steps of {cfg["batch_size"]} rows, k ∈ [{cfg["k_min"]}, {cfg["k_max"]}] contexts sampled per batch,
+{1 - cfg["recall_fraction"]:.0%} Wikipedia rows (training articles; query 64 tokens, target 64 tokens, contexts retrieved
+from training segments) and {cfg["recall_fraction"]:.0%} synthetic recall rows; AdamW lr {cfg["lr"]}, warm-up + cosine, seed {cfg["seed"]};
+{tr["train_seconds"] / 60:.1f} min on {results["device"]} ({tr["seconds_per_step_mean"]:.2f} s/step);
+training loss {tr["loss_first_10"]:.3f} (first 10 steps) → {tr["loss_last_10"]:.3f} (last 10).
 
 ## Evaluation (lm-eval, bundled tasks; `python recipes/finetune.py --evaluate adapters/{name}`)
 {table}

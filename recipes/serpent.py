@@ -32,6 +32,7 @@ the other task already in ``<out>`` are kept in it), and the seed-0 checkpoints
 ``<checkpoints>/<task>-<model>/`` (safetensors + tokenizer + model card, the card also written to
 ``model_cards/serpent-<task>-<model>.md`` for checkpoints inside the repository).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,11 @@ NAMES = {"serpent": "SeRpEnt", "mamba": "Mamba-1"}
 def merge(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in override.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else copy.deepcopy(value)
+        out[key] = (
+            merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else copy.deepcopy(value)
+        )
     return out
 
 
@@ -89,7 +94,9 @@ def model_class(name: str):
 def build_model(spec: dict, vocab_size: int, special_id: int):
     """The causal LM of ``spec`` ({"class": ..., "config": {...}}) with the task's vocabulary."""
     cls = model_class(spec["class"])
-    kwargs = dict(spec["config"], vocab_size=vocab_size, pad_token_id=special_id, bos_token_id=special_id, eos_token_id=special_id)
+    kwargs = dict(
+        spec["config"], vocab_size=vocab_size, pad_token_id=special_id, bos_token_id=special_id, eos_token_id=special_id
+    )
     return cls(cls.config_class(**kwargs))
 
 
@@ -188,18 +195,29 @@ class LMTask:
             for chunk in windows.split(self.settings["eval_batch_size"]):
                 logits = forward(model, chunk).logits[:, :-1].float()
                 targets = chunk[:, 1:]
-                total_loss += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
+                total_loss += float(
+                    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+                )
                 best = logits.topk(5, dim=-1).indices
                 top1 += int((best[..., 0] == targets).sum())
                 top5 += int((best == targets[..., None]).any(-1).sum())
                 count += targets.numel()
         loss = total_loss / count
-        return {"loss": loss, "perplexity": math.exp(loss), "top1": top1 / count, "top5": top5 / count,
-                "tokens": count, "windows": len(windows)}
+        return {
+            "loss": loss,
+            "perplexity": math.exp(loss),
+            "top1": top1 / count,
+            "top5": top5 / count,
+            "tokens": count,
+            "windows": len(windows),
+        }
 
     def data_info(self) -> dict:
-        return {"train_tokens": len(self.train_stream), "held_out_articles": self.held_out_titles,
-                "held_out_tokens": sum(len(s) for s in self.held_out_stream)}
+        return {
+            "train_tokens": len(self.train_stream),
+            "held_out_articles": self.held_out_titles,
+            "held_out_tokens": sum(len(s) for s in self.held_out_stream),
+        }
 
     def save_extras(self, out: Path) -> None:
         self.tokenizer.save_pretrained(out)
@@ -236,13 +254,21 @@ class ListOpsTask:
                 total_loss += float(torch.nn.functional.cross_entropy(logits, digits[answers], reduction="sum"))
                 correct += int((logits[:, digits].argmax(-1) == answers).sum())
         majority, baseline = self.listops.majority_baseline(self.held_out)
-        return {"answer_loss": total_loss / len(self.held_out), "accuracy": correct / len(self.held_out),
-                "majority_class": majority, "majority_baseline_accuracy": baseline, "examples": len(self.held_out)}
+        return {
+            "answer_loss": total_loss / len(self.held_out),
+            "accuracy": correct / len(self.held_out),
+            "majority_class": majority,
+            "majority_baseline_accuracy": baseline,
+            "examples": len(self.held_out),
+        }
 
     def data_info(self) -> dict:
         lengths = [len(e.tokens) for e in self.held_out]
-        return {"generator": self.settings["generator"], "held_out_examples": len(self.held_out),
-                "held_out_mean_length": statistics.mean(lengths)}
+        return {
+            "generator": self.settings["generator"],
+            "held_out_examples": len(self.held_out),
+            "held_out_mean_length": statistics.mean(lengths),
+        }
 
     def save_extras(self, out: Path) -> None:
         self.listops.hf_tokenizer().save_pretrained(out)
@@ -256,13 +282,20 @@ def train_one(task, task_name: str, arch: str, seed: int, settings: dict) -> tup
     model = prepare(build_model(settings["models"][arch], task.vocab_size, task.special_id)).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings["weight_decay"]}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=settings["lr"], betas=tuple(settings["betas"]))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings["weight_decay"]}, {"params": rest, "weight_decay": 0.0}],
+        lr=settings["lr"],
+        betas=tuple(settings["betas"]),
+    )
     steps, warmup, floor = settings["steps"], settings["warmup_steps"], settings["final_lr_fraction"]
     batches, log, start = task.batches(seed), [], time.time()
     for step in range(steps):
         progress = step / steps
-        lr = settings["lr"] * min(1.0, (step + 1) / warmup) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+        lr = (
+            settings["lr"]
+            * min(1.0, (step + 1) / warmup)
+            * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr
         ids, mask, labels = next(batches)
@@ -273,18 +306,26 @@ def train_one(task, task_name: str, arch: str, seed: int, settings: dict) -> tup
         optimizer.zero_grad(set_to_none=True)
         log.append(round(loss.item(), 4))
         if (step + 1) % settings["log_every"] == 0 or step + 1 == steps:
-            window = log[-settings["log_every"]:]
-            print(f"  [{task_name} {arch} seed {seed}] step {step + 1}/{steps} loss {sum(window) / len(window):.3f} "
-                  f"lr {lr:.2e} {time.time() - start:.0f}s", flush=True)
+            window = log[-settings["log_every"] :]
+            print(
+                f"  [{task_name} {arch} seed {seed}] step {step + 1}/{steps} loss {sum(window) / len(window):.3f} "
+                f"lr {lr:.2e} {time.time() - start:.0f}s",
+                flush=True,
+            )
     train_seconds = time.time() - start
     model.eval()
     start = time.time()
     metrics = task.evaluate(model)
     eval_seconds = time.time() - start
-    tail = log[-max(1, steps // 10):]
-    return {"train_seconds": round(train_seconds, 1), "eval_seconds": round(eval_seconds, 1),
-            "seconds_per_step": round(train_seconds / steps, 3), "train_loss_last_10pct": sum(tail) / len(tail),
-            "metrics": metrics, "train_loss_log": log[:: max(1, steps // 200)]}, model
+    tail = log[-max(1, steps // 10) :]
+    return {
+        "train_seconds": round(train_seconds, 1),
+        "eval_seconds": round(eval_seconds, 1),
+        "seconds_per_step": round(train_seconds / steps, 3),
+        "train_loss_last_10pct": sum(tail) / len(tail),
+        "metrics": metrics,
+        "train_loss_log": log[:: max(1, steps // 200)],
+    }, model
 
 
 def save_checkpoint(model, task, out: Path) -> None:
@@ -331,20 +372,34 @@ def summary_table(results: list[dict]) -> str:
         runs = [r for r in results if r["task"] == task]
         if not runs:
             continue
-        rows = [f"### {task}", "", "| model | parameters | seed | steps | train min | " + " | ".join(HEADERS[task]) + " |",
-                "|---|---:|---:|---:|---:|" + "---:|" * len(HEADERS[task])]
+        rows = [
+            f"### {task}",
+            "",
+            "| model | parameters | seed | steps | train min | " + " | ".join(HEADERS[task]) + " |",
+            "|---|---:|---:|---:|---:|" + "---:|" * len(HEADERS[task]),
+        ]
         for arch in MODELS:
             mine = sorted((r for r in runs if r["model"] == arch), key=lambda r: r["seed"])
             for r in mine:
-                rows.append(f"| {NAMES[arch]} | {r['parameters'][arch]:,} | {r['seed']} | {r['steps']} | {r['train_seconds'] / 60:.1f} | "
-                            + " | ".join(headline(task, r["metrics"])) + " |")
+                rows.append(
+                    f"| {NAMES[arch]} | {r['parameters'][arch]:,} | {r['seed']} | {r['steps']} | {r['train_seconds'] / 60:.1f} | "
+                    + " | ".join(headline(task, r["metrics"]))
+                    + " |"
+                )
             if len(mine) > 1:
                 mean = {k: statistics.mean(r["metrics"][k] for r in mine) for k in KEYS[task]}
-                rows.append(f"| **{NAMES[arch]}, mean** | {mine[0]['parameters'][arch]:,} | {len(mine)} seeds | {mine[0]['steps']} | "
-                            f"{statistics.mean(r['train_seconds'] for r in mine) / 60:.1f} | " + " | ".join(f"**{v}**" for v in headline(task, mean)) + " |")
+                rows.append(
+                    f"| **{NAMES[arch]}, mean** | {mine[0]['parameters'][arch]:,} | {len(mine)} seeds | {mine[0]['steps']} | "
+                    f"{statistics.mean(r['train_seconds'] for r in mine) / 60:.1f} | "
+                    + " | ".join(f"**{v}**" for v in headline(task, mean))
+                    + " |"
+                )
         if task == "listops":
-            rows += ["", f"Majority-class baseline on the held-out set: {runs[0]['metrics']['majority_baseline_accuracy']:.2%} "
-                     f"(always answering {runs[0]['metrics']['majority_class']}; {runs[0]['metrics']['examples']} examples)."]
+            rows += [
+                "",
+                f"Majority-class baseline on the held-out set: {runs[0]['metrics']['majority_baseline_accuracy']:.2%} "
+                f"(always answering {runs[0]['metrics']['majority_class']}; {runs[0]['metrics']['examples']} examples).",
+            ]
         parts.append("\n".join(rows))
     return "\n\n".join(parts) + "\n"
 
@@ -353,37 +408,48 @@ def render_card(result: dict, task_runs: list[dict], relative_out: str) -> str:
     task, arch = result["task"], result["model"]
     cls = result["config"]["models"][arch]["class"]
     counts = result["parameters"]
-    load = (f"import hf_statecompose as hsc  # registers serpent_mamba\nmodel = hsc.{cls}.from_pretrained(\"{relative_out}\")"
-            if arch == "serpent" else f"from transformers import {cls}\nmodel = {cls}.from_pretrained(\"{relative_out}\")")
+    load = (
+        f'import hf_statecompose as hsc  # registers serpent_mamba\nmodel = hsc.{cls}.from_pretrained("{relative_out}")'
+        if arch == "serpent"
+        else f'from transformers import {cls}\nmodel = {cls}.from_pretrained("{relative_out}")'
+    )
     s = result["config"]
     if task == "lm":
-        what = (f"a next-token language model of Wikipedia text ({s['seq_len']}-token windows), trained on the training "
-                f"articles of the Wikipedia excerpt in the `gensim` wheel (held out: {', '.join(result['data']['held_out_articles'])}) "
-                "with the demo models' 4096-token byte-level BPE (saved here).")
+        what = (
+            f"a next-token language model of Wikipedia text ({s['seq_len']}-token windows), trained on the training "
+            f"articles of the Wikipedia excerpt in the `gensim` wheel (held out: {', '.join(result['data']['held_out_articles'])}) "
+            "with the demo models' 4096-token byte-level BPE (saved here)."
+        )
         licence = "cc-by-sa-4.0"
         licence_text = "Trained on Wikipedia text (© Wikipedia contributors, CC BY-SA 4.0); the weights are released under the same licence."
-        tokenizer = "from transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained(\"" + relative_out + "\")"
+        tokenizer = (
+            'from transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained("' + relative_out + '")'
+        )
     else:
         g = s["generator"]
-        what = (f"ListOps (Long Range Arena's generator, `hf_statecompose.demo.listops`: MAX / MIN / MED / SM, max depth "
-                f"{g['max_depth']}, max {g['max_args']} arguments, {g['min_length']}–{g['max_length']} tokens) as `expression = answer`, "
-                "the answer digit predicted at the `=` position; a 17-token word-level tokenizer (saved here).")
+        what = (
+            f"ListOps (Long Range Arena's generator, `hf_statecompose.demo.listops`: MAX / MIN / MED / SM, max depth "
+            f"{g['max_depth']}, max {g['max_args']} arguments, {g['min_length']}–{g['max_length']} tokens) as `expression = answer`, "
+            "the answer digit predicted at the `=` position; a 17-token word-level tokenizer (saved here)."
+        )
         licence = "apache-2.0"
         licence_text = "Synthetic data; Apache-2.0 like the package."
-        tokenizer = ("from hf_statecompose.demo import listops\n"
-                     "ids, mask, _ = listops.collate([listops.ListOpsExample(tuple(\"[SM [MAX 3 8 ] [MIN 4 7 ] [MED 1 9 ] ]\".split()), 7)])\n"
-                     "answer = model(input_ids=ids, attention_mask=mask).logits[0, -2, list(listops.DIGIT_IDS)].argmax()  # 7, if it learnt")
+        tokenizer = (
+            "from hf_statecompose.demo import listops\n"
+            'ids, mask, _ = listops.collate([listops.ListOpsExample(tuple("[SM [MAX 3 8 ] [MIN 4 7 ] [MED 1 9 ] ]".split()), 7)])\n'
+            "answer = model(input_ids=ids, attention_mask=mask).logits[0, -2, list(listops.DIGIT_IDS)].argmax()  # 7, if it learnt"
+        )
     return f"""---
 license: {licence}
 library_name: transformers
-tags: [{'serpent' if arch == 'serpent' else 'mamba'}, state-space-model, hf_statecompose, {task}, miniature-reproduction]
+tags: [{"serpent" if arch == "serpent" else "mamba"}, state-space-model, hf_statecompose, {task}, miniature-reproduction]
 ---
 
-# serpent-{task}-{arch}: {NAMES[arch]}, {counts[arch] / 1e6:.2f}M parameters, {'language modelling' if task == 'lm' else 'ListOps'} (seed 0)
+# serpent-{task}-{arch}: {NAMES[arch]}, {counts[arch] / 1e6:.2f}M parameters, {"language modelling" if task == "lm" else "ListOps"} (seed 0)
 
 One of the four checkpoints of `hf_statecompose`'s miniature reproduction of the SeRpEnt paper
-({'Table 2, language modelling' if task == 'lm' else 'Table 1, ListOps'}): SeRpEnt ({counts['serpent']:,} parameters) vs
-Mamba-1 ({counts['mamba']:,}) at matched parameter count ({result['parameter_difference']:+.1%}), same data, steps
+({"Table 2, language modelling" if task == "lm" else "Table 1, ListOps"}): SeRpEnt ({counts["serpent"]:,} parameters) vs
+Mamba-1 ({counts["mamba"]:,}) at matched parameter count ({result["parameter_difference"]:+.1%}), same data, steps
 and schedule. This is the **{NAMES[arch]}** one: {what} A tiny CPU model for comparing the two
 architectures, not for use.
 
@@ -393,15 +459,15 @@ architectures, not for use.
 ```
 
 ## Training
-`python recipes/serpent.py --task {task}` (config `recipes/configs/serpent.json`): {result['steps']} steps of
-{s['batch_size']} sequences, AdamW lr {s['lr']}, weight decay {s['weight_decay']}, betas {tuple(s['betas'])}, {s['warmup_steps']} warm-up
-steps then cosine to {s['final_lr_fraction']} × lr, gradient clipping {s['max_grad_norm']}; seed {result['seed']};
-{result['train_seconds'] / 60:.1f} min on {result['device']} with {result['threads']} thread{'s' if result['threads'] > 1 else ''} (commit {result['git_commit']},
-SeRpEnt source sha256 {result.get('serpent_source_sha256', '?')}).
-Model config: `{json.dumps(s['models'][arch]['config'])}`.
+`python recipes/serpent.py --task {task}` (config `recipes/configs/serpent.json`): {result["steps"]} steps of
+{s["batch_size"]} sequences, AdamW lr {s["lr"]}, weight decay {s["weight_decay"]}, betas {tuple(s["betas"])}, {s["warmup_steps"]} warm-up
+steps then cosine to {s["final_lr_fraction"]} × lr, gradient clipping {s["max_grad_norm"]}; seed {result["seed"]};
+{result["train_seconds"] / 60:.1f} min on {result["device"]} with {result["threads"]} thread{"s" if result["threads"] > 1 else ""} (commit {result["git_commit"]},
+SeRpEnt source sha256 {result.get("serpent_source_sha256", "?")}).
+Model config: `{json.dumps(s["models"][arch]["config"])}`.
 
 ## Measured by that run (held-out data; every run of the comparison)
-{summary_table(task_runs).replace('### ' + task + chr(10) + chr(10), '')}
+{summary_table(task_runs).replace("### " + task + chr(10) + chr(10), "")}
 {licence_text}
 """
 
@@ -423,11 +489,22 @@ def main(argv=None):
     parser.add_argument("--config", default=str(CONFIG))
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the config's seeds")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/serpent; --smoke: /tmp/hsc-serpent-smoke)")
-    parser.add_argument("--checkpoints", default=None, help="checkpoint folder (default checkpoints/serpent; --smoke: <out>/checkpoints)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default benchmarks/results/serpent; --smoke: /tmp/hsc-serpent-smoke)",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        default=None,
+        help="checkpoint folder (default checkpoints/serpent; --smoke: <out>/checkpoints)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="train nothing: rebuild summary.md and the seed-0 checkpoints' model cards from the JSON results in --out")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: rebuild summary.md and the seed-0 checkpoints' model cards from the JSON results in --out",
+    )
     args = parser.parse_args(argv)
 
     experiments = load_experiments(Path(args.config), args.smoke)
@@ -455,19 +532,44 @@ def main(argv=None):
         seeds = args.seeds if args.seeds is not None else settings["seeds"]
         start = time.time()
         task = LMTask(settings) if task_name == "lm" else ListOpsTask(settings)
-        print(f"[{task_name}] data ready in {time.time() - start:.0f}s: {json.dumps(task.data_info())[:300]}", flush=True)
-        counts = {arch: parameter_count(build_model(settings["models"][arch], task.vocab_size, task.special_id)) for arch in MODELS}
+        print(
+            f"[{task_name}] data ready in {time.time() - start:.0f}s: {json.dumps(task.data_info())[:300]}", flush=True
+        )
+        counts = {
+            arch: parameter_count(build_model(settings["models"][arch], task.vocab_size, task.special_id))
+            for arch in MODELS
+        }
         difference = check_matched(counts, settings["match_tolerance"])
-        print(f"[{task_name}] parameters: SeRpEnt {counts['serpent']:,}, Mamba-1 {counts['mamba']:,} ({difference:+.2%})", flush=True)
+        print(
+            f"[{task_name}] parameters: SeRpEnt {counts['serpent']:,}, Mamba-1 {counts['mamba']:,} ({difference:+.2%})",
+            flush=True,
+        )
         task_runs, models = [], {}
         for seed in seeds:
             for arch in args.models:
                 run, model = train_one(task, task_name, arch, seed, settings)
-                result = {"task": task_name, "model": arch, "seed": seed, "steps": settings["steps"], "parameters": counts,
-                          "parameter_difference": difference, **run, "config": settings, "data": task.data_info(),
-                          "git_commit": commit, "serpent_source_sha256": source_digest, "device": "cpu", "threads": threads, "torch": torch.__version__,
-                          "transformers": transformers.__version__, "smoke": args.smoke}
-                print(f"[{task_name}] {NAMES[arch]} seed {seed}: {json.dumps(run['metrics'])} ({run['train_seconds']:.0f}s training)", flush=True)
+                result = {
+                    "task": task_name,
+                    "model": arch,
+                    "seed": seed,
+                    "steps": settings["steps"],
+                    "parameters": counts,
+                    "parameter_difference": difference,
+                    **run,
+                    "config": settings,
+                    "data": task.data_info(),
+                    "git_commit": commit,
+                    "serpent_source_sha256": source_digest,
+                    "device": "cpu",
+                    "threads": threads,
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "smoke": args.smoke,
+                }
+                print(
+                    f"[{task_name}] {NAMES[arch]} seed {seed}: {json.dumps(run['metrics'])} ({run['train_seconds']:.0f}s training)",
+                    flush=True,
+                )
                 write_result(result, out / f"{task_name}-{arch}-seed{seed}.json")
                 task_runs.append(result)
                 if seed == seeds[0]:
@@ -482,7 +584,9 @@ def main(argv=None):
 
 def write_summary(out: Path, smoke: bool) -> list[dict]:
     """``summary.md`` of every run in the results folder (a ``--task lm`` run keeps the listops rows)."""
-    results = [r for r in (json.loads(p.read_text()) for p in sorted(out.glob("*-seed*.json"))) if r.get("smoke") == smoke]
+    results = [
+        r for r in (json.loads(p.read_text()) for p in sorted(out.glob("*-seed*.json"))) if r.get("smoke") == smoke
+    ]
     table = summary_table(results)
     (out / "summary.md").write_text(table)
     print("\n" + table)

@@ -33,6 +33,7 @@ measured speed of the first steps so that the run takes about ``--minutes``. Out
 (safetensors) with tokenizer, ``training_log.json`` and a model card (README.md, also written to
 ``model_cards/``) whose figures are the ones this run measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,32 +66,63 @@ def build_tokenizer(train_articles, seed: int = 0):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=4096, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=4096,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>", padding_side="left", model_max_length=1 << 20,
+        tokenizer_object=tokenizer,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        padding_side="left",
+        model_max_length=1 << 20,
     )
 
 
 def build_model(arch: str, vocab_size: int, eos: int):
     from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
 
-    common = dict(vocab_size=vocab_size, hidden_size=256, num_hidden_layers=6, expand=2, conv_kernel=4,
-                  tie_word_embeddings=True, pad_token_id=eos, bos_token_id=eos, eos_token_id=eos)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        num_hidden_layers=6,
+        expand=2,
+        conv_kernel=4,
+        tie_word_embeddings=True,
+        pad_token_id=eos,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
     if arch == "hybrid":  # the Mamba-2 demo's SSM settings; attention 4 query heads x 32, 2 key/value heads, NoPE;
         # NemotronH clamps dt from below at time_step_min (Mamba-2 at 0): 1e-6 computes what the Mamba-2 demo computes
         from transformers import NemotronHConfig, NemotronHForCausalLM
 
         del common["num_hidden_layers"]
         common["tie_word_embeddings"] = False  # NemotronH never ties (no _tied_weights_keys): say so in the config
-        return NemotronHForCausalLM(NemotronHConfig(
-            **common, hybrid_override_pattern=HYBRID_PATTERN, ssm_state_size=64, mamba_num_heads=8, mamba_head_dim=64,
-            n_groups=1, chunk_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, residual_in_fp32=True, time_step_min=1e-6,
-        ))
+        return NemotronHForCausalLM(
+            NemotronHConfig(
+                **common,
+                hybrid_override_pattern=HYBRID_PATTERN,
+                ssm_state_size=64,
+                mamba_num_heads=8,
+                mamba_head_dim=64,
+                n_groups=1,
+                chunk_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                residual_in_fp32=True,
+                time_step_min=1e-6,
+            )
+        )
     if arch == "mamba2":
-        return Mamba2ForCausalLM(Mamba2Config(**common, state_size=64, num_heads=8, head_dim=64, n_groups=1, chunk_size=64))
+        return Mamba2ForCausalLM(
+            Mamba2Config(**common, state_size=64, num_heads=8, head_dim=64, n_groups=1, chunk_size=64)
+        )
     return MambaForCausalLM(MambaConfig(**common, state_size=16))
 
 
@@ -109,8 +141,10 @@ def warm_start(hybrid, folder, attn_init_std: float = 0.0, qk_init_std: float | 
     source = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     mamba = [layer for layer in hybrid.model.layers if layer.block_type == "linear_attention"]
     if len(mamba) != len(source.backbone.layers) or source.config.hidden_size != hybrid.config.hidden_size:
-        raise ValueError(f"{folder} has {len(source.backbone.layers)} Mamba-2 layers of width {source.config.hidden_size}; "
-                         f"the hybrid {len(mamba)} of width {hybrid.config.hidden_size}: they must match for --init-from")
+        raise ValueError(
+            f"{folder} has {len(source.backbone.layers)} Mamba-2 layers of width {source.config.hidden_size}; "
+            f"the hybrid {len(mamba)} of width {hybrid.config.hidden_size}: they must match for --init-from"
+        )
     hybrid.model.embeddings.load_state_dict(source.backbone.embeddings.state_dict())
     hybrid.lm_head.weight.copy_(source.get_output_embeddings().weight)
     hybrid.model.norm_f.load_state_dict(source.backbone.norm_f.state_dict())
@@ -119,7 +153,9 @@ def warm_start(hybrid, folder, attn_init_std: float = 0.0, qk_init_std: float | 
         target.mixer.load_state_dict(layer.mixer.state_dict())
     for layer in hybrid.model.layers:
         if layer.block_type == "full_attention":
-            layer.mixer.o_proj.weight.normal_(0.0, attn_init_std) if attn_init_std else layer.mixer.o_proj.weight.zero_()
+            layer.mixer.o_proj.weight.normal_(
+                0.0, attn_init_std
+            ) if attn_init_std else layer.mixer.o_proj.weight.zero_()
             if qk_init_std:
                 layer.mixer.q_proj.weight.normal_(0.0, qk_init_std)
                 layer.mixer.k_proj.weight.normal_(0.0, qk_init_std)
@@ -141,10 +177,14 @@ def induction_init(model, tokenizer, scale: float = 16.0, gain: float = 4.0, wor
     layer = attention_layers(model)[0]
     mixer, config = layer.mixer, model.config
     if (config.num_attention_heads, config.num_key_value_heads, config.head_dim) != (4, 2, 32):
-        raise ValueError("--induction-init is written for the demo hybrid's attention (4 query heads, 2 key/value heads of 32)")
+        raise ValueError(
+            "--induction-init is written for the demo hybrid's attention (4 query heads, 2 key/value heads of 32)"
+        )
     captured = {}
     hook = mixer.register_forward_pre_hook(
-        lambda module, args, kwargs: captured.__setitem__("h", (args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True)
+        lambda module, args, kwargs: captured.__setitem__("h", (args[0] if args else kwargs["hidden_states"]).detach()),
+        with_kwargs=True,
+    )
     h_q, h_a, answers = [], [], []
     was_training = model.training
     model.eval()
@@ -172,16 +212,23 @@ def induction_init(model, tokenizer, scale: float = 16.0, gain: float = 4.0, wor
     width = h_a.shape[1]
     gram = h_a.T @ h_a + 1e-2 * torch.eye(width)
     A = torch.linalg.solve(gram, h_a.T @ h_q)  # h_a @ A ≈ h_q
-    M = torch.linalg.solve(gram, h_a.T @ model.lm_head.weight[answers].detach().float().cpu())  # h_a @ M ≈ answer embedding
+    M = torch.linalg.solve(
+        gram, h_a.T @ model.lm_head.weight[answers].detach().float().cpu()
+    )  # h_a @ M ≈ answer embedding
     U, S, Vh = torch.linalg.svd(M.T)
     P = torch.linalg.qr(torch.randn(width, 32))[0].T * scale
     dtype, device = mixer.q_proj.weight.dtype, mixer.q_proj.weight.device
     mixer.q_proj.weight.copy_(torch.cat([P] * 4).to(device, dtype))
     mixer.k_proj.weight.copy_(torch.cat([P @ A.T] * 2).to(device, dtype))
-    mixer.v_proj.weight.copy_((Vh[:rank].T * S[:rank].sqrt()).T.to(device, dtype))  # key/value head 0: factors 0..31, head 1: 32..63
+    mixer.v_proj.weight.copy_(
+        (Vh[:rank].T * S[:rank].sqrt()).T.to(device, dtype)
+    )  # key/value head 0: factors 0..31, head 1: 32..63
     out = torch.zeros(width, 128)
     factors = U[:, :rank] * S[:rank].sqrt() * gain
-    out[:, 0:32], out[:, 64:96] = factors[:, :32], factors[:, 32:64]  # query head 0 reads key/value head 0, query head 2 head 1
+    out[:, 0:32], out[:, 64:96] = (
+        factors[:, :32],
+        factors[:, 32:64],
+    )  # query head 0 reads key/value head 0, query head 2 head 1
     mixer.o_proj.weight.copy_(out.to(device, dtype))
 
 
@@ -261,7 +308,9 @@ def recall_probe(model, tokenizer, seed: int = 4242):
 
 def attention_layers(model) -> list:
     """The hybrid's attention layers (NemotronH ``full_attention`` blocks); [] for the Mamba models."""
-    return [layer for layer in getattr(getattr(model, "model", None), "layers", []) if layer.block_type == "full_attention"]
+    return [
+        layer for layer in getattr(getattr(model, "model", None), "layers", []) if layer.block_type == "full_attention"
+    ]
 
 
 @torch.no_grad()
@@ -312,11 +361,13 @@ def evaluate(model, tokenizer, held_out, seed: int = 1234):
     hits = {"with_context": 0, "no_context": 0}
     for q in world.questions:
         for mode in hits:
-            prompt = ("\n".join(world.passages[i] for i in q.passages) + "\n" if mode == "with_context" else "") + q.query
+            prompt = (
+                "\n".join(world.passages[i] for i in q.passages) + "\n" if mode == "with_context" else ""
+            ) + q.query
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             answer = tokenizer(q.answer)["input_ids"]
             out = model.generate(ids, max_new_tokens=len(answer), do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            hits[mode] += tokenizer.decode(out[0, ids.shape[1]:]) == q.answer
+            hits[mode] += tokenizer.decode(out[0, ids.shape[1] :]) == q.answer
     model.train()
     return {
         "held_out_wikipedia_loss": sum(losses) / len(losses),
@@ -330,22 +381,53 @@ def evaluate(model, tokenizer, held_out, seed: int = 1234):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="mamba2", choices=["mamba2", "mamba", "hybrid"])
-    parser.add_argument("--minutes", type=float, default=12.0, help="training time budget (excluding data prep and evaluation)")
+    parser.add_argument(
+        "--minutes", type=float, default=12.0, help="training time budget (excluding data prep and evaluation)"
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="default: hf_statecompose/demo/models/<arch>")
-    parser.add_argument("--tokenizer-from", default=None, help="a folder with the tokenizer to reuse (default: another demo model's, if trained; else train one)")
-    parser.add_argument("--init-from", default=None, help="hybrid only: a Mamba-2 checkpoint to start from (default: the Mamba-2 demo's; 'none': from scratch)")
+    parser.add_argument(
+        "--tokenizer-from",
+        default=None,
+        help="a folder with the tokenizer to reuse (default: another demo model's, if trained; else train one)",
+    )
+    parser.add_argument(
+        "--init-from",
+        default=None,
+        help="hybrid only: a Mamba-2 checkpoint to start from (default: the Mamba-2 demo's; 'none': from scratch)",
+    )
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--max-towns", type=int, default=8, help="recall examples have 2 to this many towns (facts) in context")
-    parser.add_argument("--attn-init-std", type=float, default=0.0,
-                        help="hybrid warm start: std of the attention output projections' normal init (0: zero, the hybrid starts as the Mamba-2 model)")
-    parser.add_argument("--qk-init-std", type=float, default=None, help="hybrid warm start: std of the attention query / key projections' init (default: the config's, 0.02)")
-    parser.add_argument("--induction-init", action="store_true", help="hybrid warm start: fit the first attention layer as a recall lookup (induction_init) before training")
-    parser.add_argument("--attn-lr-mult", type=float, default=1.0, help="hybrid: the attention layers' learning rate is --lr times this")
-    parser.add_argument("--freeze-ssm-steps", type=int, default=0,
-                        help="hybrid: for the first N steps train the attention layers only (everything else frozen), on recall rows only, so the recall loss can only fall through attention")
+    parser.add_argument(
+        "--max-towns", type=int, default=8, help="recall examples have 2 to this many towns (facts) in context"
+    )
+    parser.add_argument(
+        "--attn-init-std",
+        type=float,
+        default=0.0,
+        help="hybrid warm start: std of the attention output projections' normal init (0: zero, the hybrid starts as the Mamba-2 model)",
+    )
+    parser.add_argument(
+        "--qk-init-std",
+        type=float,
+        default=None,
+        help="hybrid warm start: std of the attention query / key projections' init (default: the config's, 0.02)",
+    )
+    parser.add_argument(
+        "--induction-init",
+        action="store_true",
+        help="hybrid warm start: fit the first attention layer as a recall lookup (induction_init) before training",
+    )
+    parser.add_argument(
+        "--attn-lr-mult", type=float, default=1.0, help="hybrid: the attention layers' learning rate is --lr times this"
+    )
+    parser.add_argument(
+        "--freeze-ssm-steps",
+        type=int,
+        default=0,
+        help="hybrid: for the first N steps train the attention layers only (everything else frozen), on recall rows only, so the recall loss can only fall through attention",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -359,8 +441,17 @@ def main(argv=None):
     # BPE training breaks ties in no fixed order: train the tokenizer once, reuse it for the other models
     # (the hybrid: always the Mamba-2 demo's)
     demos = ROOT / "hf_statecompose" / "demo" / "models"
-    shared = args.tokenizer_from or (str(demos / "mamba2") if args.arch == "hybrid" else None) or next(
-        (str(p.parent) for p in sorted((ROOT / "hf_statecompose" / "demo" / "models").glob("*/tokenizer.json")) if p.parent != out), None
+    shared = (
+        args.tokenizer_from
+        or (str(demos / "mamba2") if args.arch == "hybrid" else None)
+        or next(
+            (
+                str(p.parent)
+                for p in sorted((ROOT / "hf_statecompose" / "demo" / "models").glob("*/tokenizer.json"))
+                if p.parent != out
+            ),
+            None,
+        )
     )
     if shared:
         from transformers import AutoTokenizer
@@ -370,8 +461,11 @@ def main(argv=None):
     else:
         tokenizer = build_tokenizer(train_articles)
     batches = Batches(tokenizer, train_articles, args.batch_size, args.seed, args.max_towns)
-    print(f"data: {len(train_articles)} training articles ({len(batches.wiki)} tokens), {len(held_out)} held out "
-          f"({', '.join(t for t, _ in held_out)}); prep {time.time() - t0:.0f}s", flush=True)
+    print(
+        f"data: {len(train_articles)} training articles ({len(batches.wiki)} tokens), {len(held_out)} held out "
+        f"({', '.join(t for t, _ in held_out)}); prep {time.time() - t0:.0f}s",
+        flush=True,
+    )
     model = build_model(args.arch, len(tokenizer), tokenizer.eos_token_id)
     stock = args.arch == "hybrid"  # trained with transformers' own forward, not hf_statecompose's state path
     init_from = None
@@ -380,8 +474,11 @@ def main(argv=None):
         warm_start(model, init_from, args.attn_init_std, args.qk_init_std)
         if args.induction_init:
             induction_init(model, tokenizer)
-            print(f"induction init: 16-town recall answer loss {attention_probe(model, tokenizer)[0]:.3f}, "
-                  f"attention o_proj zeroed {attention_probe(model, tokenizer)[1]:.3f}", flush=True)
+            print(
+                f"induction init: 16-town recall answer loss {attention_probe(model, tokenizer)[0]:.3f}, "
+                f"attention o_proj zeroed {attention_probe(model, tokenizer)[1]:.3f}",
+                flush=True,
+            )
         print(f"hybrid: started from {init_from}", flush=True)
     if not stock:
         model = hsc.enable(model)
@@ -394,8 +491,18 @@ def main(argv=None):
     for is_attention in (False, True):
         named = [(n, p) for n, p in model.named_parameters() if (id(p) in attention) == is_attention]
         mult = args.attn_lr_mult if is_attention else 1.0
-        groups += [{"params": [p for n, p in named if p.dim() >= 2 and "embed" not in n], "weight_decay": 0.1, "lr_mult": mult},
-                   {"params": [p for n, p in named if not (p.dim() >= 2 and "embed" not in n)], "weight_decay": 0.0, "lr_mult": mult}]
+        groups += [
+            {
+                "params": [p for n, p in named if p.dim() >= 2 and "embed" not in n],
+                "weight_decay": 0.1,
+                "lr_mult": mult,
+            },
+            {
+                "params": [p for n, p in named if not (p.dim() >= 2 and "embed" not in n)],
+                "weight_decay": 0.0,
+                "lr_mult": mult,
+            },
+        ]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95))
     frozen = [p for p in model.parameters() if id(p) not in attention] if args.freeze_ssm_steps and attention else []
     for p in frozen:
@@ -450,7 +557,9 @@ def main(argv=None):
             with_attention, ablated = attention_probe(model, tokenizer)
             model.train()
             log[-1].update(recall16_answer_loss=with_attention, recall16_answer_loss_attention_zeroed=ablated)
-            print(f"  16-town recall answer loss: {with_attention:.3f}, attention o_proj zeroed {ablated:.3f}", flush=True)
+            print(
+                f"  16-town recall answer loss: {with_attention:.3f}, attention o_proj zeroed {ablated:.3f}", flush=True
+            )
     train_seconds = time.time() - start
     model.eval()
     metrics = evaluate(model, tokenizer, held_out)
@@ -462,16 +571,35 @@ def main(argv=None):
     model.to("cpu").save_pretrained(out)
     tokenizer.save_pretrained(out)
     summary = {
-        "arch": args.arch, "parameters": params, "steps": step, "batch_size": args.batch_size, "seq_len": SEQ_LEN,
-        "tokens_seen": step * args.batch_size * SEQ_LEN, "train_seconds": round(train_seconds, 1), "device": device,
-        "threads": args.threads, "lr": args.lr, "seed": args.seed, "max_towns": args.max_towns,
+        "arch": args.arch,
+        "parameters": params,
+        "steps": step,
+        "batch_size": args.batch_size,
+        "seq_len": SEQ_LEN,
+        "tokens_seen": step * args.batch_size * SEQ_LEN,
+        "train_seconds": round(train_seconds, 1),
+        "device": device,
+        "threads": args.threads,
+        "lr": args.lr,
+        "seed": args.seed,
+        "max_towns": args.max_towns,
         "final_train_loss_mean_last_50": sum(r["loss"] for r in log[-50:]) / len(log[-50:]),
-        "held_out_articles": [t for t, _ in held_out], **metrics,
+        "held_out_articles": [t for t, _ in held_out],
+        **metrics,
     }
     if stock:
-        summary.update(pattern=HYBRID_PATTERN, init_from=None if init_from is None else os.path.relpath(init_from, ROOT),
-                       attn_init_std=args.attn_init_std, qk_init_std=args.qk_init_std, induction_init=args.induction_init, attn_lr_mult=args.attn_lr_mult, freeze_ssm_steps=args.freeze_ssm_steps)
-    (out / "training_log.json").write_text(json.dumps({"summary": summary, "log": log[:: max(1, len(log) // 400)]}, indent=1))
+        summary.update(
+            pattern=HYBRID_PATTERN,
+            init_from=None if init_from is None else os.path.relpath(init_from, ROOT),
+            attn_init_std=args.attn_init_std,
+            qk_init_std=args.qk_init_std,
+            induction_init=args.induction_init,
+            attn_lr_mult=args.attn_lr_mult,
+            freeze_ssm_steps=args.freeze_ssm_steps,
+        )
+    (out / "training_log.json").write_text(
+        json.dumps({"summary": summary, "log": log[:: max(1, len(log) // 400)]}, indent=1)
+    )
     from model_card import write_model_card
 
     write_model_card(out, summary)

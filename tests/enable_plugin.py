@@ -10,6 +10,7 @@ JambaModel, ...) is wrapped so that the outermost model built (a causal LM, not 
 enabled when its ``__init__`` returns, as a user would enable it right after ``from_pretrained`` / ``from_config``. At the end the
 plugin writes how many models it enabled to the file named by ``HSC_ENABLED_COUNT_FILE`` (if set).
 """
+
 from __future__ import annotations
 
 import functools

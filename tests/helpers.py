@@ -1,7 +1,13 @@
 """Shared helpers for the tests: tiny random models and comparisons."""
+
 import torch
 from transformers import (
-    FalconMambaConfig, FalconMambaForCausalLM, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM,
+    FalconMambaConfig,
+    FalconMambaForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
 )
 
 import hf_statecompose as hsc
@@ -17,15 +23,34 @@ def tiny_model(arch: str, seed: int = 0, layers: int = 2, conv_kernel: int = 4, 
             (MambaConfig, MambaForCausalLM) if arch == "mamba" else (FalconMambaConfig, FalconMambaForCausalLM)
         )
         config = config_class(
-            vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2,
-            conv_kernel=conv_kernel, pad_token_id=0, eos_token_id=1, bos_token_id=2, **overrides,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            state_size=8,
+            num_hidden_layers=layers,
+            expand=2,
+            conv_kernel=conv_kernel,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+            **overrides,
         )
         model = model_class(config)
     else:
         config = Mamba2Config(
-            vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2, num_heads=8,
-            head_dim=8, n_groups=2, chunk_size=16, conv_kernel=conv_kernel, pad_token_id=0, eos_token_id=1,
-            bos_token_id=2, **overrides,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            state_size=8,
+            num_hidden_layers=layers,
+            expand=2,
+            num_heads=8,
+            head_dim=8,
+            n_groups=2,
+            chunk_size=16,
+            conv_kernel=conv_kernel,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+            **overrides,
         )
         model = Mamba2ForCausalLM(config)
     return hsc.enable(model.to(dtype).eval())
@@ -65,15 +90,20 @@ def compile_without_gpu(script: str, marker: str = "compiled", timeout: int = 30
 # bytes back through this restricted unpickler, never a bare pickle.loads / torch.load(weights_only=False):
 # it resolves only classes of torch / transformers / this package and the few functions the round trips of
 # these objects reference (listed below), and refuses every other global (os.system, builtins.eval, ...).
-import io as _io  # noqa: E402
-import pickle as _pickle  # noqa: E402
-import types as _types  # noqa: E402
+import io as _io
+import pickle as _pickle
+import types as _types
 
 _TRUSTED_PACKAGES = ("torch", "transformers", "hf_statecompose")
 _TRUSTED_FUNCTIONS = {
-    ("builtins", "set"), ("__builtin__", "set"), ("collections", "OrderedDict"), ("_codecs", "encode"),
-    ("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch.storage", "_load_from_bytes"), ("hf_statecompose.generation.integration", "_new_enabled_model"),
+    ("builtins", "set"),
+    ("__builtin__", "set"),
+    ("collections", "OrderedDict"),
+    ("_codecs", "encode"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.storage", "_load_from_bytes"),
+    ("hf_statecompose.generation.integration", "_new_enabled_model"),
     ("hf_statecompose.models.mixers", "_new_state_aware_mixer"),
 }
 
@@ -100,8 +130,9 @@ class TrustedUnpickler(_pickle.Unpickler):
         raise _pickle.UnpicklingError(f"refusing to load {module}.{name} in a test round trip")
 
 
-_TRUSTED_PICKLE = _types.SimpleNamespace(Unpickler=TrustedUnpickler, __name__="trusted_pickle",
-                                         load=lambda f, **kw: TrustedUnpickler(f, **kw).load())
+_TRUSTED_PICKLE = _types.SimpleNamespace(
+    Unpickler=TrustedUnpickler, __name__="trusted_pickle", load=lambda f, **kw: TrustedUnpickler(f, **kw).load()
+)
 
 
 def trusted_loads(data: bytes):

@@ -1,4 +1,5 @@
 """A character tokenizer and a bag-of-words retriever for store tests on tiny random models."""
+
 import hashlib
 import re
 

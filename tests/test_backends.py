@@ -1,5 +1,6 @@
 """Backend choice, the compiled CPU scan, the references against scalar loops, and the plugin's results
 under every backend."""
+
 import logging
 import math
 
@@ -9,6 +10,7 @@ import torch
 import hf_statecompose as hsc
 from hf_statecompose.ops import backends, causal_conv1d_ref, selective_scan_ref, ssd_scan_ref
 from hf_statecompose.ops.selective_scan import compiled
+
 from helpers import random_ids, relative_error, tiny_model
 
 
@@ -30,7 +32,10 @@ def test_ssd_reference_is_the_plain_recurrence():
             s = [float(h0[0, hd, p, n]) for n in range(state)]
             for t in range(length):
                 a = math.exp(float(dt[0, t, hd]) * float(A[hd]))
-                s = [a * s[n] + float(dt[0, t, hd]) * float(x[0, t, hd, p]) * float(B[0, t, grp, n]) for n in range(state)]
+                s = [
+                    a * s[n] + float(dt[0, t, hd]) * float(x[0, t, hd, p]) * float(B[0, t, grp, n])
+                    for n in range(state)
+                ]
                 out = sum(s[n] * float(C[0, t, grp, n]) for n in range(state)) + float(D[hd]) * float(x[0, t, hd, p])
                 assert abs(out - float(y[0, t, hd, p])) < 1e-12
             assert all(abs(s[n] - float(h[0, hd, p, n])) < 1e-12 for n in range(state))
@@ -49,7 +54,9 @@ def test_conv_reference_is_the_plain_convolution():
     out, new_window = causal_conv1d_ref(x, w, bias, conv_state=window, mask=mask)
     for b in range(2):
         real = [t for t in range(length) if mask[b, t] == 1]
-        seq = [[float(window[b, c, k]) for k in range(kernel)] + [float(x[b, c, t]) for t in real] for c in range(channels)]
+        seq = [
+            [float(window[b, c, k]) for k in range(kernel)] + [float(x[b, c, t]) for t in real] for c in range(channels)
+        ]
         for c in range(channels):
             for i, t in enumerate(real):
                 # output at a real token: the last `kernel` entries of the sequence up to and including it
@@ -78,8 +85,13 @@ def test_explicit_triton_on_cpu_without_interpreter_raises(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="backend='triton' cannot run selective_scan"):
-        backends.selective_scan(*([torch.zeros(1, 2, 3)] * 2), torch.zeros(2, 4), torch.zeros(1, 4, 3),
-                                torch.zeros(1, 4, 3), backend="triton")
+        backends.selective_scan(
+            *([torch.zeros(1, 2, 3)] * 2),
+            torch.zeros(2, 4),
+            torch.zeros(1, 4, 3),
+            torch.zeros(1, 4, 3),
+            backend="triton",
+        )
 
 
 def test_explicit_triton_without_triton_installed_raises(monkeypatch):
@@ -117,9 +129,19 @@ def test_compiled_scan_matches_fp64_reference(batch, length):
     g = torch.Generator().manual_seed(batch * 1000 + length)
     D, N = 24, 16
     r = lambda *s: torch.randn(*s, generator=g)
-    args = dict(u=r(batch, D, length), delta=r(batch, D, length), A=-torch.rand(D, N, generator=g) * 3,
-                B=r(batch, N, length), C=r(batch, N, length), D=r(D), z=r(batch, D, length), delta_bias=r(D),
-                delta_softplus=True, initial_state=r(batch, D, N), mask=torch.ones(batch, length))
+    args = dict(
+        u=r(batch, D, length),
+        delta=r(batch, D, length),
+        A=-torch.rand(D, N, generator=g) * 3,
+        B=r(batch, N, length),
+        C=r(batch, N, length),
+        D=r(D),
+        z=r(batch, D, length),
+        delta_bias=r(D),
+        delta_softplus=True,
+        initial_state=r(batch, D, N),
+        mask=torch.ones(batch, length),
+    )
     args["mask"][-1, :5] = 0
     with torch.no_grad():
         assert compiled.applicable(args["u"], args["A"], args["initial_state"], length)
@@ -196,7 +218,9 @@ def test_composer_matches_the_float64_reference_on_every_path(arch, method, monk
         states = [hsc.ComposableMambaCache.encode(model, random_ids(6 + k, batch=2, generator=g)) for k in range(3)]
     w = [0.5, 0.2, 0.3]
     kwargs = {"weights": w} if method == "weighted" else {}
-    conv_w = {"soup": [1 / 3] * 3, "weighted": w, "caso": [0, 0, 1], "picaso_s": [1 / 3] * 3, "picaso_r": [1 / 3] * 3}[method]
+    conv_w = {"soup": [1 / 3] * 3, "weighted": w, "caso": [0, 0, 1], "picaso_s": [1 / 3] * 3, "picaso_r": [1 / 3] * 3}[
+        method
+    ]
     delta_w = [1 / 3] * 3 if method == "soup" else w if method == "weighted" else [1, 1, 1]
     runs = {}
     for backend in _tiny_backends():
@@ -206,8 +230,11 @@ def test_composer_matches_the_float64_reference_on_every_path(arch, method, monk
     for name, got in runs.items():
         for i in range(model.config.num_hidden_layers):
             ssm = compose_ssm_ref(
-                [s.ssm_states[i].double() for s in states], torch.stack([s.delta_sums[i] for s in states]).double(),
-                states[0].A[i].double(), method, weights=torch.tensor(w, dtype=torch.float64) if method == "weighted" else None,
+                [s.ssm_states[i].double() for s in states],
+                torch.stack([s.delta_sums[i] for s in states]).double(),
+                states[0].A[i].double(),
+                method,
+                weights=torch.tensor(w, dtype=torch.float64) if method == "weighted" else None,
             )
             conv = sum(c * s.conv_states[i].double() for c, s in zip(conv_w, states))
             delta = sum(c * s.delta_sums[i].double() for c, s in zip(delta_w, states))
@@ -220,8 +247,8 @@ def test_composer_matches_the_float64_reference_on_every_path(arch, method, monk
 
 
 # ------------------------------------------------------------------ composition: reference, fast paths, gradients
-from hf_statecompose.ops.compose import MODEL_FREE_METHODS, compose_ssm_ref, compose_ssm_torch  # noqa: E402
-from hf_statecompose.ops.compose import native as compose_native  # noqa: E402
+from hf_statecompose.ops.compose import MODEL_FREE_METHODS, compose_ssm_ref, compose_ssm_torch
+from hf_statecompose.ops.compose import native as compose_native
 
 # odd sizes: Mamba-1 rows of N = 5 and 21 elements (not multiples of the kernel's 16 lanes), Mamba-2 heads
 # not a multiple of 16 either, batch 1 and 3
@@ -234,7 +261,9 @@ def _compose_inputs(arch, shape, n, seed, dtype=torch.float32):
     delta = (torch.rand(n, shape[0], shape[1], generator=g, dtype=torch.float64) * 4).to(dtype)
     delta[0, 0, 0] = 0.0  # a decay of exactly 1
     delta[-1, -1, -1] = 200.0  # a decay below float32's smallest number: exp underflows
-    A = -torch.exp(torch.randn(shape[1:3] if arch == "mamba" else shape[1:2], generator=g, dtype=torch.float64)).to(dtype)
+    A = -torch.exp(torch.randn(shape[1:3] if arch == "mamba" else shape[1:2], generator=g, dtype=torch.float64)).to(
+        dtype
+    )
     weights = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
     return states, delta, A, weights / weights.sum()
 
@@ -254,7 +283,9 @@ def test_compose_reference_is_the_mean_over_orders(arch):
     for shape in COMPOSE_SHAPES[arch]:
         for n in (1, 2, 3, 4):
             states, delta, A, weights = _compose_inputs(arch, shape, n, seed=n, dtype=torch.float64)
-            log_decays = [delta[k][..., None] * A if arch == "mamba" else (delta[k] * A)[..., None, None] for k in range(n)]
+            log_decays = [
+                delta[k][..., None] * A if arch == "mamba" else (delta[k] * A)[..., None, None] for k in range(n)
+            ]
             perms = list(itertools.permutations(range(n)))
             rotations = [[(s + j) % n for j in range(n)] for s in range(n)]
             expected = {
@@ -359,14 +390,19 @@ def test_native_decay_exp_is_float32_accurate_everywhere():
     delta = torch.ones(2, 1, D)
     got = compose_native.compose_ssm_native(states, delta, A[:, None], "caso")[0, :, 0].double()
     want = torch.exp(A.double())
-    normal = want >= 2.0 ** -126
+    normal = want >= 2.0**-126
     ulp = 2.0 ** (torch.floor(torch.log2(want[normal])) - 23)
     assert ((got[normal] - want[normal]).abs() / ulp).max() <= 2.0
-    assert (got[~normal] >= 0).all() and (got[~normal] < 2.0 ** -126).all()
+    assert (got[~normal] >= 0).all() and (got[~normal] < 2.0**-126).all()
     one, zero = torch.ones(1, 1, 1), torch.zeros(1, 1, 1)
     decay_0 = compose_native.compose_ssm_native(
-        [one, one, zero], torch.tensor([[[1.0]], [[0.0]], [[float("inf")]]]), torch.tensor([[-1.0]]), "caso",
+        [one, one, zero],
+        torch.tensor([[[1.0]], [[0.0]], [[float("inf")]]]),
+        torch.tensor([[-1.0]]),
+        "caso",
     )  # x = a_1 a_2 x_0 + a_2 x_1 + x_2 with a_2 = exp(-inf) = 0
     assert decay_0.item() == 0.0
-    decay_1 = compose_native.compose_ssm_native([one, zero], torch.tensor([[[1.0]], [[0.0]]]), torch.tensor([[-3.0]]), "caso")
+    decay_1 = compose_native.compose_ssm_native(
+        [one, zero], torch.tensor([[[1.0]], [[0.0]]]), torch.tensor([[-3.0]]), "caso"
+    )
     assert decay_1.item() == 1.0  # a_1 = exp(0 · A) = 1

@@ -1,4 +1,5 @@
 """Every benchmark script starts (its imports and argument parsing), run as `python benchmarks/<name>.py`."""
+
 import glob
 import os
 import subprocess
@@ -23,9 +24,25 @@ def test_ttft_runs_at_tiny_size(tmp_path):
     import json
 
     out = tmp_path / "ttft.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ttft.py"), "--size", "tiny", "--repeats", "1",
-                           "--baseline-repeats", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "ttft.py"),
+            "--size",
+            "tiny",
+            "--repeats",
+            "1",
+            "--baseline-repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| tiny | 10 |" in done.stdout
     result = json.loads(out.read_text())
@@ -33,8 +50,16 @@ def test_ttft_runs_at_tiny_size(tmp_path):
     assert [row["k"] for row in size["rows"]] == [1, 4, 10] and result["threads"] == 1
     for row in size["rows"]:
         assert row["baseline_tokens"] == row["k"] * 256 + 16 and row["speedup"] > 0
-        assert set(row["seconds"]) >= {"ttft", "store_open", "retrieval", "read_verify", "compose", "prefill_first_token",
-                                       "baseline_prefill", "fingerprint_check"}
+        assert set(row["seconds"]) >= {
+            "ttft",
+            "store_open",
+            "retrieval",
+            "read_verify",
+            "compose",
+            "prefill_first_token",
+            "baseline_prefill",
+            "fingerprint_check",
+        }
 
 
 def _load_script(name):
@@ -48,21 +73,64 @@ def _load_script(name):
 
 # tiny configs of the hybrids (hidden 32, 4 SSM heads of 16, state 8, 2 kv heads): jamba and falcon_h1 need their
 # mixer paths, which are being made (they fail to encode until then)
-_HYBRID_SMALL = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
-                     pad_token_id=0)
+_HYBRID_SMALL = dict(
+    vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, pad_token_id=0
+)
 _HYBRID_CONFIGS = {
-    "granitemoehybrid": dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4,
-                             mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=16, num_local_experts=0,
-                             shared_intermediate_size=48, position_embedding_type="nope"),
-    "nemotron_h": dict(num_hidden_layers=4, hybrid_override_pattern="M*-M", mamba_num_heads=4, mamba_head_dim=16,
-                       ssm_state_size=8, n_groups=2, chunk_size=16),
-    "bamba": dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-                  mamba_n_groups=2, mamba_chunk_size=16),
-    "falcon_h1": dict(num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8,
-                      mamba_n_groups=1, mamba_chunk_size=16, head_dim=8),
-    "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                  expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4,
-                  mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False),
+    "granitemoehybrid": dict(
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+        num_local_experts=0,
+        shared_intermediate_size=48,
+        position_embedding_type="nope",
+    ),
+    "nemotron_h": dict(
+        num_hidden_layers=4,
+        hybrid_override_pattern="M*-M",
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=2,
+        chunk_size=16,
+    ),
+    "bamba": dict(
+        num_hidden_layers=3,
+        attn_layer_indices=[1],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+    ),
+    "falcon_h1": dict(
+        num_hidden_layers=2,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_ssm=64,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+        head_dim=8,
+    ),
+    "jamba": dict(
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        use_mamba_kernels=False,
+    ),
 }
 
 
@@ -97,8 +165,13 @@ def test_hybrid_state_size_table(tmp_path):
     import json
 
     out = tmp_path / "sizes.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hybrid_state_size.py"), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "hybrid_state_size.py"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| Granite-4.0-H-Tiny | bfloat16 |" in done.stdout
     rows = json.loads(out.read_text())["rows"]
@@ -119,8 +192,14 @@ def test_hybrid_ttft_quick(tmp_path):
     import json
 
     out = tmp_path / "hybrid_ttft.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hybrid_ttft.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "hybrid_ttft.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| 10 |" in done.stdout
     result = json.loads(out.read_text())
@@ -129,6 +208,14 @@ def test_hybrid_ttft_quick(tmp_path):
     for row in rows:
         assert row["baseline_tokens"] == row["k"] * 256 + 16 and row["composed_keys"] == row["k"] * 256
         assert row["speedup"] > 0
-        assert set(row["seconds"]) >= {"ttft", "ttft_states_seen", "fingerprint", "state_checks", "ssm_compose",
-                                       "attention_compose", "query_prefill_first_token", "baseline_prefill"}
+        assert set(row["seconds"]) >= {
+            "ttft",
+            "ttft_states_seen",
+            "fingerprint",
+            "state_checks",
+            "ssm_compose",
+            "attention_compose",
+            "query_prefill_first_token",
+            "baseline_prefill",
+        }
     assert rows[0]["first_token"] == rows[0]["baseline_first_token"]

@@ -1,4 +1,5 @@
 """The state object: contract, batch operations, persistence, fingerprints."""
+
 import os
 
 import torch

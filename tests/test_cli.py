@@ -1,5 +1,6 @@
 """The command line: every user error is one line ``hf-statecompose: error: ...`` with exit status 2 and
 no traceback; argument errors and ``--help`` never import torch; a failed ``build`` leaves nothing behind."""
+
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 
 from hf_statecompose import cli
 from hf_statecompose.cli import main
+
 from store_helpers import TEXTS, BagOfWords
 
 PROG_ERROR = "hf-statecompose: error: "
@@ -105,10 +107,19 @@ BAD_ARGUMENTS = [
     # issue 21: the outside trial's bad inputs, every subcommand
     (["build", "{tmp}/s", "{tmp}/passages.jsonl", "--model", "{tmp}/notok"], "notok' holds no tokenizer"),
     (["build", "{tmp}/s", "{tmp}/empty.jsonl"], "empty.jsonl holds no passages"),
-    (["build", "{tmp}/s", "{tmp}/nofield.jsonl"], "nofield.jsonl:1: expected an object with a non-empty string field 'text'"),
-    (["build", "{tmp}/s", "{tmp}/passages.jsonl", "--text-field", "body"], "passages.jsonl:1: expected an object with a non-empty string field 'body'"),
+    (
+        ["build", "{tmp}/s", "{tmp}/nofield.jsonl"],
+        "nofield.jsonl:1: expected an object with a non-empty string field 'text'",
+    ),
+    (
+        ["build", "{tmp}/s", "{tmp}/passages.jsonl", "--text-field", "body"],
+        "passages.jsonl:1: expected an object with a non-empty string field 'body'",
+    ),
     (["build", "{tmp}/s", "{tmp}/empty_dir"], "no input file"),
-    (["build", "{tmp}/a_file/s", "{tmp}/passages.jsonl"], "cannot create a store at {tmp}/a_file/s: {tmp}/a_file is a file, not a folder"),
+    (
+        ["build", "{tmp}/a_file/s", "{tmp}/passages.jsonl"],
+        "cannot create a store at {tmp}/a_file/s: {tmp}/a_file is a file, not a folder",
+    ),
     (["query", "{tmp}/a_file", "hello"], "is a file, not a store folder"),
     (["query", "{tmp}/s", "hello"], "no store at"),
     (["query", "{tmp}/s", "hello", "--model", "{tmp}/notok"], "notok' holds no tokenizer"),
@@ -166,8 +177,8 @@ def test_help_and_argument_errors_do_not_import_torch(files):
         import json, sys
         from hf_statecompose.cli import main
         codes = []
-        for argv in (["--help"], ["query", "--help"], ["build", "s", "x", "--batch-size", "0"], ["stats", {str(files / 'corrupt')!r}],
-                     ["build", "s", {str(files / 'latin1.txt')!r}]):
+        for argv in (["--help"], ["query", "--help"], ["build", "s", "x", "--batch-size", "0"], ["stats", {str(files / "corrupt")!r}],
+                     ["build", "s", {str(files / "latin1.txt")!r}]):
             try:
                 codes.append(main(argv))
             except SystemExit as done:
@@ -182,8 +193,12 @@ def test_help_and_argument_errors_do_not_import_torch(files):
 
 
 def test_the_console_module_reports_a_corrupt_store_in_one_line(files):
-    done = subprocess.run([sys.executable, "-m", "hf_statecompose", "stats", str(files / "corrupt")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_statecompose", "stats", str(files / "corrupt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and done.stderr.startswith(PROG_ERROR + str(files / "corrupt" / "store.json"))
 
@@ -193,7 +208,9 @@ def test_the_console_module_reports_a_corrupt_store_in_one_line(files):
 def built(tmp_path_factory):
     """A store built by the CLI with the embedded demo Mamba-2 and a bag-of-words retriever (instant)."""
     folder = tmp_path_factory.mktemp("cli")
-    (folder / "passages.jsonl").write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(TEXTS[:4])))
+    (folder / "passages.jsonl").write_text(
+        "".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(TEXTS[:4]))
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("hf_statecompose.retrieval.default_retriever", BagOfWords)
         assert main(["build", str(folder / "store"), str(folder / "passages.jsonl"), "--batch-size", "2"]) == 0
@@ -295,7 +312,11 @@ def test_a_checkpoint_without_a_usable_tokenizer_is_refused(capsys, tmp_path):
     # transformers 5 makes an empty tokenizer for such a folder: every passage was refused as "no tokens"
     import shutil
 
-    folder = shutil.copytree(Path(cli.__file__).parent / "demo" / "models" / "mamba2", tmp_path / "model", ignore=shutil.ignore_patterns("tokenizer*"))
+    folder = shutil.copytree(
+        Path(cli.__file__).parent / "demo" / "models" / "mamba2",
+        tmp_path / "model",
+        ignore=shutil.ignore_patterns("tokenizer*"),
+    )
     (tmp_path / "p.txt").write_text("A passage.\n")
     code, _, err = run_main(["build", tmp_path / "s", tmp_path / "p.txt", "--model", folder], capsys)
     assert_user_error(code, err, "model' holds no tokenizer (none of tokenizer.json")
@@ -305,13 +326,17 @@ def test_a_checkpoint_without_a_usable_tokenizer_is_refused(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "p.txt"]  # nothing created
 
 
-def test_encode_corpus_refuses_another_models_or_retrievers_lance_store_before_ray(tmp_path, capsys, monkeypatch, bag_of_words):
+def test_encode_corpus_refuses_another_models_or_retrievers_lance_store_before_ray(
+    tmp_path, capsys, monkeypatch, bag_of_words
+):
     no_ray(monkeypatch)
     from hf_statecompose.demo import load_demo
     from hf_statecompose.store import StateStore
 
     model, tokenizer = load_demo("mamba2")
-    StateStore(str(tmp_path / "lance"), model, tokenizer, retriever=BagOfWords(), backend="lance", info={"model": "demo"})
+    StateStore(
+        str(tmp_path / "lance"), model, tokenizer, retriever=BagOfWords(), backend="lance", info={"model": "demo"}
+    )
     other = type("Other", (BagOfWords,), {"name": "another-retriever"})
     StateStore(str(tmp_path / "other"), model, tokenizer, retriever=other(), backend="lance", info={"model": "demo"})
     (tmp_path / "p.txt").write_text("A passage.\n\nAnother one.\n")
@@ -347,9 +372,13 @@ def test_a_killed_builds_folder_is_removed_by_the_next_build_but_never_a_live_on
     target, marker = tmp_path / "store", tmp_path / "stalled"
     for name, texts in (("slow.txt", ["a passage that will stall"]), ("a.txt", TEXTS[:2]), ("b.txt", TEXTS[2:4])):
         (tmp_path / name).write_text("\n\n".join(texts) + "\n")
-    script = SLOW_BUILD.format(tests=str(Path(__file__).parent), marker=str(marker), target=str(target), passages=str(tmp_path / "slow.txt"))
+    script = SLOW_BUILD.format(
+        tests=str(Path(__file__).parent), marker=str(marker), target=str(target), passages=str(tmp_path / "slow.txt")
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parent.parent), "OMP_NUM_THREADS": "1"}
-    builder = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    builder = subprocess.Popen(
+        [sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 240
         while not marker.exists():
@@ -416,5 +445,12 @@ def test_a_store_created_meanwhile_is_reported_not_overwritten(tmp_path, capsys,
     (tmp_path / "p.txt").write_text("a race to the store\n")
     code, _, err = run_main(["build", target, tmp_path / "p.txt"], capsys)
     last = err.split("\n")[-2]  # after the encoding progress, which is shown
-    assert code == 2 and "Traceback" not in err and last.startswith(PROG_ERROR) and "was created meanwhile (by another build?)" in last, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "store"] and (target / "store.json").read_text() == "{}"
+    assert (
+        code == 2
+        and "Traceback" not in err
+        and last.startswith(PROG_ERROR)
+        and "was created meanwhile (by another build?)" in last
+    ), err
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "store"] and (target / "store.json").read_text() == "{}"
+    )

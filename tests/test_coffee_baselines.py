@@ -1,4 +1,5 @@
 """S6 and "COFFEE as in (4)" baselines of the COFFEE paper (hf_statecompose/models/coffee/baselines.py)."""
+
 import pytest
 import torch
 
@@ -100,7 +101,7 @@ def test_mask_padding_leaves_state(make):
     with torch.no_grad():
         y, h = m(u, return_final_state=True)
         yp, hp = m(padded, mask=mask, return_final_state=True)
-        ys, hs = m(padded, mask=mask, return_final_state=True, method="sequential")
+        _ys, hs = m(padded, mask=mask, return_final_state=True, method="sequential")
     torch.testing.assert_close(yp[:, 3:], y)
     torch.testing.assert_close(hp, h)
     torch.testing.assert_close(hs, h)

@@ -2,6 +2,7 @@
 approximations are measurably approximations, and each reported accuracy is the accuracy of the composed state
 (recomputed here from StateComposer(method).compose fed as the cache), far above what the query recalls
 without the answer's context."""
+
 import importlib.util
 import json
 import os
@@ -19,7 +20,9 @@ ORDER_INVARIANT = ("soup", "picaso_s", "picaso_r", "piconcat_r")
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("coffee_composition", os.path.join(ROOT, "benchmarks", "coffee_composition.py"))
+    spec = importlib.util.spec_from_file_location(
+        "coffee_composition", os.path.join(ROOT, "benchmarks", "coffee_composition.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -50,7 +53,10 @@ def test_composition_measurement_on_the_trained_induction_head_model(rows):
     for method in ORDER_INVARIANT:
         assert rows[(NOISE, "any", method)]["state_distance"] > 1e-3
     # PICASO-S and PICASO-R agree for two states (the two rotations are the two orders)
-    assert abs(rows[(NOISE, "any", "picaso_s")]["state_distance"] - rows[(NOISE, "any", "picaso_r")]["state_distance"]) < 1e-5
+    assert (
+        abs(rows[(NOISE, "any", "picaso_s")]["state_distance"] - rows[(NOISE, "any", "picaso_r")]["state_distance"])
+        < 1e-5
+    )
 
 
 @torch.no_grad()

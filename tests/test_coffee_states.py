@@ -5,6 +5,7 @@ channel per element ([B, E·n, 1]), an empty conv window, ΣΔ = -Σ_k log(1 + �
 query is context + query (forward, greedy, sampling, beams, padded batches) for every model-free method; with
 the input gate (no feedback) CASO of two states is the state of the concatenation, with the state feedback
 gate it is not; states files, refusals, copies and the store work as for Mamba."""
+
 import copy
 import io
 import itertools
@@ -37,8 +38,16 @@ MATTERS = 2e-2  # smallest relative change of the next-token logits that counts 
 def tiny(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
     """A tiny random COFFEE LM, enabled; an untied N(0, 1) head spreads the logits (greedy does not echo)."""
     torch.manual_seed(seed)
-    kwargs = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4, pad_token_id=0,
-                  eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        state_size=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
     kwargs.update(overrides)
     model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(**kwargs)).eval()
     if model.lm_head is not None:
@@ -57,8 +66,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def composer_of(method: str, n: int) -> StateComposer:
-    return StateComposer(method, weights=[0.2, 0.5, 0.3][:n] if n == 3 else [1.0]) if method == "weighted" \
+    return (
+        StateComposer(method, weights=[0.2, 0.5, 0.3][:n] if n == 3 else [1.0])
+        if method == "weighted"
         else StateComposer(method)
+    )
 
 
 def assert_states_equal(actual, expected, rtol=1e-5, atol=1e-6):
@@ -120,11 +132,14 @@ def test_enable_and_encode_accept_a_coffee_model(model, state, context):
 
 
 def test_models_whose_states_do_not_compose_are_refused():
-    for overrides, message in ((dict(mixer_type="s6"), "mixer_type='coffee'"),
-                               (dict(gate="linear_state"), "gate='state' or 'input'")):
+    for overrides, message in (
+        (dict(mixer_type="s6"), "mixer_type='coffee'"),
+        (dict(gate="linear_state"), "gate='state' or 'input'"),
+    ):
         torch.manual_seed(0)
-        model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
-                                                       state_size=4, **overrides))
+        model = hsc.CoffeeForCausalLM(
+            hsc.CoffeeConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, state_size=4, **overrides)
+        )
         with pytest.raises(TypeError, match=message):
             hsc.enable(model)
         with pytest.raises(TypeError, match=message):
@@ -152,17 +167,26 @@ def test_one_state_reproduces_context_plus_query(model, state, context, query_le
     query = ids_of(query_length, seed=30 + query_length)
     whole = torch.cat([context, query], 1)
     full = model(whole).logits[:, -query_length:]
-    expected = model.generate(whole, max_new_tokens=NEW, do_sample=False, output_scores=True,
-                              return_dict_in_generate=True)
+    expected = model.generate(
+        whole, max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True
+    )
     assert rel(model(query).logits[:, -1], full[:, -1]) > MATTERS  # no context
-    assert not torch.equal(model.generate(query, max_new_tokens=NEW, do_sample=False),
-                           expected.sequences[:, context.shape[1]:])
+    assert not torch.equal(
+        model.generate(query, max_new_tokens=NEW, do_sample=False), expected.sequences[:, context.shape[1] :]
+    )
     for method in METHODS:
         kwargs = dict(composition=composer_of(method, 1))
         assert rel(model(query, past_states=[state], **kwargs).logits, full) < 1e-4, method
-        out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, **kwargs)
-        assert torch.equal(out.sequences, expected.sequences[:, context.shape[1]:]), method
+        out = model.generate(
+            query,
+            past_states=[state],
+            max_new_tokens=NEW,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+        assert torch.equal(out.sequences, expected.sequences[:, context.shape[1] :]), method
         assert rel(out.scores[0], expected.scores[0]) < 1e-4, method
     assert len(set(expected.sequences[0, -NEW:].tolist())) > 1  # a real test: not one token repeated
 
@@ -178,19 +202,20 @@ def test_left_padded_contexts_and_queries(model):
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for r, row in enumerate(rows):
-            ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
+            ids[r, width - len(row) :], mask[r, width - len(row) :] = row, 1
         return ids, mask
 
     (c_ids, c_mask), (q_ids, q_mask) = pad(contexts), pad(queries)
     states = ComposableMambaCache.encode(model, c_ids, attention_mask=c_mask)
     logits = model(q_ids, attention_mask=q_mask, past_states=[states], composition="caso").logits
-    out = model.generate(q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False,
-                         pad_token_id=0)
+    out = model.generate(
+        q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False, pad_token_id=0
+    )
     for r, (c, q) in enumerate(zip(contexts, queries)):
         whole = torch.cat([c, q])[None]
-        assert rel(logits[r, -len(q):], model(whole).logits[0, -len(q):]) < 1e-4
+        assert rel(logits[r, -len(q) :], model(whole).logits[0, -len(q) :]) < 1e-4
         expected = model.generate(whole, max_new_tokens=NEW, do_sample=False)
-        assert torch.equal(out[r, q_ids.shape[1]:], expected[0, whole.shape[1]:])
+        assert torch.equal(out[r, q_ids.shape[1] :], expected[0, whole.shape[1] :])
 
 
 @torch.no_grad()
@@ -211,12 +236,12 @@ def test_beams_and_sampling_with_past_states(model, state, context):
     whole = torch.cat([context, query], 1)
     kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False)
     out = model.generate(query, past_states=[state], **kwargs)
-    assert out.shape[0] == 2 and torch.equal(out, model.generate(whole, **kwargs)[:, context.shape[1]:])
+    assert out.shape[0] == 2 and torch.equal(out, model.generate(whole, **kwargs)[:, context.shape[1] :])
     torch.manual_seed(5)
     expected = model.generate(whole, max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
     torch.manual_seed(5)
     out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
-    assert torch.equal(out, expected[:, context.shape[1]:])
+    assert torch.equal(out, expected[:, context.shape[1] :])
 
 
 @torch.no_grad()
@@ -248,8 +273,9 @@ def test_every_method_generates_from_its_composed_state(model, states):
         assert rel(plain, expected[:, -1]) > MATTERS, method
         out = model.generate(query, past_states=states, composition=composer, max_new_tokens=4, do_sample=False)
         assert out.shape == (1, 9) and torch.equal(out[:, :5], query), method
-        assert torch.equal(out, model.generate(query, cache_params=composed.clone(), max_new_tokens=4,
-                                               do_sample=False)), method
+        assert torch.equal(
+            out, model.generate(query, cache_params=composed.clone(), max_new_tokens=4, do_sample=False)
+        ), method
         assert not torch.equal(out, plain_tokens), method
         next_logits[method] = logits[:, -1]
     for a, b in itertools.combinations(METHODS, 2):
@@ -258,11 +284,12 @@ def test_every_method_generates_from_its_composed_state(model, states):
     queries = ids_of(3, batch=2, seed=81)
     rows = model(queries, past_states=[states[:2], states[1:]], composition="caso").logits
     for r, row_states in enumerate((states[:2], states[1:])):
-        alone = model(queries[r:r + 1], cache_params=StateComposer("caso").compose(row_states), use_cache=True).logits
-        assert rel(rows[r:r + 1], alone) < 1e-5, r
+        alone = model(queries[r : r + 1], cache_params=StateComposer("caso").compose(row_states), use_cache=True).logits
+        assert rel(rows[r : r + 1], alone) < 1e-5, r
     assert rel(rows[0, -1], rows[1, -1]) > MATTERS
-    out = model.generate(queries, past_states=[states[:2], states[1:]], composition="caso", max_new_tokens=3,
-                         do_sample=False)
+    out = model.generate(
+        queries, past_states=[states[:2], states[1:]], composition="caso", max_new_tokens=3, do_sample=False
+    )
     assert out.shape == (2, 6)
 
 
@@ -283,8 +310,9 @@ def test_states_compose_per_element_with_empty_conv_windows(states, method, nati
     w = None if weights is None else torch.tensor(weights, dtype=torch.float64)
     for v in range(composed.num_layers):
         deltas = torch.stack([s.delta_sums[v] for s in states])
-        expected = compose_ssm_ref([s.ssm_states[v].double() for s in states], deltas.double(), states[0].A[v].double(),
-                                   method, weights=w)
+        expected = compose_ssm_ref(
+            [s.ssm_states[v].double() for s in states], deltas.double(), states[0].A[v].double(), method, weights=w
+        )
         torch.testing.assert_close(composed.ssm_states[v].double(), expected, rtol=1e-5, atol=1e-6)
         if method in ("soup", "weighted"):  # the weighted mean of the states, as defined
             mean = sum((1 / 3 if w is None else float(w[k])) * s.ssm_states[v].double() for k, s in enumerate(states))
@@ -354,10 +382,16 @@ def test_training_through_compositions_reaches_the_mixer():
     """hsc.composition_loss on a COFFEE model: gradients through the composed states (bp2c) and on into the
     context encodings (bptc, a different gradient), finite, at the feedback weights w_D."""
     model = tiny(seed=4).train()
-    examples = [hsc.CompositionExample(contexts=[ids_of(7, seed=120)[0], ids_of(5, seed=121)[0]],
-                                       query=ids_of(3, seed=122)[0], target=ids_of(4, seed=123)[0]),
-                hsc.CompositionExample(contexts=[ids_of(6, seed=124)[0]], query=ids_of(2, seed=125)[0],
-                                       target=ids_of(3, seed=126)[0])]
+    examples = [
+        hsc.CompositionExample(
+            contexts=[ids_of(7, seed=120)[0], ids_of(5, seed=121)[0]],
+            query=ids_of(3, seed=122)[0],
+            target=ids_of(4, seed=123)[0],
+        ),
+        hsc.CompositionExample(
+            contexts=[ids_of(6, seed=124)[0]], query=ids_of(2, seed=125)[0], target=ids_of(3, seed=126)[0]
+        ),
+    ]
     grads = {}
     for objective in ("bptc", "bp2c"):
         model.zero_grad()
@@ -374,9 +408,9 @@ def test_states_of_another_architecture_or_model_are_refused(model, state):
     mamba = tiny_model("mamba")
     mamba_state = ComposableMambaCache.encode(mamba, ids_of(6))
     query = ids_of(3)
-    with pytest.raises(ValueError, match="'mamba' model.*this model is 'coffee'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'mamba' model.*this model is 'coffee'.*re-encode"):
         model.generate(query, past_states=[mamba_state], max_new_tokens=2)
-    with pytest.raises(ValueError, match="'coffee' model.*this model is 'mamba'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'coffee' model.*this model is 'mamba'.*re-encode"):
         mamba.generate(query, past_states=[state], max_new_tokens=2)
     with pytest.raises(ValueError, match="different model"):
         StateComposer("soup").compose([state, mamba_state])
@@ -392,8 +426,9 @@ def test_states_of_another_architecture_or_model_are_refused(model, state):
 
 
 def _set_layer(state, v, **tensors):
-    current = dict(ssm_state=state.ssm_states[v], conv_state=state.conv_states[v], delta_sum=state.delta_sums[v],
-                   A=state.A[v])
+    current = dict(
+        ssm_state=state.ssm_states[v], conv_state=state.conv_states[v], delta_sum=state.delta_sums[v], A=state.A[v]
+    )
     current.update(tensors)
     state.set_layer(v, **current)
 
@@ -402,8 +437,16 @@ BAD_STATES = [
     (lambda s: _set_layer(s, 1, ssm_state=s.ssm_states[1] * float("nan")), "layer 1 SSM state contains NaN", True),
     (lambda s: _set_layer(s, 0, delta_sum=-s.delta_sums[0] - 1), "layer 0 ΣΔ has negative entries", False),
     (lambda s: _set_layer(s, 1, A=s.A[1] * 2), "layer 1 A is not this model's", True),
-    (lambda s: _set_layer(s, 0, conv_state=torch.zeros(1, 128, 1)), r"layer 0 conv window has shape \(1, 128, 1\)", True),
-    (lambda s: _set_layer(s, 0, ssm_state=s.ssm_states[0].view(1, 32, 4)), r"layer 0 SSM state has shape \(1, 32, 4\)", True),
+    (
+        lambda s: _set_layer(s, 0, conv_state=torch.zeros(1, 128, 1)),
+        r"layer 0 conv window has shape \(1, 128, 1\)",
+        True,
+    ),
+    (
+        lambda s: _set_layer(s, 0, ssm_state=s.ssm_states[0].view(1, 32, 4)),
+        r"layer 0 SSM state has shape \(1, 32, 4\)",
+        True,
+    ),
 ]
 
 
@@ -443,13 +486,22 @@ def _craft(saved, edit):
 def _set(name, fn):
     def edit(tensors, meta):
         tensors[name] = fn(tensors[name])
+
     return edit
 
 
 CRAFTED = [
     ("missing conv", lambda t, m: t.pop("conv.1"), r"missing tensors \['conv.1'\]"),
-    ("conv not empty", _set("conv.0", lambda t: torch.zeros(1, 128, 2)), r"layer 0 conv window has (per-row )?shape \(1?,? ?128, 2\)"),
-    ("ssm unflattened", _set("ssm.1", lambda t: t.reshape(1, 32, 4).contiguous()), r"layer 1 SSM state has (per-row )?shape"),
+    (
+        "conv not empty",
+        _set("conv.0", lambda t: torch.zeros(1, 128, 2)),
+        r"layer 0 conv window has (per-row )?shape \(1?,? ?128, 2\)",
+    ),
+    (
+        "ssm unflattened",
+        _set("ssm.1", lambda t: t.reshape(1, 32, 4).contiguous()),
+        r"layer 1 SSM state has (per-row )?shape",
+    ),
     ("negative ΣΔ", _set("delta_sum.0", lambda t: -t - 1), "ΣΔ has negative entries"),
     ("A positive", _set("A.1", lambda t: -t), "layer 1 A (must be finite and negative|is not this model's)"),
     ("nan state", _set("ssm.0", lambda t: t * float("nan")), "SSM state contains NaN"),
@@ -483,9 +535,9 @@ def test_files_of_another_architecture_or_model_are_refused(model, saved, tmp_pa
     mamba = tiny_model("mamba")
     mamba_path = tmp_path / "mamba.safetensors"
     ComposableMambaCache.encode(mamba, ids_of(5)).save(mamba_path)
-    with pytest.raises(ValueError, match="'mamba' model, this model is 'coffee'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'mamba' model, this model is 'coffee'.*re-encode"):
         ComposableMambaCache.load(mamba_path, model=model)
-    with pytest.raises(ValueError, match="'coffee' model, this model is 'mamba'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'coffee' model, this model is 'mamba'.*re-encode"):
         ComposableMambaCache.load(saved, model=mamba)
     with pytest.raises(ValueError, match="re-encode the contexts with this model"):
         ComposableMambaCache.load(saved, model=tiny(seed=2))
@@ -512,8 +564,13 @@ def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    for copied in (copy.deepcopy(state), pickle_round_trip(state), load_saved(buffer),
-                   state.clone(), state.to("cpu", torch.float32)):
+    for copied in (
+        copy.deepcopy(state),
+        pickle_round_trip(state),
+        load_saved(buffer),
+        state.clone(),
+        state.to("cpu", torch.float32),
+    ):
         assert type(copied) is ComposableMambaCache
         assert_states_equal(copied, state, rtol=0, atol=0)
         assert torch.equal(model(query, past_states=[copied]).logits, expected)
@@ -561,7 +618,9 @@ def test_a_state_store_of_a_coffee_model(tmp_path):
         assert_states_equal(got, expected)  # the store encodes padded batches
     query = ids_of(4, seed=93)
     expected = model.generate(query, past_states=alone[:2], max_new_tokens=NEW, do_sample=False)
-    assert torch.equal(model.generate(query, past_states=store.get(ids[:2]), max_new_tokens=NEW, do_sample=False), expected)
+    assert torch.equal(
+        model.generate(query, past_states=store.get(ids[:2]), max_new_tokens=NEW, do_sample=False), expected
+    )
     assert store.retrieve("the cat", k=1)[0].text == texts[0]
     store.delete(ids[1])
     store.compact()

@@ -2,6 +2,7 @@
 
 These tests pin what the adapter promises on the installed transformers (the test command runs them on the
 lowest and the newest release of the tested range), and that nothing else in the package reads those internals."""
+
 import ast
 import pathlib
 import re
@@ -23,13 +24,26 @@ PACKAGE = pathlib.Path(hsc.__file__).parent
 # ------------------------------------------------------------------------------------------ versions
 def test_the_installed_transformers_is_in_the_tested_range():
     assert compat.transformers_version() == transformers.__version__
-    assert compat.is_tested_transformers(), f"transformers {transformers.__version__} is outside {compat.TESTED_TRANSFORMERS_TEXT}"
+    assert compat.is_tested_transformers(), (
+        f"transformers {transformers.__version__} is outside {compat.TESTED_TRANSFORMERS_TEXT}"
+    )
 
 
-@pytest.mark.parametrize("text, tested", [
-    ("5.22.2", False), ("5.23.0", True), ("5.23.1", True), ("5.24.0", True), ("5.24.3", True), ("5.25.0", False),
-    ("5.25.0rc1", False), ("5.24.0.dev0", True), ("6.0.0", False), ("4.57.6", False),
-])
+@pytest.mark.parametrize(
+    "text, tested",
+    [
+        ("5.22.2", False),
+        ("5.23.0", True),
+        ("5.23.1", True),
+        ("5.24.0", True),
+        ("5.24.3", True),
+        ("5.25.0", False),
+        ("5.25.0rc1", False),
+        ("5.24.0.dev0", True),
+        ("6.0.0", False),
+        ("4.57.6", False),
+    ],
+)
 def test_tested_range(text, tested):
     assert compat.is_tested_transformers(text) is tested
 
@@ -65,8 +79,13 @@ def test_import_warns_in_a_fresh_process_on_an_untested_release(tmp_path):
     fake.mkdir()
     (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 5.26.0\n")
     script = "import warnings; warnings.simplefilter('always'); import hf_statecompose"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("tested with transformers >=5.23,<5.25") == 1, done.stderr
 
@@ -99,10 +118,16 @@ def test_pop_and_resolve_cache_take_either_name_and_refuse_two():
 
 @torch.no_grad()
 def test_our_outputs_carry_the_cache_under_both_names():
-    model = hsc.SeRpEntMambaForCausalLM(hsc.SeRpEntMambaConfig(
-        vocab_size=50, hidden_size=24, state_size=4, num_hidden_layers=1, branch_compressions=[1.0, 0.5],
-        resample_window=2,
-    )).eval()
+    model = hsc.SeRpEntMambaForCausalLM(
+        hsc.SeRpEntMambaConfig(
+            vocab_size=50,
+            hidden_size=24,
+            state_size=4,
+            num_hidden_layers=1,
+            branch_compressions=[1.0, 0.5],
+            resample_window=2,
+        )
+    ).eval()
     out = model(random_ids(5) % 50, use_cache=True)
     assert compat.CACHE_ARG in out.keys()  # what the installed release's generate() reads back
     assert out.cache is out.cache_params is compat.output_cache(out)
@@ -134,8 +159,9 @@ def test_transformers_batch_operations_keep_every_tensor_of_a_row_together(arch)
     alone = [hsc.encode(model, r) for r in rows]
     width = 15
     ids = torch.stack([torch.nn.functional.pad(r[0], (width - r.shape[1], 0)) for r in rows])
-    mask = torch.stack([torch.nn.functional.pad(torch.ones(r.shape[1], dtype=torch.long), (width - r.shape[1], 0))
-                        for r in rows])
+    mask = torch.stack(
+        [torch.nn.functional.pad(torch.ones(r.shape[1], dtype=torch.long), (width - r.shape[1], 0)) for r in rows]
+    )
 
     def check(cache, order):
         assert cache.batch_size == len(order)
@@ -165,10 +191,18 @@ def test_transformers_batch_operations_keep_every_tensor_of_a_row_together(arch)
 # what only the adapter may name: transformers' cache internals, private generation hooks, modeling modules,
 # the cache argument's old name as a key, version checks
 _INTERNALS = [
-    r"\bcache_utils\b", r"\brecurrent_states\b", r"\bhas_previous_state\b", r"\bis_conv_states_initialized\b",
-    r"\bconv_kernel_size\[", r"\b_prepare_cache_for_generation\b", r"\b_validate_model_kwargs\b",
-    r"transformers\.models\.(?!auto\.)[a-z_0-9]+\.modeling_", r"transformers\.generation\.utils",
-    r"""["']cache_params["']""", r"transformers\.__version__", r"version\(\s*[\"']transformers[\"']\s*\)",
+    r"\bcache_utils\b",
+    r"\brecurrent_states\b",
+    r"\bhas_previous_state\b",
+    r"\bis_conv_states_initialized\b",
+    r"\bconv_kernel_size\[",
+    r"\b_prepare_cache_for_generation\b",
+    r"\b_validate_model_kwargs\b",
+    r"transformers\.models\.(?!auto\.)[a-z_0-9]+\.modeling_",
+    r"transformers\.generation\.utils",
+    r"""["']cache_params["']""",
+    r"transformers\.__version__",
+    r"version\(\s*[\"']transformers[\"']\s*\)",
     r"\bLinearAttentionLayer\b",
 ]
 
@@ -180,8 +214,13 @@ def _code_without_docstrings(path: pathlib.Path) -> str:
     lines = source.splitlines()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             for n in range(body[0].lineno - 1, body[0].end_lineno):
                 lines[n] = ""
     return "\n".join(re.sub(r"#.*$", "", line) for line in lines)
@@ -214,5 +253,14 @@ def test_every_guarded_class_exists_in_the_installed_transformers():
     for module, names in compat.GUARDED.items():
         loaded = importlib.import_module(module)
         assert all(hasattr(loaded, name) for name in names), module
-    assert set(compat.mixer_classes()) == {"mamba", "mamba2", "falcon_mamba", "jamba", "zamba2", "bamba", "granitemoehybrid",
-                                           "nemotron_h", "falcon_h1"}
+    assert set(compat.mixer_classes()) == {
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "jamba",
+        "zamba2",
+        "bamba",
+        "granitemoehybrid",
+        "nemotron_h",
+        "falcon_h1",
+    }

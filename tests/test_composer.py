@@ -1,4 +1,5 @@
 """StateComposer on real encoded states: definitions, invariances, conv policies, model baselines."""
+
 import itertools
 
 import pytest
@@ -31,10 +32,14 @@ def test_methods_match_their_definitions(states):
         torch.testing.assert_close(caso.double(), _caso_reference(states, range(n), layer), rtol=1e-5, atol=1e-6)
         perms = list(itertools.permutations(range(n)))
         expected_s = sum(_caso_reference(states, p, layer) for p in perms) / len(perms)
-        torch.testing.assert_close(StateComposer("picaso_s").compose(states).ssm_states[layer].double(), expected_s, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            StateComposer("picaso_s").compose(states).ssm_states[layer].double(), expected_s, rtol=1e-5, atol=1e-6
+        )
         rots = [[(k + j) % n for j in range(n)] for k in range(n)]
         expected_r = sum(_caso_reference(states, r, layer) for r in rots) / n
-        torch.testing.assert_close(StateComposer("picaso_r").compose(states).ssm_states[layer].double(), expected_r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            StateComposer("picaso_r").compose(states).ssm_states[layer].double(), expected_r, rtol=1e-5, atol=1e-6
+        )
         soup = sum(s.ssm_states[layer] for s in states) / n
         torch.testing.assert_close(StateComposer("soup").compose(states).ssm_states[layer], soup)
         w = [0.1, 0.2, 0.3, 0.4]
@@ -99,9 +104,13 @@ def test_many_states_and_long_contexts_match_the_reference(arch):
 def test_picaso_s_refuses_work_beyond_its_cap(states, monkeypatch):
     from hf_statecompose.composition import composer as composer_module
 
-    terms = len(states) * 2 * sum(  # n·⌈n/2⌉ per weight, n = 4
-        d.numel() * (s.shape[-1] if states[0].architecture == "mamba" else 1)
-        for d, s in zip(states[0].delta_sums, states[0].ssm_states)
+    terms = (
+        len(states)
+        * 2
+        * sum(  # n·⌈n/2⌉ per weight, n = 4
+            d.numel() * (s.shape[-1] if states[0].architecture == "mamba" else 1)
+            for d, s in zip(states[0].delta_sums, states[0].ssm_states)
+        )
     )
     monkeypatch.setattr(composer_module, "PICASO_S_MAX_TERMS", terms)
     StateComposer("picaso_s").compose(states)  # exactly at the cap: composed
@@ -168,16 +177,26 @@ def test_native_path_matches_the_torch_path_with_many_layers_and_odd_sizes(arch,
     with torch.no_grad():
         states = [ComposableMambaCache.encode(model, random_ids(5 + k, batch=2, generator=g)) for k in range(7)]
     w = [1 / 7] * 7
-    cases = [("soup", {}), ("weighted", {"weights": w}), ("caso", {}), ("picaso_s", {}), ("picaso_r", {}),
-             ("caso", {"conv": "mean"}), ("soup", {"conv": "weighted", "weights": w})]
+    cases = [
+        ("soup", {}),
+        ("weighted", {"weights": w}),
+        ("caso", {}),
+        ("picaso_s", {}),
+        ("picaso_r", {}),
+        ("caso", {"conv": "mean"}),
+        ("soup", {"conv": "weighted", "weights": w}),
+    ]
     for method, kwargs in cases:
         native = StateComposer(method, **kwargs).compose(states)
         monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "0")
         torch_path = StateComposer(method, **kwargs).compose(states)
         monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "1")
         for i in range(native.num_layers):
-            for a, b in ((native.ssm_states[i], torch_path.ssm_states[i]), (native.conv_states[i], torch_path.conv_states[i]),
-                         (native.delta_sums[i], torch_path.delta_sums[i])):
+            for a, b in (
+                (native.ssm_states[i], torch_path.ssm_states[i]),
+                (native.conv_states[i], torch_path.conv_states[i]),
+                (native.delta_sums[i], torch_path.delta_sums[i]),
+            ):
                 torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
             # the composed state owns its A (an in-place edit of it leaves the inputs alone)
             assert torch.equal(native.A[i], states[0].A[i]) and native.A[i].data_ptr() != states[0].A[i].data_ptr()
@@ -205,8 +224,13 @@ def test_composed_state_is_a_full_cache_that_saves_loads_and_generates(model, tm
     composed = StateComposer("picaso_r").compose(states)
     built = states[0]._empty_like()
     for i in range(composed.num_layers):
-        built.set_layer(i, ssm_state=composed.ssm_states[i], conv_state=composed.conv_states[i],
-                        delta_sum=composed.delta_sums[i], A=composed.A[i])
+        built.set_layer(
+            i,
+            ssm_state=composed.ssm_states[i],
+            conv_state=composed.conv_states[i],
+            delta_sum=composed.delta_sums[i],
+            A=composed.A[i],
+        )
     built.num_tokens = composed.num_tokens
     assert vars(composed).keys() == vars(built).keys()
     for key, value in vars(built).items():
@@ -218,11 +242,15 @@ def test_composed_state_is_a_full_cache_that_saves_loads_and_generates(model, tm
             other = vars(a)[key]
             if isinstance(value, dict):
                 assert value.keys() == other.keys() and all(
-                    (x is y) or (x == y) for x, y in zip(value.values(), other.values())), key
+                    (x is y) or (x == y) for x, y in zip(value.values(), other.values())
+                ), key
             else:  # the layer's own tensors (ΣΔ, A) are the very ones set, other attributes equal
                 assert other is value or (not torch.is_tensor(value) and other == value), key
-    storages = {t.untyped_storage().data_ptr() for i in range(composed.num_layers)
-                for t in (composed.ssm_states[i], composed.conv_states[i], composed.delta_sums[i])}
+    storages = {
+        t.untyped_storage().data_ptr()
+        for i in range(composed.num_layers)
+        for t in (composed.ssm_states[i], composed.conv_states[i], composed.delta_sums[i])
+    }
     assert len(storages) == 3 * composed.num_layers
     composed.save(tmp_path / "c.safetensors")
     loaded = ComposableMambaCache.load(tmp_path / "c.safetensors", model=model)

@@ -2,6 +2,7 @@
 implementations fail: ΣΔ of a convex combination is the same combination (not a sum), ΣΔ accumulates over
 forwards, generate's in-place batch operations carry ΣΔ and token counts, nested compositions agree with
 one flat composition where the algebra says so, and the model-based baselines refuse foreign states."""
+
 import importlib.util
 
 import pytest
@@ -37,9 +38,13 @@ def _composition_paths():
     """Every path StateComposer can take on this machine: the native C kernel (all layers in one pass), the
     blockwise torch path with native kernels off, and Triton (its CPU interpreter without a GPU, see
     conftest.py) where it is installed."""
-    paths = [pytest.param("native", marks=pytest.mark.skipif(not compose_native.available(),
-                                                             reason="no C compiler for the native kernel")),
-             "torch"]
+    paths = [
+        pytest.param(
+            "native",
+            marks=pytest.mark.skipif(not compose_native.available(), reason="no C compiler for the native kernel"),
+        ),
+        "torch",
+    ]
     if importlib.util.find_spec("triton") is not None:
         paths.append("triton")
     return paths
@@ -82,6 +87,7 @@ def _spy(function, calls):
     def spy(*args, **kwargs):
         calls.append(1)
         return function(*args, **kwargs)
+
     return spy
 
 
@@ -158,7 +164,7 @@ def test_model_based_methods_refuse_states_of_another_model(arch, method):
     composer = StateComposer(method)
     with pytest.raises(ValueError, match="re-encode the contexts with this model"):
         composer.compose(states, model=tiny_model(arch, seed=1))  # same architecture, other weights
-    with pytest.raises(ValueError, match="another model|re-encode"):
+    with pytest.raises(ValueError, match=r"another model|re-encode"):
         composer.compose(states, model=tiny_model(other_arch))
     composer.compose(states, model=model)  # the encoding model is accepted
 
@@ -194,8 +200,14 @@ def test_weighted_accepts_real_numbers_in_any_container():
     import numpy as np
 
     expected = torch.tensor([0.25, 0.75], dtype=torch.float64)
-    for weights in ([0.25, 0.75], (1 / 4, 3 / 4), [np.float32(0.25), 0.75], np.array([0.25, 0.75]),
-                    torch.tensor([0.25, 0.75]), [torch.tensor(0.25), 0.75]):
+    for weights in (
+        [0.25, 0.75],
+        (1 / 4, 3 / 4),
+        [np.float32(0.25), 0.75],
+        np.array([0.25, 0.75]),
+        torch.tensor([0.25, 0.75]),
+        [torch.tensor(0.25), 0.75],
+    ):
         assert torch.equal(StateComposer("weighted", weights=weights).weights, expected)
     with pytest.raises(ValueError, match="needs weights"):
         StateComposer("weighted", weights=None)

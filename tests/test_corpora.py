@@ -1,4 +1,5 @@
 """The demo corpora: deterministic Wikipedia split and synthetic recall worlds."""
+
 from hf_statecompose.demo.corpora import RELATIONS, clean_wikitext, recall_training_text, recall_world, wikipedia_split
 
 

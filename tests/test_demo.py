@@ -1,4 +1,5 @@
 """The embedded demo models (real trained weights), the CLI, the evaluation and attribution on them."""
+
 import json
 import subprocess
 import sys
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
-from hf_statecompose.demo.corpora import recall_world
 from hf_statecompose.demo import DEMO_DIR
+from hf_statecompose.demo.corpora import recall_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,11 @@ def _recall_losses(model, tok, world, with_context: bool):
         if with_context:
             ids = torch.tensor([tok(world.passages[q.passages[0]])["input_ids"]])
             state = hsc.ComposableMambaCache.encode(model, ids)
-        out.append(hsc.continuation_losses(model, [state], torch.tensor(tok(q.query)["input_ids"]), torch.tensor(tok(q.answer)["input_ids"]))[0].item())
+        out.append(
+            hsc.continuation_losses(
+                model, [state], torch.tensor(tok(q.query)["input_ids"]), torch.tensor(tok(q.answer)["input_ids"])
+            )[0].item()
+        )
     return sum(out) / len(out)
 
 
@@ -60,7 +65,9 @@ def test_leave_one_out_finds_the_passage_that_holds_the_answer(demo):
         gold = q.passages[0]
         others = [i for i in range(len(world.passages)) if i != gold][gold % 4 : gold % 4 + 3]
         contexts = others[:2] + [gold] + others[2:]
-        result = hsc.leave_one_out(model, [states[i] for i in contexts], tok(q.query)["input_ids"], tok(q.answer)["input_ids"])
+        result = hsc.leave_one_out(
+            model, [states[i] for i in contexts], tok(q.query)["input_ids"], tok(q.answer)["input_ids"]
+        )
         found += contexts[result.ranking()[0]] == gold
     assert found >= 0.75 * len(questions), f"{found}/{len(questions)}"
 
@@ -68,13 +75,19 @@ def test_leave_one_out_finds_the_passage_that_holds_the_answer(demo):
 def test_cli_build_query_stats_delete_compact(tmp_path, capsys):
     from hf_statecompose.cli import main
 
-    rows = [json.loads(line) for line in (ROOT / "hf_statecompose" / "demo" / "data" / "passages.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (ROOT / "hf_statecompose" / "demo" / "data" / "passages.jsonl").read_text().splitlines()
+    ]
     source = tmp_path / "passages.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows[:12] + rows[12:18]))
     store = str(tmp_path / "store")
     assert main(["build", store, str(source), "--model", "demo", "--batch-size", "8"]) == 0
     assert '"entries": 18' in capsys.readouterr().out
-    questions = [json.loads(line) for line in (ROOT / "hf_statecompose" / "demo" / "data" / "questions.jsonl").read_text().splitlines()][:8]
+    questions = [
+        json.loads(line)
+        for line in (ROOT / "hf_statecompose" / "demo" / "data" / "questions.jsonl").read_text().splitlines()
+    ][:8]
     right = 0
     for question in questions:
         assert main(["query", store, question["query"], "-k", "1", "--max-new-tokens", "4", "--json"]) == 0
@@ -101,12 +114,15 @@ def test_cli_build_query_stats_delete_compact(tmp_path, capsys):
 
 
 def test_module_and_console_entry_points_run():
-    done = subprocess.run([sys.executable, "-m", "hf_statecompose", "--help"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_statecompose", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and "build" in done.stdout and "query" in done.stdout
 
 
 def test_evaluation_protocol_on_recall(tmp_path):
-    from hf_statecompose.demo.eval import EVALUATED_METHODS as METHODS, evaluate, plot, table
+    from hf_statecompose.demo.eval import EVALUATED_METHODS as METHODS
+    from hf_statecompose.demo.eval import evaluate, plot, table
 
     model, tok = hsc.load_demo("mamba2")
     result = evaluate(model, tok, "recall", queries=4, k_max=3, log=lambda *a: None)

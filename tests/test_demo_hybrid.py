@@ -1,6 +1,7 @@
 """The embedded hybrid demo (transformers' NemotronH: Mamba-2 layers and attention layers without
 positional encoding): it ships as small safetensors with its card, loads offline with the Mamba-2 demo's
 tokenizer, has the promised architecture, and uses its context (measured with the evaluation recipe)."""
+
 import importlib.util
 from pathlib import Path
 
@@ -47,7 +48,12 @@ def test_is_nemotron_h_with_mamba2_and_two_attention_layers(hybrid):
     assert config.model_type == "nemotron_h" and isinstance(model, NemotronHForCausalLM)
     assert config.layers_block_type.count("full_attention") == 2
     assert set(config.layers_block_type) == {"linear_attention", "full_attention"}  # Mamba-2 and attention, no MLP
-    assert (config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size) == (256, 8, 64, 64)
+    assert (config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size) == (
+        256,
+        8,
+        64,
+        64,
+    )
     assert len(tokenizer) == config.vocab_size == 4096
     assert not model.training
 
@@ -58,7 +64,11 @@ def test_attention_layers_have_no_positional_encoding(hybrid):
     model, _ = hybrid
     assert not [name for name, _ in model.named_modules() if "rotary" in name.lower() or "rope" in name.lower()]
     assert not [key for key in model.config.to_dict() if "rope" in key.lower()]
-    layers = [layer.mixer for layer, kind in zip(model.model.layers, model.config.layers_block_type) if kind == "full_attention"]
+    layers = [
+        layer.mixer
+        for layer, kind in zip(model.model.layers, model.config.layers_block_type)
+        if kind == "full_attention"
+    ]
     assert len(layers) == 2
     torch.manual_seed(0)
     x = torch.randn(1, 7, model.config.hidden_size)
@@ -84,7 +94,9 @@ def test_the_measured_ordering_of_the_four_conditions(hybrid):
     right = {condition: round(result[condition]["accuracy"] * 8) for condition in loss}
     assert loss["composed"] < loss["none"] - MARGIN, loss  # the composed states carry the passages
     assert loss["concat"] < loss["none"] - MARGIN, loss
-    assert right["composed"] >= right["none"] + MIN_EXTRA_CORRECT and right["concat"] >= right["none"] + MIN_EXTRA_CORRECT, right
+    assert (
+        right["composed"] >= right["none"] + MIN_EXTRA_CORRECT and right["concat"] >= right["none"] + MIN_EXTRA_CORRECT
+    ), right
     assert loss["concat"] <= loss["composed"] + 0.02, loss  # re-reading the text is at least as good
     assert abs(loss["composed"] - loss["ssm_only"]) < 0.02, loss  # the attention part adds nothing on this demo
 

@@ -1,5 +1,6 @@
 """An enabled model is an ordinary object: deepcopy, pickle, torch.save, .to(), PEFT and save_pretrained
 carry the enabled behaviour with it and run *its* weights; disable gives the stock classes back."""
+
 import copy
 import inspect
 import io
@@ -103,11 +104,11 @@ def test_to_float64_keeps_it_enabled_and_exact(arch):
     context, query = random_ids(13), random_ids(4)
     state = ComposableMambaCache.encode(model, context)
     assert state.model_dtype == torch.float64
-    full = model(torch.cat([context, query], 1)).logits[:, context.shape[1]:]
+    full = model(torch.cat([context, query], 1)).logits[:, context.shape[1] :]
     composed = model(query, past_states=[state]).logits
     assert (composed - full).abs().max() < 1e-6  # float64 model; the logits come back rounded to float32
     expected = model.generate(torch.cat([context, query], 1), max_new_tokens=NEW, do_sample=False)
-    assert torch.equal(_generate(model, query, [state]), expected[:, context.shape[1]:])
+    assert torch.equal(_generate(model, query, [state]), expected[:, context.shape[1] :])
 
 
 def _lora(model, arch):
@@ -131,9 +132,11 @@ def test_peft_either_way(order):
     state = ComposableMambaCache.encode(wrapped, context)
     expected = wrapped.generate(input_ids=torch.cat([context, query], 1), max_new_tokens=NEW, do_sample=False)
     out = wrapped.generate(input_ids=query, past_states=[state], max_new_tokens=NEW, do_sample=False)
-    assert torch.equal(out, expected[:, context.shape[1]:])
+    assert torch.equal(out, expected[:, context.shape[1] :])
     duplicate = copy.deepcopy(wrapped)  # trl's reference model
-    assert torch.equal(duplicate.generate(input_ids=query, past_states=[state], max_new_tokens=NEW, do_sample=False), out)
+    assert torch.equal(
+        duplicate.generate(input_ids=query, past_states=[state], max_new_tokens=NEW, do_sample=False), out
+    )
     hsc.disable(wrapped)
     assert not hsc.is_enabled(wrapped) and type(wrapped.get_base_model()) is _stock_class(arch)
 

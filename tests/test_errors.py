@@ -1,4 +1,5 @@
 """Bad input gets a clear ValueError / TypeError naming the problem and the fix."""
+
 import pickle
 
 import pytest
@@ -24,17 +25,20 @@ def _generate(model, states, **kwargs):
 def test_empty_list(model):
     with pytest.raises(ValueError, match="past_states is empty: pass at least one ComposableMambaCache"):
         _generate(model, [])
-    with pytest.raises(ValueError, match="^states is empty: pass at least one state to compose"):
+    with pytest.raises(ValueError, match=r"^states is empty: pass at least one state to compose"):
         StateComposer("picaso_s").compose([])
 
 
 def test_not_a_state(model, state):
     with pytest.raises(TypeError, match=r"past_states\[1\] must hold ComposableMambaCache objects .*got Tensor"):
         _generate(model, [state, torch.zeros(3)])
-    with pytest.raises(TypeError, match="past_states must be a list of states .*not a single state"):
+    with pytest.raises(TypeError, match=r"past_states must be a list of states .*not a single state"):
         _generate(model, state)
-    with pytest.raises(ValueError, match=r"past_states\[0\] holds a ComposableMambaCache with no state; encode a "
-                                         "context into it first"):
+    with pytest.raises(
+        ValueError,
+        match=r"past_states\[0\] holds a ComposableMambaCache with no state; encode a "
+        "context into it first",
+    ):
         _generate(model, [ComposableMambaCache.empty_for(model)])
 
 
@@ -44,39 +48,60 @@ def test_state_from_another_model(arch, state, model):
         _generate(other, [state])
     with torch.no_grad():
         foreign = ComposableMambaCache.encode(other, random_ids(5))
-    with pytest.raises(ValueError, match=r"^states\[1\] was encoded by a different model .* than states\[0\] "
-                                         r".*; encode every context with the same model"):
+    with pytest.raises(
+        ValueError,
+        match=r"^states\[1\] was encoded by a different model .* than states\[0\] "
+        r".*; encode every context with the same model",
+    ):
         StateComposer("soup").compose([state, foreign])
 
 
 def test_state_from_another_config(arch, state):
     deeper = tiny_model(arch, layers=3)
-    with pytest.raises(ValueError, match=r"past_states\[0\] has 2 layers, the model 3; the state belongs to another "
-                                         "model: re-encode the contexts with this model"):
+    with pytest.raises(
+        ValueError,
+        match=r"past_states\[0\] has 2 layers, the model 3; the state belongs to another "
+        "model: re-encode the contexts with this model",
+    ):
         _generate(deeper, [state])
     wider = tiny_model(arch, conv_kernel=2)
-    with pytest.raises(ValueError, match=r"past_states\[0\] layer 0 conv window has per-row shape \(\d+, 4\), this "
-                                         r"model expects \(\d+, 2\); .*re-encode the contexts with this model"):
+    with pytest.raises(
+        ValueError,
+        match=r"past_states\[0\] layer 0 conv window has per-row shape \(\d+, 4\), this "
+        r"model expects \(\d+, 2\); .*re-encode the contexts with this model",
+    ):
         _generate(wider, [state])
 
 
 def test_shape_tampering_is_caught(model, state):
     bad = state.clone()
     bad.layers[1].ssm_state = bad.ssm_states[1][..., :-1]
-    with pytest.raises(ValueError, match=r"past_states\[0\] layer 1 SSM state has per-row shape \(.*7\), this model "
-                                         r"expects \(.*8\); .*re-encode the contexts with this model"):
+    with pytest.raises(
+        ValueError,
+        match=r"past_states\[0\] layer 1 SSM state has per-row shape \(.*7\), this model "
+        r"expects \(.*8\); .*re-encode the contexts with this model",
+    ):
         _generate(model, [bad])
-    with pytest.raises(ValueError, match=r"^states\[1\] layer 1 SSM state has shape \(1, .*7\), states\[0\] "
-                                         r"has \(1, .*8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^states\[1\] layer 1 SSM state has shape \(1, .*7\), states\[0\] "
+        r"has \(1, .*8\)",
+    ):
         StateComposer("soup").compose([state, bad])
 
 
 def test_dtype_mismatch(model, state):
-    with pytest.raises(ValueError, match=r"past_states\[0\] was encoded with the model in torch.bfloat16, the model is "
-                                         "now torch.float32; re-encode the contexts with the model in torch.float32"):
+    with pytest.raises(
+        ValueError,
+        match=r"past_states\[0\] was encoded with the model in torch.bfloat16, the model is "
+        "now torch.float32; re-encode the contexts with the model in torch.float32",
+    ):
         _generate(model, [state.to(dtype=torch.bfloat16)])
-    with pytest.raises(ValueError, match=r"^states\[1\] was encoded in torch.bfloat16, states\[0\] in "
-                                         "torch.float32; encode all contexts with the model in one dtype"):
+    with pytest.raises(
+        ValueError,
+        match=r"^states\[1\] was encoded in torch.bfloat16, states\[0\] in "
+        "torch.float32; encode all contexts with the model in one dtype",
+    ):
         StateComposer("soup").compose([state, state.to(dtype=torch.bfloat16)])
 
 
@@ -84,8 +109,11 @@ def test_device_mismatch(model, state):
     on_meta = state.to("meta")
     with pytest.raises(ValueError, match=r"past_states\[0\] is on meta, the model on cpu; use state.to\(device\)"):
         _generate(model, [on_meta])
-    with pytest.raises(ValueError, match=r"^states\[1\] is on meta, states\[0\] on cpu; move them with "
-                                         r"\.to\(device\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^states\[1\] is on meta, states\[0\] on cpu; move them with "
+        r"\.to\(device\)",
+    ):
         StateComposer("soup").compose([state, on_meta])
 
 
@@ -96,8 +124,9 @@ def test_batch_mismatch(model, state):
         StateComposer("soup").compose([state, two])
     with pytest.raises(ValueError, match="past_states have batch size 2 but the query batch has 3 rows"):
         model.generate(random_ids(3, batch=3), past_states=[two], max_new_tokens=2)
-    with pytest.raises(ValueError, match="past_states has 2 lists but the query batch has 3 rows; pass one list of "
-                                         "states per row"):
+    with pytest.raises(
+        ValueError, match="past_states has 2 lists but the query batch has 3 rows; pass one list of states per row"
+    ):
         model.generate(random_ids(3, batch=3), past_states=[[state], [state]], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"past_states\[0\]\[0\] has batch size 2; per-row lists take batch-1 states"):
         model.generate(random_ids(3, batch=2), past_states=[[two], [state]], max_new_tokens=2)
@@ -136,8 +165,11 @@ def test_bad_weights_and_methods(model, state):
     with pytest.raises(ValueError, match="method 'concat' re-encodes the context tokens: pass model="):
         StateComposer("concat").compose([state, state])
     composed = StateComposer("soup").compose([state, state])
-    with pytest.raises(ValueError, match=r"this state does not carry its context tokens \(it was composed or "
-                                         r"continued\); the 'concat' and 'piconcat_r' methods need states made by"):
+    with pytest.raises(
+        ValueError,
+        match=r"this state does not carry its context tokens \(it was composed or "
+        r"continued\); the 'concat' and 'piconcat_r' methods need states made by",
+    ):
         StateComposer("concat").compose([composed, state], model=model)
 
 
@@ -151,18 +183,23 @@ def test_bad_generate_arguments(model, state):
 def test_bad_encode_input(model):
     ids = random_ids(5, batch=2)
     right_padded = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    with pytest.raises(ValueError, match="needs left padding .*: set tokenizer.padding_side = 'left'"):
+    with pytest.raises(ValueError, match=r"needs left padding .*: set tokenizer.padding_side = 'left'"):
         ComposableMambaCache.encode(model, ids, attention_mask=right_padded)
     with pytest.raises(ValueError, match="a row of attention_mask is all padding: every context needs at least one"):
         ComposableMambaCache.encode(model, ids, attention_mask=torch.tensor([[0] * 5, [1] * 5]))
-    with pytest.raises(ValueError, match=r"input_ids must be a non-empty \[B, T\] tensor of token ids, got shape "
-                                         r"\(1, 0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"input_ids must be a non-empty \[B, T\] tensor of token ids, got shape "
+        r"\(1, 0\)",
+    ):
         ComposableMambaCache.encode(model, torch.zeros(1, 0, dtype=torch.long))
 
 
 def test_other_architectures_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(TypeError, match=r"supports transformers' Mamba, Mamba-2, FalconMamba and hybrid .*got model_type 'gpt2'"):
+    with pytest.raises(
+        TypeError, match=r"supports transformers' Mamba, Mamba-2, FalconMamba and hybrid .*got model_type 'gpt2'"
+    ):
         hsc.enable(gpt2)
 
 
@@ -171,12 +208,18 @@ def test_truncated_file(model, state, tmp_path):
     state.save(path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match=r"is not a readable safetensors state file \(truncated or corrupted\?\).*; "
-                                         "re-encode the context or restore the file"):
+    with pytest.raises(
+        ValueError,
+        match=r"is not a readable safetensors state file \(truncated or corrupted\?\).*; "
+        "re-encode the context or restore the file",
+    ):
         ComposableMambaCache.load(path, model=model)
     path.write_bytes(data[:5])
-    with pytest.raises(ValueError, match=r"is not a safetensors state file \(truncated or corrupted\?: no safetensors "
-                                         r"header\); re-encode the context or restore the file"):
+    with pytest.raises(
+        ValueError,
+        match=r"is not a safetensors state file \(truncated or corrupted\?: no safetensors "
+        r"header\); re-encode the context or restore the file",
+    ):
         ComposableMambaCache.load(path, model=model)
 
 
@@ -186,11 +229,14 @@ def test_corrupted_file(model, state, tmp_path):
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF  # flip bits inside the tensor data: the file still parses
     path.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"tensor data does not match its recorded digest \(corrupted file\); "
-                                         "re-encode the context"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor data does not match its recorded digest \(corrupted file\); "
+        "re-encode the context",
+    ):
         ComposableMambaCache.load(path, model=model)
     path.write_bytes(b"\x00" * 64)
-    with pytest.raises(ValueError, match="is not a safetensors state file .*no safetensors header"):
+    with pytest.raises(ValueError, match=r"is not a safetensors state file .*no safetensors header"):
         ComposableMambaCache.load(path)
 
 
@@ -209,8 +255,11 @@ def test_pickles_are_refused(model, state, tmp_path):
 def test_load_into_another_model(arch, state, tmp_path):
     path = tmp_path / "s.safetensors"
     state.save(path)
-    with pytest.raises(ValueError, match=r"s\.safetensors was encoded by .* but this model has fingerprint .*: "
-                                         "re-encode the contexts with this model"):
+    with pytest.raises(
+        ValueError,
+        match=r"s\.safetensors was encoded by .* but this model has fingerprint .*: "
+        "re-encode the contexts with this model",
+    ):
         ComposableMambaCache.load(path, model=tiny_model(arch, seed=3))
-    with pytest.raises(ValueError, match="s.safetensors holds 2 layers, the model has 3; .*re-encode the context"):
+    with pytest.raises(ValueError, match=r"s.safetensors holds 2 layers, the model has 3; .*re-encode the context"):
         ComposableMambaCache.load(path, model=tiny_model(arch, layers=3))

@@ -1,4 +1,5 @@
 """One state reproduces the concatenation exactly; CASO equals the concatenated state where it must."""
+
 import pytest
 import torch
 
@@ -30,8 +31,8 @@ def test_batched_contexts_and_queries_of_different_lengths(model):
     q_ids = torch.zeros(3, width_q, dtype=torch.long)
     q_mask = torch.zeros(3, width_q, dtype=torch.long)
     for r, (c, q) in enumerate(zip(contexts, queries)):
-        ids[r, width_c - len(c):], mask[r, width_c - len(c):] = c, 1
-        q_ids[r, width_q - len(q):], q_mask[r, width_q - len(q):] = q, 1
+        ids[r, width_c - len(c) :], mask[r, width_c - len(c) :] = c, 1
+        q_ids[r, width_q - len(q) :], q_mask[r, width_q - len(q) :] = q, 1
     states = ComposableMambaCache.encode(model, ids, attention_mask=mask)
     assert states.num_tokens.tolist() == [5, 17, 11]
     logits = model(q_ids, attention_mask=q_mask, past_states=[states]).logits
@@ -41,8 +42,8 @@ def test_batched_contexts_and_queries_of_different_lengths(model):
             torch.testing.assert_close(states.select(r).ssm_states[i], alone.ssm_states[i], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(states.select(r).conv_states[i], alone.conv_states[i], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(states.select(r).delta_sums[i], alone.delta_sums[i], rtol=1e-5, atol=1e-6)
-        expected = model(torch.cat([c, q])[None]).logits[0, -len(q):]
-        assert relative_error(logits[r, -len(q):], expected) < 1e-4
+        expected = model(torch.cat([c, q])[None]).logits[0, -len(q) :]
+        assert relative_error(logits[r, -len(q) :], expected) < 1e-4
 
 
 @pytest.mark.parametrize("arch_", ["mamba", "mamba2"])
@@ -84,7 +85,9 @@ def test_encode_matches_transformers_states(model):
     stock = model(ids, use_cache=True).cache_params
     ours = ComposableMambaCache.encode(model, ids)
     for i in range(ours.num_layers):
-        torch.testing.assert_close(ours.ssm_states[i], stock.layers[i].recurrent_states[0].float(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            ours.ssm_states[i], stock.layers[i].recurrent_states[0].float(), rtol=1e-4, atol=1e-5
+        )
         torch.testing.assert_close(ours.conv_states[i], stock.layers[i].conv_states[0], rtol=1e-5, atol=1e-6)
 
 

@@ -1,6 +1,7 @@
 """torch.export and torch.compile(fullgraph=True) of SeRpEnt and COFFEE forwards work as they do for stock Mamba:
 a plain forward, one with ``use_cache`` (the cache's fingerprint is not hashed from FakeTensors), a left-padded
 batch with its mask, and a generate-style prefill + one-token step; the traced graphs give eager's outputs."""
+
 import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM
@@ -18,9 +19,16 @@ def tiny(arch: str):
         config = MambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, **special)
         return MambaForCausalLM(config).eval()
     if arch == "serpent":  # one branch that resamples (κ = 0.5): some tokens create no grid point
-        config = hsc.SeRpEntMambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, state_size=4,
-                                        branch_compressions=(1.0, 0.5), resample_window=2, num_gaussians=2,
-                                        **special)
+        config = hsc.SeRpEntMambaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=1,
+            state_size=4,
+            branch_compressions=(1.0, 0.5),
+            resample_window=2,
+            num_gaussians=2,
+            **special,
+        )
         return hsc.SeRpEntMambaForCausalLM(config).eval()
     config = hsc.CoffeeConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4, **special)
     return hsc.CoffeeForCausalLM(config).eval()
@@ -87,8 +95,9 @@ def close(actual, expected):
 
 
 # stock Mamba allows all of these on the installed torch (torch 2.13): the baseline, once, in its longest case
-EXPORTED = [(arch, case) for arch in ("serpent", "coffee") for case in ("plain", "use_cache", "left_padded",
-                                                                         "prefill_and_step")]
+EXPORTED = [
+    (arch, case) for arch in ("serpent", "coffee") for case in ("plain", "use_cache", "left_padded", "prefill_and_step")
+]
 COMPILED = [(arch, case) for arch in ("serpent", "coffee") for case in ("plain", "use_cache", "prefill_and_step")]
 
 

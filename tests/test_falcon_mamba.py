@@ -3,6 +3,7 @@
 Its stock mixer, like Mamba-1's, ignores a cached SSM state for inputs longer than one token; ``enable`` runs
 our initial-state path instead (the norms applied as the mixer applies them). Every claim is checked on logits
 or scores, after first showing that the context changes them on this tiny random model."""
+
 import pytest
 import torch
 
@@ -21,8 +22,9 @@ def model():
 
 
 def _scores(model, ids, **kwargs):
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                         **kwargs)
+    out = model.generate(
+        ids, max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True, **kwargs
+    )
     return out.sequences, torch.stack(out.scores, 1)  # [B, NEW, vocab]
 
 
@@ -75,18 +77,25 @@ def test_generate_greedy_sampling_beams_and_return_sequences(model):
     _, no_context = _scores(model, query)
     assert relative_error(no_context, expected_scores) > 1e-2
     assert relative_error(scores, expected_scores) < 1e-4
-    assert torch.equal(tokens, expected_tokens[:, context.shape[1]:])
+    assert torch.equal(tokens, expected_tokens[:, context.shape[1] :])
     torch.manual_seed(7)
     sampled = model.generate(full, max_new_tokens=NEW, do_sample=True, top_k=0, num_return_sequences=3)
     torch.manual_seed(7)
-    ours = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=True, top_k=0,
-                          num_return_sequences=3)
-    assert torch.equal(ours, sampled[:, context.shape[1]:])
-    beams = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False, output_scores=True,
-                 return_dict_in_generate=True)
+    ours = model.generate(
+        query, past_states=[state], max_new_tokens=NEW, do_sample=True, top_k=0, num_return_sequences=3
+    )
+    assert torch.equal(ours, sampled[:, context.shape[1] :])
+    beams = dict(
+        max_new_tokens=NEW,
+        num_beams=3,
+        num_return_sequences=2,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     expected = model.generate(full, **beams)
     out = model.generate(query, past_states=[state], **beams)
-    assert torch.equal(out.sequences, expected.sequences[:, context.shape[1]:])
+    assert torch.equal(out.sequences, expected.sequences[:, context.shape[1] :])
     torch.testing.assert_close(out.sequences_scores, expected.sequences_scores, rtol=1e-4, atol=1e-5)
 
 
@@ -98,8 +107,8 @@ def test_left_padded_batches_and_per_row_contexts(model):
     ids, mask = torch.zeros(3, wc, dtype=torch.long), torch.zeros(3, wc, dtype=torch.long)
     q_ids, q_mask = torch.zeros(3, wq, dtype=torch.long), torch.zeros(3, wq, dtype=torch.long)
     for r, (c, q) in enumerate(zip(contexts, queries)):
-        ids[r, wc - len(c):], mask[r, wc - len(c):] = c, 1
-        q_ids[r, wq - len(q):], q_mask[r, wq - len(q):] = q, 1
+        ids[r, wc - len(c) :], mask[r, wc - len(c) :] = c, 1
+        q_ids[r, wq - len(q) :], q_mask[r, wq - len(q) :] = q, 1
     states = hsc.encode(model, ids, attention_mask=mask)
     _, scores = _scores(model, q_ids, attention_mask=q_mask, past_states=[states])
     per_row = [[hsc.encode(model, c[None])] for c in contexts]
@@ -117,8 +126,10 @@ def test_composition_equals_the_float64_reference(model, method):
     composed = hsc.StateComposer(method).compose(states)
     for i in range(composed.num_layers):
         expected = compose_ssm_ref(
-            [s.ssm_states[i].double() for s in states], torch.stack([s.delta_sums[i] for s in states]).double(),
-            states[0].A[i].double(), method,
+            [s.ssm_states[i].double() for s in states],
+            torch.stack([s.delta_sums[i] for s in states]).double(),
+            states[0].A[i].double(),
+            method,
         )
         torch.testing.assert_close(composed.ssm_states[i].double(), expected, rtol=1e-5, atol=1e-7)
     # and the composed state differs from each input: composition did something
@@ -131,7 +142,7 @@ def test_never_enabled_falcon_mamba_refuses_past_states():
     hsc.disable(model)
     query = random_ids(3)
     for call in (lambda: model(query, past_states=[state]), lambda: model.generate(query, past_states=[state])):
-        with pytest.raises(ValueError, match="past_states needs hf_statecompose.enable"):
+        with pytest.raises(ValueError, match=r"past_states needs hf_statecompose.enable"):
             call()
 
 
@@ -141,8 +152,10 @@ def test_enable_changes_nothing_without_past_states_and_states_round_trip(model,
     hsc.disable(fresh)
     ids = random_ids(12)
     torch.testing.assert_close(model(ids).logits, fresh(ids).logits, rtol=0, atol=0)
-    assert torch.equal(model.generate(ids, max_new_tokens=NEW, do_sample=False),
-                       fresh.generate(ids, max_new_tokens=NEW, do_sample=False))
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=NEW, do_sample=False),
+        fresh.generate(ids, max_new_tokens=NEW, do_sample=False),
+    )
     state = hsc.encode(model, random_ids(9))
     state.save(tmp_path / "falcon.safetensors")
     loaded = ComposableMambaCache.load(tmp_path / "falcon.safetensors", model=model)
@@ -151,5 +164,5 @@ def test_enable_changes_nothing_without_past_states_and_states_round_trip(model,
         assert torch.equal(loaded.ssm_states[i], state.ssm_states[i])
         assert torch.equal(loaded.delta_sums[i], state.delta_sums[i])
     mamba = tiny_model("mamba", seed=3)  # same shapes, another architecture: refused
-    with pytest.raises(ValueError, match="falcon_mamba|fingerprint|encoded by"):
+    with pytest.raises(ValueError, match=r"falcon_mamba|fingerprint|encoded by"):
         ComposableMambaCache.load(tmp_path / "falcon.safetensors", model=mamba)

@@ -5,6 +5,7 @@ models' tensors of more than 128 elements and more than one dimension armed copy
 model's weights above ``_ARMED_ABOVE`` take; the 1-D ones, which CPU kernels ask writable pointers for, stay
 small).
 """
+
 import copy
 import gc
 import threading
@@ -12,12 +13,13 @@ import weakref
 
 import pytest
 import torch
-from helpers import pickle_round_trip, random_ids, tiny_model, torch_save_round_trip
 
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache
 from hf_statecompose.state import fingerprint
 from hf_statecompose.state.fingerprint import model_fingerprint
+
+from helpers import pickle_round_trip, random_ids, tiny_model, torch_save_round_trip
 
 
 @pytest.fixture(params=["small", "armed"])
@@ -62,7 +64,11 @@ def test_checks_read_no_large_weight(arch, path, reads):
         assert model_fingerprint(model) == first
     assert reads == {"full": 1, "checksum": 0}
     if path == "armed":
-        assert all(torch._C._is_cow_tensor(t) for t in model.backbone.layers[1].mixer.parameters() if t.dim() > 1 and t.numel() > 128)
+        assert all(
+            torch._C._is_cow_tensor(t)
+            for t in model.backbone.layers[1].mixer.parameters()
+            if t.dim() > 1 and t.numel() > 128
+        )
 
 
 def _add_under_no_grad(model):
@@ -117,8 +123,20 @@ def _small_tensor_through_data(model):
     model.backbone.layers[1].mixer.D.data[0] += 1.0
 
 
-CHANGES = [_add_under_no_grad, _optimizer_step, _load_state_dict, _replace_parameter, _replace_data, _data_mul,
-           _data_one_element, _data_copy, _detach_edit, _dtype_round_trip, _config_edit, _small_tensor_through_data]
+CHANGES = [
+    _add_under_no_grad,
+    _optimizer_step,
+    _load_state_dict,
+    _replace_parameter,
+    _replace_data,
+    _data_mul,
+    _data_one_element,
+    _data_copy,
+    _detach_edit,
+    _dtype_round_trip,
+    _config_edit,
+    _small_tensor_through_data,
+]
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))

@@ -3,6 +3,9 @@
 Each case first shows that the context changes the output: the first step's logits with the state differ
 from those with its SSM states zeroed and from those without any context, by far more than the tolerance of
 the comparison with context + query that follows (tokens identical, logits of every step within 1e-5)."""
+
+import itertools
+
 import pytest
 import torch
 from transformers import TextStreamer
@@ -122,20 +125,20 @@ def test_rows_with_their_own_context_lists_and_padded_queries(model):
     q_ids = torch.zeros(2, 4, dtype=torch.long)
     q_mask = torch.zeros(2, 4, dtype=torch.long)
     for r, q in enumerate(queries):
-        q_ids[r, 4 - len(q):], q_mask[r, 4 - len(q):] = q, 1
+        q_ids[r, 4 - len(q) :], q_mask[r, 4 - len(q) :] = q, 1
     kwargs = dict(composition="caso", do_sample=False)
     out = _generate(model, q_ids, states, attention_mask=q_mask, **kwargs)
     _assert_context_matters(model, q_ids, states, out[1], attention_mask=q_mask, **kwargs)
     for r in range(2):
         single = _generate(model, queries[r][None], states[r], **kwargs)
-        assert torch.equal(out[0][r, 4:], single[0][0, len(queries[r]):])
+        assert torch.equal(out[0][r, 4:], single[0][0, len(queries[r]) :])
         assert relative_error(out[1][:, r], single[1][:, 0]) < EXACT
         # each row reads its own contexts: the other row's give another first step
         other = _generate(model, queries[r][None], states[1 - r], max_new_tokens=1, **kwargs)[1][0]
         assert relative_error(other, single[1][0]) > MATTERS
     # row 1 has a single context: caso of one state is the state itself, so it matches the concatenation
     expected = _generate(model, torch.cat([contexts[1][0][0], queries[1]])[None], do_sample=False)
-    _assert_same_generation((out[0][1:, 4 - 2:], out[1][:, 1:]), expected, 15)
+    _assert_same_generation((out[0][1:, 4 - 2 :], out[1][:, 1:]), expected, 15)
 
 
 @torch.no_grad()
@@ -171,25 +174,41 @@ def test_streamers_and_return_dict(model, capsys):
     context, query, state = _pair(model)
     streamer = _Collect()
     out = model.generate(
-        query, past_states=[state], max_new_tokens=NEW, do_sample=False, streamer=streamer,
-        return_dict_in_generate=True, output_scores=True,
+        query,
+        past_states=[state],
+        max_new_tokens=NEW,
+        do_sample=False,
+        streamer=streamer,
+        return_dict_in_generate=True,
+        output_scores=True,
     )
     assert streamer.chunks[0] == query[0].tolist() and streamer.chunks[-1] == "end"
-    assert sum(streamer.chunks[1:-1], []) == out.sequences[0, query.shape[1]:].tolist()
+    assert list(itertools.chain.from_iterable(streamer.chunks[1:-1])) == out.sequences[0, query.shape[1] :].tolist()
     assert len(out.scores) == NEW
     expected = model.generate(
-        torch.cat([context, query], 1), max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_scores=True
+        torch.cat([context, query], 1),
+        max_new_tokens=NEW,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
     )
     assert relative_error(out.scores[0], expected.scores[0]) < EXACT
-    assert relative_error(model.generate(query, max_new_tokens=1, do_sample=False, return_dict_in_generate=True,
-                                         output_scores=True).scores[0], out.scores[0]) > MATTERS
+    assert (
+        relative_error(
+            model.generate(
+                query, max_new_tokens=1, do_sample=False, return_dict_in_generate=True, output_scores=True
+            ).scores[0],
+            out.scores[0],
+        )
+        > MATTERS
+    )
     model.generate(query, past_states=[state], max_new_tokens=3, do_sample=False, streamer=TextStreamer(_Tokenizer()))
     assert capsys.readouterr().out.strip()
 
 
 @torch.no_grad()
 def test_generate_does_not_mutate_the_states(model):
-    context, query, state = _pair(model)
+    _context, query, state = _pair(model)
     before = state.clone()
     model.generate(query, past_states=[state, state], max_new_tokens=NEW, do_sample=False)
     for i in range(state.num_layers):

@@ -3,6 +3,7 @@
 
 Tiny random float64 hybrids (:mod:`hybrid_helpers`), every supported hybrid architecture.
 """
+
 import itertools
 
 import pytest
@@ -26,14 +27,19 @@ def encode_all(model, lengths, seed=0):
 def capture_backbone_inputs(model):
     """A forward pre-hook on the backbone that records the keyword arguments of its calls (position_ids, mask)."""
     calls = []
-    handle = model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(dict(kwargs)),
-                                                   with_kwargs=True)
+    handle = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(dict(kwargs)), with_kwargs=True
+    )
     return calls, handle
 
 
 # ------------------------------------------------------------------------------------- (a) NoPE: order invariance
-NOPE = {"nemotron_h": {}, "granitemoehybrid": {"position_embedding_type": None}, "zamba2": {"use_mem_rope": False},
-        "jamba": {}}
+NOPE = {
+    "nemotron_h": {},
+    "granitemoehybrid": {"position_embedding_type": None},
+    "zamba2": {"use_mem_rope": False},
+    "jamba": {},
+}
 
 
 @pytest.mark.parametrize("arch", arch_params(NOPE))
@@ -88,7 +94,9 @@ ROPE_FIRST = {
     "bamba": dict(attn_layer_indices=[0]),  # partial RoPE: half of each head's dims rotate
     "granitemoehybrid": dict(layer_types=["attention", "mamba", "mamba"], position_embedding_type="rope"),
     "falcon_h1": {},  # every layer has both parts: layer 0's attention reads the embeddings
-    "zamba2": dict(layers_block_type=["hybrid", "mamba", "mamba", "hybrid"]),  # the shared block reads [embeddings, embeddings]
+    "zamba2": dict(
+        layers_block_type=["hybrid", "mamba", "mamba", "hybrid"]
+    ),  # the shared block reads [embeddings, embeddings]
 }
 
 
@@ -126,7 +134,10 @@ def test_left_padded_batch_states_compose_as_their_rows_alone(arch, placement):
     model = hybrid_model(arch)
     first, first_mask = left_pad([ids(3, seed=80)[0], ids(7, seed=81)[0]])
     second, second_mask = left_pad([ids(5, seed=82)[0], ids(2, seed=83)[0]])
-    states = [hsc.encode(model, first, attention_mask=first_mask), hsc.encode(model, second, attention_mask=second_mask)]
+    states = [
+        hsc.encode(model, first, attention_mask=first_mask),
+        hsc.encode(model, second, attention_mask=second_mask),
+    ]
     composer = StateComposer("picaso_r", attention=placement)
     composed = composer.compose(states, model=model)
     real = composed.key_mask
@@ -134,7 +145,9 @@ def test_left_padded_batch_states_compose_as_their_rows_alone(arch, placement):
     queries, mask = left_pad([ids(4, seed=84)[0], ids(2, seed=85)[0]])
     logits = model(queries, attention_mask=mask, past_states=states, composition=composer).logits
     for r, length in enumerate((4, 2)):
-        alone = model(queries[r:r + 1, -length:], past_states=[s.select(r) for s in states], composition=composer).logits
+        alone = model(
+            queries[r : r + 1, -length:], past_states=[s.select(r) for s in states], composition=composer
+        ).logits
         assert relative_error(logits[r, -length:], alone[0]) < TOL64, r
 
 
@@ -151,7 +164,9 @@ def test_shared_placement_keeps_each_context_at_its_own_positions():
     queries, mask = left_pad([ids(4, seed=41)[0], ids(2, seed=42)[0]])
     calls, handle = capture_backbone_inputs(model)
     try:
-        model(queries, attention_mask=mask, past_states=states, composition=StateComposer("picaso_r", attention="shared"))
+        model(
+            queries, attention_mask=mask, past_states=states, composition=StateComposer("picaso_r", attention="shared")
+        )
         model(queries, attention_mask=mask, past_states=states)  # concat placement, for contrast
     finally:
         handle.remove()
@@ -165,8 +180,14 @@ def test_shared_placement_keeps_each_context_at_its_own_positions():
     for placement, first in (("shared", (13, 11)), ("concat", (25, 23)), ("none", (4, 2))):
         calls, handle = capture_backbone_inputs(model)
         try:
-            model.generate(queries, attention_mask=mask, past_states=states, max_new_tokens=3, do_sample=False,
-                           composition=StateComposer("picaso_r", attention=placement))
+            model.generate(
+                queries,
+                attention_mask=mask,
+                past_states=states,
+                max_new_tokens=3,
+                do_sample=False,
+                composition=StateComposer("picaso_r", attention=placement),
+            )
         finally:
             handle.remove()
         steps = [call["position_ids"].tolist() for call in calls[1:]]
@@ -178,8 +199,13 @@ def ssm_only(composed, model):
     """A fresh, empty state of ``model`` holding copies of the SSM layers of ``composed`` and no keys."""
     manual = hsc.ComposableMambaCache.empty_for(model)
     for v in range(composed.num_layers):
-        manual.set_layer(v, ssm_state=composed.ssm_states[v].clone(), conv_state=composed.conv_states[v].clone(),
-                         delta_sum=composed.delta_sums[v].clone(), A=composed.A[v])
+        manual.set_layer(
+            v,
+            ssm_state=composed.ssm_states[v].clone(),
+            conv_state=composed.conv_states[v].clone(),
+            delta_sum=composed.delta_sums[v].clone(),
+            A=composed.A[v],
+        )
     manual.num_tokens = composed.num_tokens.clone()
     assert not any(layer.has_keys for layer in manual.attention_layers)
     return manual
@@ -197,15 +223,31 @@ def test_none_placement_equals_the_ssm_state_without_keys(arch):
     with_keys = model(query, past_states=states, composition=StateComposer("picaso_r")).logits
     assert relative_error(with_keys, ours) > 1e-4  # the keys matter (Zamba2's shared block least: 2.5e-4)
     composed = StateComposer("picaso_r").compose(states, model=model)
-    expected = model(query, attention_mask=torch.ones_like(query), position_ids=torch.arange(5)[None], use_cache=True,
-                     **compat.cache_kwargs(ssm_only(composed, model), hybrid=True)).logits
+    expected = model(
+        query,
+        attention_mask=torch.ones_like(query),
+        position_ids=torch.arange(5)[None],
+        use_cache=True,
+        **compat.cache_kwargs(ssm_only(composed, model), hybrid=True),
+    ).logits
     assert relative_error(ours, expected) < TOL64
     # and generation: the query's keys, then each new token's, are all the attention layers see
     model.generation_config.eos_token_id = None
-    generated = model.generate(query, past_states=states, composition=StateComposer("picaso_r", attention="none"),
-                               max_new_tokens=6, do_sample=False)
-    expected = model.generate(query, attention_mask=torch.ones_like(query), max_new_tokens=6, do_sample=False,
-                              use_cache=True, **compat.cache_kwargs(ssm_only(composed, model), hybrid=True))
+    generated = model.generate(
+        query,
+        past_states=states,
+        composition=StateComposer("picaso_r", attention="none"),
+        max_new_tokens=6,
+        do_sample=False,
+    )
+    expected = model.generate(
+        query,
+        attention_mask=torch.ones_like(query),
+        max_new_tokens=6,
+        do_sample=False,
+        use_cache=True,
+        **compat.cache_kwargs(ssm_only(composed, model), hybrid=True),
+    )
     assert torch.equal(generated, expected)
 
 
@@ -228,7 +270,7 @@ def test_concat_and_piconcat_r_re_encode_the_concatenation(arch):
         torch.testing.assert_close(got.values, want.values, rtol=1e-12, atol=1e-12)
     query = ids(4, seed=61)
     full = torch.cat(contexts + [query], 1)
-    expected = model.generate(full, max_new_tokens=8, do_sample=False)[:, full.shape[1]:]
+    expected = model.generate(full, max_new_tokens=8, do_sample=False)[:, full.shape[1] :]
     ours = model.generate(query, past_states=states, composition="concat", max_new_tokens=8, do_sample=False)
     assert torch.equal(ours[:, 4:], expected)
     without_first = model(query, past_states=states[1:], composition="concat").logits
@@ -276,9 +318,20 @@ def test_encode_does_not_enable_and_the_stock_model_still_refuses():
 
 
 REFUSED = {
-    "qwen3_next": (dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=8,
-                        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-                        linear_value_head_dim=8, num_experts=0, moe_intermediate_size=16), "gated DeltaNet"),
+    "qwen3_next": (
+        dict(
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            head_dim=8,
+            linear_num_value_heads=2,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            num_experts=0,
+            moe_intermediate_size=16,
+        ),
+        "gated DeltaNet",
+    ),
     "lfm2": (dict(num_hidden_layers=2, layer_types=["conv", "full_attention"]), "short gated convolutions"),
 }
 
@@ -286,8 +339,15 @@ REFUSED = {
 @pytest.mark.parametrize("model_type", list(REFUSED))
 def test_linear_attention_hybrids_without_a_diagonal_decay_are_refused(model_type):
     fields, reason = REFUSED[model_type]
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
-                                  num_key_value_heads=2, intermediate_size=48, **fields)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        **fields,
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(TypeError, match=f"does not compose '{model_type}' states: .*{reason}"):
         hsc.enable(model)
@@ -300,7 +360,9 @@ def test_linear_attention_hybrids_without_a_diagonal_decay_are_refused(model_typ
 def test_states_of_another_hybrid_are_refused(bamba_state):
     for arch in ("nemotron_h", "granitemoehybrid", "zamba2"):
         model = hybrid_model(arch)
-        with pytest.raises(ValueError, match=rf"past_states\[0\] is a state of a 'bamba' model .* this model is '{arch}'"):
+        with pytest.raises(
+            ValueError, match=rf"past_states\[0\] is a state of a 'bamba' model .* this model is '{arch}'"
+        ):
             model(ids(3, seed=74), past_states=[bamba_state])
     # the same architecture with other weights too
     other = hybrid_model("bamba", seed=1)
@@ -311,9 +373,23 @@ def test_states_of_another_hybrid_are_refused(bamba_state):
 @torch.no_grad()
 def test_a_hybrid_state_and_a_mamba2_state_in_one_list_are_refused(bamba_state):
     torch.manual_seed(0)
-    mamba2 = hsc.enable(Mamba2ForCausalLM(Mamba2Config(
-        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, num_heads=8, head_dim=8,
-        n_groups=1, chunk_size=16)).double().eval())
+    mamba2 = hsc.enable(
+        Mamba2ForCausalLM(
+            Mamba2Config(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                state_size=8,
+                num_hidden_layers=2,
+                expand=2,
+                num_heads=8,
+                head_dim=8,
+                n_groups=1,
+                chunk_size=16,
+            )
+        )
+        .double()
+        .eval()
+    )
     mamba2_state = hsc.encode(mamba2, ids(6, seed=75))
     model = hybrid_model("bamba")
     query = ids(3, seed=76)
@@ -323,6 +399,9 @@ def test_a_hybrid_state_and_a_mamba2_state_in_one_list_are_refused(bamba_state):
         model(torch.cat([query, query]), past_states=[[bamba_state], [mamba2_state]])
     with pytest.raises(ValueError, match=r"past_states\[1\] is a state of a 'bamba' model .* this model is 'mamba2'"):
         mamba2(query, past_states=[mamba2_state, bamba_state])
-    for states, odd in (([bamba_state, mamba2_state], "a 'mamba2' model"), ([mamba2_state, bamba_state], "a 'bamba' model")):
+    for states, odd in (
+        ([bamba_state, mamba2_state], "a 'mamba2' model"),
+        ([mamba2_state, bamba_state], "a 'bamba' model"),
+    ):
         with pytest.raises(ValueError, match=rf"states\[1\] was encoded by a different model \({odd}"):
             StateComposer("picaso_r").compose(states)

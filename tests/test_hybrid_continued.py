@@ -2,14 +2,15 @@
 the query's padding slots as padding (-1), the real tokens after the composed keys' last position with the
 padding skipped, as the call's position_ids placed them. transformers' attention appends keys without a mask, so
 without this the padding would pass for context tokens when the cache is reused."""
-import torch
+
 import pytest
+import torch
+
+import hf_statecompose as hsc
+from hf_statecompose import compat
+from hf_statecompose.state.validation import check_state
 
 from hybrid_models import hybrid_model, ids
-
-from hf_statecompose import compat
-import hf_statecompose as hsc
-from hf_statecompose.state.validation import check_state
 
 
 def _states(model):
@@ -21,8 +22,15 @@ def test_generate_records_the_padded_querys_positions(arch):
     model = hybrid_model(arch, dtype=torch.float32)
     query = ids(4, batch=2, seed=9)
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    out = model.generate(query, attention_mask=mask, past_states=_states(model), max_new_tokens=3, do_sample=False,
-                         num_beams=2, return_dict_in_generate=True)
+    out = model.generate(
+        query,
+        attention_mask=mask,
+        past_states=_states(model),
+        max_new_tokens=3,
+        do_sample=False,
+        num_beams=2,
+        return_dict_in_generate=True,
+    )
     cache = compat.output_cache(out)
     positions = cache.attention_layers[0].positions
     assert positions.shape == (4, 8 + 4 + 2)  # 8 composed keys, the query, 2 generated tokens (the last is not fed)

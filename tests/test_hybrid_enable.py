@@ -4,23 +4,48 @@ GraniteMoeHybrid suite builds in ``test_attention_only_forward``.
 ``enable`` must still work and change nothing for calls without ``past_states`` (transformers' suites run with every
 model enabled, tests/enable_plugin.py); such a model has no state to encode, so ``hsc.encode`` refuses it, saying why.
 """
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_statecompose as hsc
 
-SMALL = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
-             pad_token_id=0)
+SMALL = dict(
+    vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, pad_token_id=0
+)
 # every layer attention (the hybrids whose config lets a layer be attention alone)
 ATTENTION_ONLY = {
-    "granitemoehybrid": dict(num_hidden_layers=2, layer_types=["attention", "attention"], mamba_n_heads=4,
-                             mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16,
-                             num_local_experts=0, shared_intermediate_size=48, position_embedding_type=None),
-    "bamba": dict(num_hidden_layers=2, attn_layer_indices=[0, 1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-                  mamba_n_groups=1, mamba_chunk_size=16),
-    "nemotron_h": dict(num_hidden_layers=3, hybrid_override_pattern="*-*", mamba_num_heads=4, mamba_head_dim=16,
-                       ssm_state_size=8, n_groups=1, chunk_size=16),
+    "granitemoehybrid": dict(
+        num_hidden_layers=2,
+        layer_types=["attention", "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+        num_local_experts=0,
+        shared_intermediate_size=48,
+        position_embedding_type=None,
+    ),
+    "bamba": dict(
+        num_hidden_layers=2,
+        attn_layer_indices=[0, 1],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+    ),
+    "nemotron_h": dict(
+        num_hidden_layers=3,
+        hybrid_override_pattern="*-*",
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=1,
+        chunk_size=16,
+    ),
 }
 
 
@@ -46,5 +71,5 @@ def test_enable_attention_only_hybrid_changes_nothing(model_type):
 @pytest.mark.parametrize("model_type", sorted(ATTENTION_ONLY))
 def test_encode_refuses_attention_only_hybrid(model_type):
     model = hsc.enable(_attention_only_model(model_type))
-    with pytest.raises(ValueError, match="has no SSM layer .*no state to encode or compose"):
+    with pytest.raises(ValueError, match=r"has no SSM layer .*no state to encode or compose"):
         hsc.encode(model, torch.randint(1, 64, (1, 5)))

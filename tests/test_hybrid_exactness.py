@@ -14,6 +14,7 @@ Against the stock model's own one-token steps the scores differ more for Nemotro
 decode disagrees with its own prefill by as much; the state-aware path clamps at every step, as the prefill does.
 The generated tokens are the stock ones all the same.
 """
+
 import pytest
 import torch
 
@@ -37,16 +38,16 @@ def model(request):
 def stock_continuation(model, context, query, **kwargs):
     """What the stock model generates after ``context + query`` (the new tokens only)."""
     full = torch.cat([context, query], 1)
-    return model.generate(full, attention_mask=torch.ones_like(full), **kwargs)[:, full.shape[1]:]
+    return model.generate(full, attention_mask=torch.ones_like(full), **kwargs)[:, full.shape[1] :]
 
 
 def prefill_logits(model, sequences, start):
     """The stock model's logits for the tokens of ``sequences`` from ``start`` on, from one prefill of them all."""
-    return model(sequences).logits[:, start - 1:-1]
+    return model(sequences).logits[:, start - 1 : -1]
 
 
 def state_continuation(model, states, query, **kwargs):
-    return model.generate(query, past_states=states, **kwargs)[:, query.shape[1]:]
+    return model.generate(query, past_states=states, **kwargs)[:, query.shape[1] :]
 
 
 @pytest.mark.parametrize("query_length", [1, 6])
@@ -79,7 +80,7 @@ def test_greedy_generate_equals_the_concatenation(model):
     alone = model.generate(query, **kwargs)
     assert relative_error(alone.scores[0], expected.scores[0]) > 1e-2  # the context matters
     ours = model.generate(query, past_states=[hsc.encode(model, context)], **kwargs)
-    assert torch.equal(ours.sequences[:, query.shape[1]:], expected.sequences[:, full.shape[1]:])
+    assert torch.equal(ours.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :])
     prefill = prefill_logits(model, expected.sequences, full.shape[1])
     for step, (a, e) in enumerate(zip(ours.scores, expected.scores)):
         assert relative_error(a, prefill[:, step]) < TOL64, step
@@ -103,7 +104,7 @@ def test_generation_steps_with_a_head_below_time_step_min(arch):
     full = torch.cat([context, query], 1)
     expected = model.generate(full, **kwargs)
     ours = model.generate(query, past_states=[hsc.encode(model, context)], **kwargs)
-    assert torch.equal(ours.sequences[:, query.shape[1]:], expected.sequences[:, full.shape[1]:])
+    assert torch.equal(ours.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :])
     prefill = prefill_logits(model, expected.sequences, full.shape[1])
     for step, a in enumerate(ours.scores):
         assert relative_error(a, prefill[:, step]) < TOL64, step
@@ -114,14 +115,15 @@ def test_sampling_with_the_same_seed_equals_the_concatenation(model):
     context, query = ids(11, seed=5), ids(4, seed=6)
     state = hsc.encode(model, context)
     full = torch.cat([context, query], 1)
-    kwargs = dict(max_new_tokens=10, do_sample=True, top_k=0, temperature=1.5, return_dict_in_generate=True,
-                  output_scores=True)
+    kwargs = dict(
+        max_new_tokens=10, do_sample=True, top_k=0, temperature=1.5, return_dict_in_generate=True, output_scores=True
+    )
     for seed in (0, 1):
         torch.manual_seed(seed)
         expected = model.generate(full, **kwargs)
         torch.manual_seed(seed)
         ours = model.generate(query, past_states=[state], **kwargs)
-        assert torch.equal(ours.sequences[:, query.shape[1]:], expected.sequences[:, full.shape[1]:]), seed
+        assert torch.equal(ours.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :]), seed
         for step, (a, e) in enumerate(zip(ours.scores, expected.scores)):
             assert relative_error(a, e) < TOL_STEPS, (seed, step)
     # the context matters: the distribution sampled from is another one without it (a tiny random model's samples
@@ -137,7 +139,7 @@ def test_beam_search_equals_the_concatenation(model):
     full = torch.cat([context, query], 1)
     expected = model.generate(full, **kwargs)
     ours = model.generate(query, past_states=[hsc.encode(model, context)], **kwargs)
-    assert torch.equal(ours.sequences[:, query.shape[1]:], expected.sequences[:, full.shape[1]:])
+    assert torch.equal(ours.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :])
     assert relative_error(ours.sequences_scores, expected.sequences_scores) < TOL_STEPS
     alone = model.generate(query, **kwargs)
     assert relative_error(alone.scores[0], expected.scores[0]) > 1e-2  # the context matters
@@ -146,13 +148,19 @@ def test_beam_search_equals_the_concatenation(model):
 @torch.no_grad()
 def test_beam_search_returning_several_sequences(model):
     context, query = ids(9, seed=9), ids(3, seed=10)
-    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=3, do_sample=False, return_dict_in_generate=True,
-                  output_scores=True)
+    kwargs = dict(
+        max_new_tokens=5,
+        num_beams=3,
+        num_return_sequences=3,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     full = torch.cat([context, query], 1)
     expected = model.generate(full, **kwargs)
     assert expected.sequences.shape[0] == 3
     ours = model.generate(query, past_states=[hsc.encode(model, context)], **kwargs)
-    assert torch.equal(ours.sequences[:, query.shape[1]:], expected.sequences[:, full.shape[1]:])
+    assert torch.equal(ours.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :])
     assert relative_error(ours.sequences_scores, expected.sequences_scores) < TOL_STEPS
     alone = model.generate(query, **kwargs)
     assert relative_error(alone.scores[0], expected.scores[0]) > 1e-2  # the context matters
@@ -161,16 +169,23 @@ def test_beam_search_returning_several_sequences(model):
 @torch.no_grad()
 def test_sampling_several_return_sequences_equals_the_concatenation(model):
     context, query = ids(11, seed=11), ids(4, seed=12)
-    kwargs = dict(max_new_tokens=8, do_sample=True, top_k=0, temperature=1.5, num_return_sequences=2,
-                  return_dict_in_generate=True, output_scores=True)
+    kwargs = dict(
+        max_new_tokens=8,
+        do_sample=True,
+        top_k=0,
+        temperature=1.5,
+        num_return_sequences=2,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     full = torch.cat([context, query], 1)
     torch.manual_seed(3)
     expected = model.generate(full, **kwargs)
-    new = expected.sequences[:, full.shape[1]:]
+    new = expected.sequences[:, full.shape[1] :]
     assert new.shape[0] == 2 and not torch.equal(new[0], new[1])
     torch.manual_seed(3)
     ours = model.generate(query, past_states=[hsc.encode(model, context)], **kwargs)
-    assert torch.equal(ours.sequences[:, query.shape[1]:], new)
+    assert torch.equal(ours.sequences[:, query.shape[1] :], new)
     for step, (a, e) in enumerate(zip(ours.scores, expected.scores)):
         assert relative_error(a, e) < TOL_STEPS, step
     torch.manual_seed(3)
@@ -194,20 +209,22 @@ def test_left_padded_batch_of_contexts_and_queries(model):
             torch.testing.assert_close(row.conv_states[v], alone.conv_states[v], rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(row.delta_sums[v], alone.delta_sums[v], rtol=1e-6, atol=1e-7)
         real = row.key_mask[0]
-        assert int(real.sum()) == len(context) and bool(real[-len(context):].all())
+        assert int(real.sum()) == len(context) and bool(real[-len(context) :].all())
         for got, want in zip(row.attention_layers, alone.attention_layers):
             assert torch.equal(got.positions[:, real], want.positions)
             torch.testing.assert_close(got.keys[:, :, real], want.keys, rtol=1e-9, atol=1e-9)
             torch.testing.assert_close(got.values[:, :, real], want.values, rtol=1e-9, atol=1e-9)
     logits = model(query_ids, attention_mask=query_mask, past_states=[states]).logits
-    generated = model.generate(query_ids, attention_mask=query_mask, past_states=[states], max_new_tokens=6,
-                               do_sample=False)[:, query_ids.shape[1]:]
+    generated = model.generate(
+        query_ids, attention_mask=query_mask, past_states=[states], max_new_tokens=6, do_sample=False
+    )[:, query_ids.shape[1] :]
     for r, (context, query) in enumerate(zip(contexts, queries)):
-        expected = model(torch.cat([context, query])[None]).logits[0, -len(query):]
-        assert relative_error(logits[r, -len(query):], expected) < TOL64, r
+        expected = model(torch.cat([context, query])[None]).logits[0, -len(query) :]
+        assert relative_error(logits[r, -len(query) :], expected) < TOL64, r
         assert relative_error(model(query[None]).logits[0], expected) > 1e-2  # the context matters
-        assert torch.equal(generated[r], stock_continuation(model, context[None], query[None], max_new_tokens=6,
-                                                            do_sample=False)[0]), r
+        assert torch.equal(
+            generated[r], stock_continuation(model, context[None], query[None], max_new_tokens=6, do_sample=False)[0]
+        ), r
 
 
 @torch.no_grad()
@@ -225,10 +242,13 @@ def test_per_row_context_lists(model):
     assert relative_error(row0, expected0) < TOL64
     assert relative_error(model(q0[None], past_states=[s2, s3]).logits[0], expected0) > 1e-2  # the context matters
     assert relative_error(logits[1], model(q1[None], past_states=[s2, s3]).logits[0]) < TOL64
-    generated = model.generate(query_ids, attention_mask=query_mask, past_states=[[s1], [s2, s3]], max_new_tokens=6,
-                               do_sample=False)[:, query_ids.shape[1]:]
+    generated = model.generate(
+        query_ids, attention_mask=query_mask, past_states=[[s1], [s2, s3]], max_new_tokens=6, do_sample=False
+    )[:, query_ids.shape[1] :]
     assert torch.equal(generated[0], stock_continuation(model, c1, q0[None], max_new_tokens=6, do_sample=False)[0])
-    assert torch.equal(generated[1], state_continuation(model, [s2, s3], q1[None], max_new_tokens=6, do_sample=False)[0])
+    assert torch.equal(
+        generated[1], state_continuation(model, [s2, s3], q1[None], max_new_tokens=6, do_sample=False)[0]
+    )
 
 
 @torch.no_grad()
@@ -249,10 +269,13 @@ def test_max_new_tokens_and_eos_stop_as_the_concatenation(model):
     assert torch.equal(ours, expected)
     # a batch where one row stops first: the other row goes on, the stopped one is padded (as stock generate pads)
     query_ids, query_mask = left_pad([query[0], ids(2, seed=53)[0]])
-    expected = [stock_continuation(model, context, q[None], max_new_tokens=10, do_sample=False, eos_token_id=eos)[0]
-                for q in (query[0], ids(2, seed=53)[0])]
-    ours = model.generate(query_ids, attention_mask=query_mask, past_states=[state], max_new_tokens=10,
-                          do_sample=False, eos_token_id=eos)[:, query_ids.shape[1]:]
+    expected = [
+        stock_continuation(model, context, q[None], max_new_tokens=10, do_sample=False, eos_token_id=eos)[0]
+        for q in (query[0], ids(2, seed=53)[0])
+    ]
+    ours = model.generate(
+        query_ids, attention_mask=query_mask, past_states=[state], max_new_tokens=10, do_sample=False, eos_token_id=eos
+    )[:, query_ids.shape[1] :]
     for r, want in enumerate(expected):
-        assert torch.equal(ours[r, :len(want)], want), r
-        assert bool((ours[r, len(want):] == model.generation_config.pad_token_id).all()), r
+        assert torch.equal(ours[r, : len(want)], want), r
+        assert bool((ours[r, len(want) :] == model.generation_config.pad_token_id).all()), r

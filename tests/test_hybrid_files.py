@@ -1,6 +1,7 @@
 """Hybrid states (Mamba layers + attention layers) as files: ``state.save`` / ``ComposableMambaCache.load`` keep
 every SSM layer and every attention layer's keys, values and positions, and refuse what today's state files refuse
 (crafted shapes, dtypes and positions, NaN, another model's state, truncated or corrupted files)."""
+
 import os
 
 import pytest
@@ -33,8 +34,8 @@ def padded_batch(lengths, seed=0):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros(len(lengths), width, dtype=torch.long)
     for row, n in enumerate(lengths):
-        ids[row, width - n:] = random_ids(n, generator=generator)[0]
-        mask[row, width - n:] = 1
+        ids[row, width - n :] = random_ids(n, generator=generator)[0]
+        mask[row, width - n :] = 1
     return ids, mask
 
 
@@ -66,7 +67,9 @@ def test_round_trip_is_exact_and_generates_the_same(arch, models, tmp_path):
     query = random_ids(4, generator=torch.Generator().manual_seed(3))
     for row in range(2):
         expected = model.generate(query, past_states=[state[row]], max_new_tokens=5, do_sample=False)
-        assert torch.equal(model.generate(query, past_states=[loaded[row]], max_new_tokens=5, do_sample=False), expected)
+        assert torch.equal(
+            model.generate(query, past_states=[loaded[row]], max_new_tokens=5, do_sample=False), expected
+        )
 
 
 def test_composed_states_round_trip(models, tmp_path):
@@ -108,7 +111,7 @@ def test_bf16_keys_are_half_the_bytes_and_load_in_the_model_dtype(models, tmp_pa
 def test_keys_dtype_is_checked(models, tmp_path):
     model = model_of(models, "nemotron_h")
     state = hsc.encode(model, random_ids(6))
-    with pytest.raises(ValueError, match="keys_dtype must be torch.bfloat16, torch.float16 or the model dtype"):
+    with pytest.raises(ValueError, match=r"keys_dtype must be torch.bfloat16, torch.float16 or the model dtype"):
         state.save(tmp_path / "s.safetensors", keys_dtype=torch.int8)
     with pytest.raises(TypeError, match="keys_dtype must be a torch dtype"):
         state.save(tmp_path / "s.safetensors", keys_dtype="bf16")
@@ -116,7 +119,7 @@ def test_keys_dtype_is_checked(models, tmp_path):
         hsc.encode(tiny_model("mamba2"), random_ids(6)).save(tmp_path / "m.safetensors", keys_dtype=torch.bfloat16)
     big = state.clone()
     big.attention_layers[0].keys[0, 0, 0, 0] = 1e6  # beyond float16's 65504
-    with pytest.raises(ValueError, match="overflow torch.float16"):
+    with pytest.raises(ValueError, match=r"overflow torch.float16"):
         big.save(tmp_path / "s.safetensors", keys_dtype=torch.float16)
     assert not os.path.exists(tmp_path / "s.safetensors")
 
@@ -124,6 +127,7 @@ def test_keys_dtype_is_checked(models, tmp_path):
 def _set(name, fn):
     def edit(tensors, meta):
         tensors[name] = fn(tensors[name])
+
     return edit
 
 
@@ -146,12 +150,14 @@ def _below_minus_one(p):
 def _drop(name):
     def edit(tensors, meta):
         del tensors[name]
+
     return edit
 
 
 def _meta(key, value):
     def edit(tensors, meta):
         meta[key] = value
+
     return edit
 
 
@@ -164,19 +170,36 @@ CRAFTED = {
     "keys of another head count": (_set("attn.keys.1", lambda k: k[:, :1]), "keys have shape"),
     "values of another head dim": (_set("attn.values.1", lambda v: v[..., :4]), "values have shape"),
     "keys of another length than the values": (_set("attn.keys.1", lambda k: k[:, :, :3]), r"values have shape"),
-    "keys in float64": (_set("attn.keys.1", lambda k: k.double()), "keys are torch.float64, its metadata records keys_dtype torch.float32"),
-    "keys in bfloat16 recorded as float32": (_set("attn.values.1", lambda v: v.bfloat16()), "values are torch.bfloat16, its metadata records"),
-    "NaN in the keys": (_set("attn.keys.1", lambda k: k.index_fill(2, torch.tensor([2]), float("nan"))), "keys contains NaN"),
-    "inf in the values": (_set("attn.values.1", lambda v: v.index_fill(2, torch.tensor([0]), float("inf"))), "values contains NaN or inf"),
+    "keys in float64": (
+        _set("attn.keys.1", lambda k: k.double()),
+        "keys are torch.float64, its metadata records keys_dtype torch.float32",
+    ),
+    "keys in bfloat16 recorded as float32": (
+        _set("attn.values.1", lambda v: v.bfloat16()),
+        "values are torch.bfloat16, its metadata records",
+    ),
+    "NaN in the keys": (
+        _set("attn.keys.1", lambda k: k.index_fill(2, torch.tensor([2]), float("nan"))),
+        "keys contains NaN",
+    ),
+    "inf in the values": (
+        _set("attn.values.1", lambda v: v.index_fill(2, torch.tensor([0]), float("inf"))),
+        "values contains NaN or inf",
+    ),
     "float positions": (_positions(lambda p: p.double()), "positions must be an int64 tensor"),
     "positions of another length": (_positions(lambda p: p[:, 1:]), "positions must be an int64 tensor of shape"),
     "positions not left padded": (_positions(_not_left_padded), "not left padded"),
     "positions below -1": (_positions(_below_minus_one), "below -1"),
     "no values": (_drop("attn.values.1"), "missing tensors"),
     "no positions": (_drop("attn.positions.1"), "missing tensors"),
-    "keys of an SSM layer": (_move_keys, r"attention keys for model layers \[0\], (its recorded config|the model) has attention layers \[1\]"),
-    "an extra attention layer": (lambda t, m: t.update({f"attn.{k}.3": t[f"attn.{k}.1"] for k in ("keys", "values", "positions")}),
-                                 r"model layers \[1, 3\]"),
+    "keys of an SSM layer": (
+        _move_keys,
+        r"attention keys for model layers \[0\], (its recorded config|the model) has attention layers \[1\]",
+    ),
+    "an extra attention layer": (
+        lambda t, m: t.update({f"attn.{k}.3": t[f"attn.{k}.1"] for k in ("keys", "values", "positions")}),
+        r"model layers \[1, 3\]",
+    ),
     "no keys_dtype": (lambda t, m: m.pop("keys_dtype"), "records no keys_dtype"),
     "keys_dtype int8": (_meta("keys_dtype", "torch.int8"), "keys_dtype 'torch.int8' is not the model dtype"),
 }

@@ -11,6 +11,7 @@ mixer's Δ over the real tokens; the gradients are the stock forward's; and the 
 architecture table lists. Last, in the whole model (its mixers patched to our paths, the decoder layers passing the
 mask and cache as they do on 5.23 and 5.24): prefix, suffix and single steps give the whole sequence's logits, and a
 left-padded row gives that row's logits alone."""
+
 import dataclasses
 import inspect
 import types
@@ -25,22 +26,56 @@ from hf_statecompose.state.cache import ComposableMambaCache
 
 from helpers import relative_error
 
-SMALL = {"vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
+SMALL = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+}
 # two groups; the stock chunk size 4 makes the stock scan cross chunks
-FALCON_H1 = {"num_hidden_layers": 2, "mamba_n_heads": 4, "mamba_d_head": 12, "mamba_d_ssm": 48, "mamba_d_state": 8,
-             "mamba_n_groups": 2, "mamba_chunk_size": 4, "head_dim": 8}
+FALCON_H1 = {
+    "num_hidden_layers": 2,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 12,
+    "mamba_d_ssm": 48,
+    "mamba_d_state": 8,
+    "mamba_n_groups": 2,
+    "mamba_chunk_size": 4,
+    "head_dim": 8,
+}
 CONFIGS = {
     # layers 0 and 2 are Mamba layers (attention at 1 and 3)
     "jamba": {
-        "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-        "expert_layer_offset": 1, "num_experts": 2, "num_experts_per_tok": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
-        "mamba_expand": 2, "mamba_dt_rank": 4, "mamba_proj_bias": True, "use_mamba_kernels": True,
+        "num_hidden_layers": 4,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_experts": 2,
+        "num_experts_per_tok": 1,
+        "mamba_d_state": 8,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 4,
+        "mamba_proj_bias": True,
+        "use_mamba_kernels": True,
     },
     # µP multipliers all different from 1; no norm (y · silu(gate)); then the gated norm, gate first / norm first
-    "falcon_h1": {**FALCON_H1, "mamba_proj_bias": True, "ssm_in_multiplier": 0.7,
-                  "ssm_multipliers": [1.3, 0.6, 0.8, 1.2, 0.9]},
-    "falcon_h1-norm": {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": False, "ssm_in_multiplier": 1.4,
-                       "ssm_multipliers": [0.9, 1.1, 0.7, 1.3, 0.8], "time_step_limit": (0.05, 1.5)},
+    "falcon_h1": {
+        **FALCON_H1,
+        "mamba_proj_bias": True,
+        "ssm_in_multiplier": 0.7,
+        "ssm_multipliers": [1.3, 0.6, 0.8, 1.2, 0.9],
+    },
+    "falcon_h1-norm": {
+        **FALCON_H1,
+        "mamba_rms_norm": True,
+        "mamba_norm_before_gate": False,
+        "ssm_in_multiplier": 1.4,
+        "ssm_multipliers": [0.9, 1.1, 0.7, 1.3, 0.8],
+        "time_step_limit": (0.05, 1.5),
+    },
     "falcon_h1-norm-first": {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": True},
 }
 PATHS = {"jamba": mamba_mixer_forward, "falcon_h1": falcon_h1_mixer_forward}
@@ -70,16 +105,24 @@ class Case:
     def cache(self):
         """An empty cache with one layer per model layer (the mixer's layer_idx indexes it)."""
         architecture = "mamba" if self.model_type == "jamba" else "mamba2"
-        return ComposableMambaCache(self.config, architecture=architecture, fingerprint="x", model_dtype=self.dtype,
-                                    num_layers=self.config.num_hidden_layers)
+        return ComposableMambaCache(
+            self.config,
+            architecture=architecture,
+            fingerprint="x",
+            model_dtype=self.dtype,
+            num_layers=self.config.num_hidden_layers,
+        )
 
     def hidden(self, batch, length, seed=1):
         generator = torch.Generator().manual_seed(seed)
         return torch.randn(batch, length, HIDDEN, generator=generator, dtype=torch.float64).to(self.dtype)
 
 
-@pytest.fixture(scope="module", params=[(name, dtype) for name in CONFIGS for dtype in TOLERANCE],
-                ids=lambda param: f"{param[0]}-{str(param[1]).removeprefix('torch.')}")
+@pytest.fixture(
+    scope="module",
+    params=[(name, dtype) for name in CONFIGS for dtype in TOLERANCE],
+    ids=lambda param: f"{param[0]}-{str(param[1]).removeprefix('torch.')}",
+)
 def case(request):
     """A tiny random model of each config, in float64 and float32, with every mixer parameter perturbed."""
     name, dtype = request.param
@@ -108,7 +151,7 @@ def _stock_delta(model_type, mixer, hidden_states):
         handle.remove()
     if model_type == "jamba":
         return torch.nn.functional.softplus(mixer.dt_proj(seen["out"]))
-    dt = (seen["out"] * mixer.mup_vector)[..., -mixer.num_heads:]
+    dt = (seen["out"] * mixer.mup_vector)[..., -mixer.num_heads :]
     delta = torch.nn.functional.softplus(dt + mixer.dt_bias)
     if mixer.time_step_limit is not None:
         delta = delta.clamp(*mixer.time_step_limit)
@@ -149,7 +192,7 @@ def test_token_by_token_is_the_whole_sequence(case):
     hidden = case.hidden(2, 9)
     whole = mixer(hidden)
     cache = case.cache()
-    steps = [path(mixer, hidden[:, t:t + 1], cache, None) for t in range(hidden.shape[1])]
+    steps = [path(mixer, hidden[:, t : t + 1], cache, None) for t in range(hidden.shape[1])]
     assert relative_error(torch.cat(steps, 1), whole) < tol
 
 
@@ -160,20 +203,20 @@ def test_left_padding_is_inert(case):
     hidden = case.hidden(3, 9)  # padding positions hold random hidden states: the mask alone must silence them
     mask = torch.zeros(3, 9, dtype=case.dtype)
     for row, length in enumerate(lengths):
-        mask[row, 9 - length:] = 1
+        mask[row, 9 - length :] = 1
     suffix = case.hidden(3, 3, seed=2)
     cache = case.cache()
     padded = path(mixer, hidden, cache, mask)
     continued = path(mixer, suffix, cache, None)
     for row, length in enumerate(lengths):
         alone_cache = case.cache()
-        alone = path(mixer, hidden[row:row + 1, 9 - length:], alone_cache, None)
-        alone_continued = path(mixer, suffix[row:row + 1], alone_cache, None)
-        assert relative_error(padded[row:row + 1, 9 - length:], alone) < tol, row
-        assert relative_error(continued[row:row + 1], alone_continued) < tol, row
+        alone = path(mixer, hidden[row : row + 1, 9 - length :], alone_cache, None)
+        alone_continued = path(mixer, suffix[row : row + 1], alone_cache, None)
+        assert relative_error(padded[row : row + 1, 9 - length :], alone) < tol, row
+        assert relative_error(continued[row : row + 1], alone_continued) < tol, row
         layer, expected = cache.layers[mixer.layer_idx], alone_cache.layers[mixer.layer_idx]
         for name in ("ssm_state", "conv_state", "delta_sum"):
-            assert relative_error(getattr(layer, name)[row:row + 1], getattr(expected, name)) < tol, (row, name)
+            assert relative_error(getattr(layer, name)[row : row + 1], getattr(expected, name)) < tol, (row, name)
 
 
 @torch.no_grad()
@@ -200,7 +243,9 @@ def test_state_layer_shapes(case):
         i == mixer.layer_idx for i in range(case.config.num_hidden_layers)
     ]
     config = case.config
-    if case.model_type == "jamba":  # Mamba-1 layout: D = mamba_expand * hidden_size, N = mamba_d_state, K = mamba_d_conv
+    if (
+        case.model_type == "jamba"
+    ):  # Mamba-1 layout: D = mamba_expand * hidden_size, N = mamba_d_state, K = mamba_d_conv
         inner = config.mamba_expand * config.hidden_size
         assert layer.ssm_state.shape == (3, inner, config.mamba_d_state)
         assert layer.conv_state.shape == (3, inner, config.mamba_d_conv)
@@ -263,11 +308,18 @@ def _model_with_our_mixers(name):
     def run(ids, mask=None, fresh=False):
         if fresh:
             architecture = "mamba" if model_type == "jamba" else "mamba2"
-            states["cache"] = ComposableMambaCache(config, architecture=architecture, fingerprint="x",
-                                                   model_dtype=torch.float32, num_layers=config.num_hidden_layers)
+            states["cache"] = ComposableMambaCache(
+                config,
+                architecture=architecture,
+                fingerprint="x",
+                model_dtype=torch.float32,
+                num_layers=config.num_hidden_layers,
+            )
             states["kv"] = DynamicCache(config=config)
-        positions = None if mask is None else (mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1]:]
-        return model(ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_name: states["kv"]}).logits
+        positions = None if mask is None else (mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]
+        return model(
+            ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_name: states["kv"]}
+        ).logits
 
     return stock, run
 
@@ -278,7 +330,7 @@ def test_in_the_model_prefix_then_suffix_then_steps_is_the_whole_sequence(name):
     stock, run = _model_with_our_mixers(name)
     ids = torch.arange(3, 15)[None]
     assert relative_error(run(ids, fresh=True), stock) < 1e-4
-    pieces = [run(ids[:, :5], fresh=True), run(ids[:, 5:9])] + [run(ids[:, t:t + 1]) for t in range(9, 12)]
+    pieces = [run(ids[:, :5], fresh=True), run(ids[:, 5:9])] + [run(ids[:, t : t + 1]) for t in range(9, 12)]
     assert relative_error(torch.cat(pieces, 1), stock) < 1e-4
 
 
@@ -295,7 +347,7 @@ def test_in_the_model_a_left_padded_row_is_that_row_alone(name):
     full_mask = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1)
     continued = run(suffix, full_mask)
     for row, start in enumerate([0, 3]):
-        alone = run(ids[row:row + 1, start:], fresh=True)
-        alone_continued = run(suffix[row:row + 1])
+        alone = run(ids[row : row + 1, start:], fresh=True)
+        alone_continued = run(suffix[row : row + 1])
         assert relative_error(padded[row, start:], alone[0]) < 1e-4, row
         assert relative_error(continued[row], alone_continued[0]) < 1e-4, row

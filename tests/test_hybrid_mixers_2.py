@@ -8,6 +8,7 @@ tokens, or one at a time) equals the whole sequence, and the state equals the on
 (c) left padding, with the mask the model hands its mixers, is inert; (d) ΣΔ is the sum of the stock mixer's Δ over
 the real tokens; (e) the state tensors' shapes, as functions of the config fields.
 """
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
@@ -16,33 +17,89 @@ from hf_statecompose import compat
 from hf_statecompose.models.mamba2 import mamba2_mixer_forward
 from hf_statecompose.state.cache import ComposableMambaCache
 
-SMALL = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
-             pad_token_id=0)
+SMALL = dict(
+    vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, pad_token_id=0
+)
 # tiny configs: 4 heads of 16, state 8, 2 groups (the gated norm is group-wise), conv kernel 4
 CONFIGS = {
-    "bamba": dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-                  mamba_n_groups=2, mamba_chunk_size=16),
-    "granitemoehybrid": dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4,
-                             mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=16,
-                             num_local_experts=0, shared_intermediate_size=48, position_embedding_type=None,
-                             mamba_proj_bias=True),  # in_proj with a bias: padding reaches the conv as that bias
-    "nemotron_h": dict(num_hidden_layers=4, hybrid_override_pattern="M*-M", mamba_num_heads=4, mamba_head_dim=16,
-                       ssm_state_size=8, n_groups=2, chunk_size=16),
+    "bamba": dict(
+        num_hidden_layers=3,
+        attn_layer_indices=[1],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+    ),
+    "granitemoehybrid": dict(
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+        num_local_experts=0,
+        shared_intermediate_size=48,
+        position_embedding_type=None,
+        mamba_proj_bias=True,
+    ),  # in_proj with a bias: padding reaches the conv as that bias
+    "nemotron_h": dict(
+        num_hidden_layers=4,
+        hybrid_override_pattern="M*-M",
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=2,
+        chunk_size=16,
+    ),
     # use_conv_bias=False: Zamba2's conv keeps its bias whatever that flag says (and uses it)
-    "zamba2": dict(num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=4,
-                   mamba_d_state=8, mamba_ngroups=2, chunk_size=16, num_mem_blocks=1, attention_head_dim=16,
-                   use_conv_bias=False),
+    "zamba2": dict(
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        n_mamba_heads=4,
+        mamba_d_state=8,
+        mamba_ngroups=2,
+        chunk_size=16,
+        num_mem_blocks=1,
+        attention_head_dim=16,
+        use_conv_bias=False,
+    ),
 }
 # the SSM layers' state shapes from the config fields: (heads H, head dim P, state N, groups G, conv kernel K, inner I)
 SHAPE_FIELDS = {
-    "bamba": lambda c: (c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups, c.mamba_d_conv,
-                        int(c.mamba_expand * c.hidden_size)),
-    "granitemoehybrid": lambda c: (c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups, c.mamba_d_conv,
-                                   int(c.mamba_expand * c.hidden_size)),
-    "nemotron_h": lambda c: (c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.n_groups, c.conv_kernel,
-                             c.mamba_num_heads * c.mamba_head_dim),
-    "zamba2": lambda c: (c.n_mamba_heads, c.mamba_headdim, c.mamba_d_state, c.mamba_ngroups, c.mamba_d_conv,
-                         int(c.mamba_expand * c.hidden_size)),
+    "bamba": lambda c: (
+        c.mamba_n_heads,
+        c.mamba_d_head,
+        c.mamba_d_state,
+        c.mamba_n_groups,
+        c.mamba_d_conv,
+        int(c.mamba_expand * c.hidden_size),
+    ),
+    "granitemoehybrid": lambda c: (
+        c.mamba_n_heads,
+        c.mamba_d_head,
+        c.mamba_d_state,
+        c.mamba_n_groups,
+        c.mamba_d_conv,
+        int(c.mamba_expand * c.hidden_size),
+    ),
+    "nemotron_h": lambda c: (
+        c.mamba_num_heads,
+        c.mamba_head_dim,
+        c.ssm_state_size,
+        c.n_groups,
+        c.conv_kernel,
+        c.mamba_num_heads * c.mamba_head_dim,
+    ),
+    "zamba2": lambda c: (
+        c.n_mamba_heads,
+        c.mamba_headdim,
+        c.mamba_d_state,
+        c.mamba_ngroups,
+        c.mamba_d_conv,
+        int(c.mamba_expand * c.hidden_size),
+    ),
 }
 ARCHS = list(CONFIGS)
 
@@ -82,13 +139,14 @@ def built(request):
 
 
 def new_cache(config, dtype):
-    return ComposableMambaCache(config, architecture="mamba2", fingerprint="x", model_dtype=dtype,
-                                num_layers=config.num_hidden_layers)
+    return ComposableMambaCache(
+        config, architecture="mamba2", fingerprint="x", model_dtype=dtype, num_layers=config.num_hidden_layers
+    )
 
 
 def stock_delta(mixer, hidden_states):
     """Δ [B, T, H] as the stock mixer computes it: clamp(softplus(dt + dt_bias), *time_step_limit)."""
-    dt = mixer.in_proj(hidden_states)[..., -mixer.num_heads:]
+    dt = mixer.in_proj(hidden_states)[..., -mixer.num_heads :]
     dt = torch.nn.functional.softplus(dt + mixer.dt_bias)
     return torch.clamp(dt, *mixer.time_step_limit)
 
@@ -106,7 +164,7 @@ def close(actual, expected, tol):
 
 @torch.no_grad()
 def test_empty_state_equals_stock_forward(built):
-    arch, models = built
+    _arch, models = built
     config, model = models[torch.float32]
     torch.manual_seed(1)
     hidden = torch.randn(2, 37, config.hidden_size)  # > 2 chunks of the stock scan
@@ -124,7 +182,7 @@ def test_empty_state_equals_stock_forward(built):
 
 @torch.no_grad()
 def test_continuation_equals_whole_sequence(built):
-    arch, models = built
+    _arch, models = built
     config, model = models[torch.float64]
     torch.manual_seed(2)
     hidden = torch.randn(2, 29, config.hidden_size, dtype=torch.float64)
@@ -133,8 +191,9 @@ def test_continuation_equals_whole_sequence(built):
         whole = mamba2_mixer_forward(mixer, hidden, whole_cache, None)
         for cuts in ([11], [11, 12, 13, 14, 15], [2, 3, 20]):  # a multi-token suffix; single-token steps; both
             cache = new_cache(config, torch.float64)
-            pieces = [mamba2_mixer_forward(mixer, part, cache, None)
-                      for part in torch.tensor_split(hidden, cuts, dim=1)]
+            pieces = [
+                mamba2_mixer_forward(mixer, part, cache, None) for part in torch.tensor_split(hidden, cuts, dim=1)
+            ]
             close(torch.cat(pieces, dim=1), whole, TIGHT)
             for name in ("ssm_state", "conv_state", "delta_sum"):
                 close(getattr(cache.layers[layer_idx], name), getattr(whole_cache.layers[layer_idx], name), TIGHT)
@@ -162,7 +221,7 @@ def _first_mixer_inputs(model, input_ids, attention_mask):
 
 @torch.no_grad()
 def test_left_padding_is_inert(built):
-    arch, models = built
+    _arch, models = built
     config, model = models[torch.float64]
     torch.manual_seed(3)
     pads, length = [0, 6], 19
@@ -174,7 +233,7 @@ def test_left_padding_is_inert(built):
     assert mask is not None and mask.shape == (2, length)  # the trailing T positions of the 2D mask
     mask = mask.to(hidden.dtype)
     hidden = hidden.clone()
-    hidden[1, :pads[1]] = torch.randn(pads[1], config.hidden_size, dtype=hidden.dtype)  # whatever padding holds
+    hidden[1, : pads[1]] = torch.randn(pads[1], config.hidden_size, dtype=hidden.dtype)  # whatever padding holds
     suffix = torch.randn(2, 5, config.hidden_size, dtype=hidden.dtype)
 
     cache = new_cache(config, torch.float64)
@@ -183,12 +242,12 @@ def test_left_padding_is_inert(built):
     batch_state = cache.layers[layer_idx]
     for row, pad in enumerate(pads):
         alone_cache = new_cache(config, torch.float64)
-        alone = mamba2_mixer_forward(mixer, hidden[row:row + 1, pad:], alone_cache, None)
-        alone_next = mamba2_mixer_forward(mixer, suffix[row:row + 1], alone_cache, None)
-        close(batch_out[row:row + 1, pad:], alone, TIGHT)
-        close(batch_next[row:row + 1], alone_next, TIGHT)
+        alone = mamba2_mixer_forward(mixer, hidden[row : row + 1, pad:], alone_cache, None)
+        alone_next = mamba2_mixer_forward(mixer, suffix[row : row + 1], alone_cache, None)
+        close(batch_out[row : row + 1, pad:], alone, TIGHT)
+        close(batch_next[row : row + 1], alone_next, TIGHT)
         for name in ("ssm_state", "conv_state", "delta_sum"):
-            close(getattr(batch_state, name)[row:row + 1], getattr(alone_cache.layers[layer_idx], name), TIGHT)
+            close(getattr(batch_state, name)[row : row + 1], getattr(alone_cache.layers[layer_idx], name), TIGHT)
     # the check can fail: without the mask the padding feeds the padded row's state
     unmasked = new_cache(config, torch.float64)
     mamba2_mixer_forward(mixer, hidden, unmasked, None)
@@ -197,7 +256,7 @@ def test_left_padding_is_inert(built):
 
 @torch.no_grad()
 def test_delta_sum_is_the_stock_time_steps_over_real_tokens(built):
-    arch, models = built
+    _arch, models = built
     config, model = models[torch.float32]
     torch.manual_seed(4)
     hidden = torch.randn(2, 23, config.hidden_size)

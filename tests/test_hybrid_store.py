@@ -1,6 +1,7 @@
 """Hybrid states (Mamba layers + attention layers) in both stores: add / get / retrieve / delete / compact (and the
 Lance store's repair, the folder -> Lance migration) keep every entry's keys, values and positions, verified on every
 read as the SSM layers are; ``generate_with_retrieval`` and the command line run end to end on a saved hybrid."""
+
 import json
 import shutil
 from pathlib import Path
@@ -38,7 +39,9 @@ def alone(model, text):
 
 def assert_keys_equal(state, expected, dtype=None, atol=0.0):
     """Same keys, values (rounded to ``dtype`` first, if given) and positions; ``atol``: encoded in another batch."""
-    assert isinstance(state, ComposableHybridCache) and state.attention_layer_indices == expected.attention_layer_indices
+    assert (
+        isinstance(state, ComposableHybridCache) and state.attention_layer_indices == expected.attention_layer_indices
+    )
     for a, b in zip(state.attention_layers, expected.attention_layers):
         assert a.keys.dtype == b.keys.dtype == state.model_dtype
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
@@ -47,7 +50,9 @@ def assert_keys_equal(state, expected, dtype=None, atol=0.0):
         assert torch.equal(a.positions, b.positions)
 
 
-@pytest.mark.parametrize("arch,backend", [(arch, backend) for arch in WORKING for backend in BACKENDS] + [("zamba2", "folder")])
+@pytest.mark.parametrize(
+    "arch,backend", [(arch, backend) for arch in WORKING for backend in BACKENDS] + [("zamba2", "folder")]
+)
 def test_entries_hold_the_keys_of_their_context_alone(arch, backend, models, tmp_path):
     if backend == "lance":
         pytest.importorskip("lancedb")
@@ -71,8 +76,13 @@ def test_entries_hold_the_keys_of_their_context_alone(arch, backend, models, tmp
     # and generation from retrieved states equals generation from the contexts' own states
     result = hsc.generate_with_retrieval(model, CharTokenizer(), "the red fox", store, k=2, max_new_tokens=4)
     query = torch.tensor([CharTokenizer()("the red fox")["input_ids"]])
-    expected = model.generate(query, past_states=[e.state for e in reversed(result.retrieved)], max_new_tokens=4,
-                              do_sample=False, pad_token_id=0)
+    expected = model.generate(
+        query,
+        past_states=[e.state for e in reversed(result.retrieved)],
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=0,
+    )
     assert torch.equal(result.sequences, expected)
 
 
@@ -84,19 +94,26 @@ def test_a_bf16_store_rounds_the_keys_and_reads_them_in_the_model_dtype(backend,
     assert_keys_equal(state, alone(model, TEXTS[1]), dtype=torch.bfloat16)
 
 
-
-
 def _set(name, fn):
     return lambda tensors: tensors.__setitem__(name, fn(tensors[name]))
 
 
 ENTRY_CRAFTS = {
-    "keys of another head count": (_set("attn.keys.1", lambda k: k[:, :1].contiguous()), "keys are torch.float32 (1, 1,"),
+    "keys of another head count": (
+        _set("attn.keys.1", lambda k: k[:, :1].contiguous()),
+        "keys are torch.float32 (1, 1,",
+    ),
     "values in float64": (_set("attn.values.1", lambda v: v.double()), "values are torch.float64"),
     "keys for fewer tokens": (_set("attn.keys.1", lambda k: k[:, :, 1:].contiguous()), "keys are torch.float32"),
-    "NaN in the keys": (_set("attn.keys.1", lambda k: k.index_fill(2, torch.tensor([0]), float("nan"))), "keys hold NaN/inf"),
+    "NaN in the keys": (
+        _set("attn.keys.1", lambda k: k.index_fill(2, torch.tensor([0]), float("nan"))),
+        "keys hold NaN/inf",
+    ),
     "shifted positions": (_set("attn.positions.1", lambda p: p + 1), "positions are not 0 .."),
-    "padding positions": (_set("attn.positions.1", lambda p: p.index_fill(1, torch.tensor([0]), -1)), "positions are not 0 .."),
+    "padding positions": (
+        _set("attn.positions.1", lambda p: p.index_fill(1, torch.tensor([0]), -1)),
+        "positions are not 0 ..",
+    ),
     "float positions": (_set("attn.positions.1", lambda p: p.double()), "positions are not 0 .."),
 }
 
@@ -146,10 +163,14 @@ def test_lance_entries_with_crafted_keys_are_refused(models, tmp_path):
     model = models["nemotron_h"]
     store = open_store(tmp_path / "s", model, "lance")
     entry_id = store.add(TEXTS[:1], show_progress=False)[0]
-    row = store._rows([entry_id], ["id", "text", "metadata", "num_tokens", "vector", "state", "tensor_digest", "seal"])[entry_id]
-    for edit, message in ((_set("attn.positions.1", lambda p: p + 1), r"positions are not 0 \.\."),
-                          (_set("attn.values.1", lambda v: v[..., :4].contiguous()), "values are torch.float32"),
-                          (lambda t: t.pop("attn.keys.1"), "it should not")):
+    row = store._rows([entry_id], ["id", "text", "metadata", "num_tokens", "vector", "state", "tensor_digest", "seal"])[
+        entry_id
+    ]
+    for edit, message in (
+        (_set("attn.positions.1", lambda p: p + 1), r"positions are not 0 \.\."),
+        (_set("attn.values.1", lambda v: v[..., :4].contiguous()), "values are torch.float32"),
+        (lambda t: t.pop("attn.keys.1"), "it should not"),
+    ):
         tensors = load(bytes(row["state"]))
         edit(tensors)
         digest = _digest(tensors)
@@ -168,7 +189,14 @@ def test_lance_repair_and_migration_keep_the_keys(models, tmp_path):
     model = models["nemotron_h"]
     folder = open_store(tmp_path / "folder", model, "folder")
     ids = folder.add(TEXTS[:3], show_progress=False)
-    counts = migrate(str(tmp_path / "folder"), str(tmp_path / "lance"), model, CharTokenizer(), retriever=BagOfWords(), show_progress=False)
+    counts = migrate(
+        str(tmp_path / "folder"),
+        str(tmp_path / "lance"),
+        model,
+        CharTokenizer(),
+        retriever=BagOfWords(),
+        show_progress=False,
+    )
     assert counts["verified"] == 3
     lance = open_store(tmp_path / "lance", model, "lance")
     for entry_id in ids:
@@ -206,7 +234,10 @@ def test_the_command_line_builds_and_queries_a_hybrid_store(saved_hybrid, tmp_pa
 
     monkeypatch.setattr("hf_statecompose.retrieval.default_retriever", BagOfWords)
     store = tmp_path / "store"
-    assert main(["build", str(store), str(tmp_path / "passages.jsonl"), "--model", str(saved_hybrid), "--batch-size", "3"]) == 0
+    assert (
+        main(["build", str(store), str(tmp_path / "passages.jsonl"), "--model", str(saved_hybrid), "--batch-size", "3"])
+        == 0
+    )
     capsys.readouterr()
     assert main(["query", str(store), TEXTS[0][:20], "-k", "2", "--max-new-tokens", "3", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
@@ -214,7 +245,9 @@ def test_the_command_line_builds_and_queries_a_hybrid_store(saved_hybrid, tmp_pa
     # the same answer in Python, from the states the store holds
     model, tokenizer = cli.load_model(str(saved_hybrid))
     opened = StateStore(str(store), model, tokenizer, retriever=BagOfWords())
-    result = hsc.generate_with_retrieval(model, tokenizer, TEXTS[0][:20], opened, k=2, max_new_tokens=3, do_sample=False)
+    result = hsc.generate_with_retrieval(
+        model, tokenizer, TEXTS[0][:20], opened, k=2, max_new_tokens=3, do_sample=False
+    )
     assert result.text == answer["generated"]
     assert main(["stats", str(store)]) == 0
     assert json.loads(capsys.readouterr().out)["entries"] == 4
@@ -232,10 +265,28 @@ def test_the_command_line_places_the_attention_keys(saved_hybrid, tmp_path, caps
     opened = StateStore(str(store), model, tokenizer, retriever=BagOfWords())
     for attention in ("concat", "shared"):
         capsys.readouterr()
-        assert main(["query", str(store), TEXTS[1][:20], "-k", "3", "--max-new-tokens", "4", "--json", "--attention", attention]) == 0
+        assert (
+            main(
+                [
+                    "query",
+                    str(store),
+                    TEXTS[1][:20],
+                    "-k",
+                    "3",
+                    "--max-new-tokens",
+                    "4",
+                    "--json",
+                    "--attention",
+                    attention,
+                ]
+            )
+            == 0
+        )
         answer = json.loads(capsys.readouterr().out)
         composer = hsc.StateComposer("picaso_r", attention=attention)
-        result = hsc.generate_with_retrieval(model, tokenizer, TEXTS[1][:20], opened, k=3, composition=composer, max_new_tokens=4)
+        result = hsc.generate_with_retrieval(
+            model, tokenizer, TEXTS[1][:20], opened, k=3, composition=composer, max_new_tokens=4
+        )
         assert answer["generated"] == result.text
     # a store of a model without attention layers refuses the option in one line
     (tmp_path / "one.txt").write_text(TEXTS[0])
@@ -258,7 +309,9 @@ def test_continuation_losses_of_hybrid_states_of_different_lengths(models):
     contexts = [random_ids(n, generator=generator) for n in (5, 11)]
     query, continuation = random_ids(3, generator=generator), random_ids(4, generator=generator)
     states = [hsc.encode(model, ids) for ids in contexts]
-    together = continuation_losses(model, [states[0], None, states[1]], query, continuation)  # stacked: keys left padded
+    together = continuation_losses(
+        model, [states[0], None, states[1]], query, continuation
+    )  # stacked: keys left padded
     for k, state in ((0, states[0]), (2, states[1])):
         assert torch.allclose(together[k], continuation_losses(model, [state], query, continuation)[0], atol=1e-6)
     # and a state's loss is the loss after its context tokens (NemotronH's path is exact)

@@ -1,5 +1,6 @@
 """``import hf_statecompose`` is light (no torch) yet complete: lazy public names, lm-eval's model
 registered, and ``past_states=`` refused by a model that was never enabled."""
+
 import inspect
 import subprocess
 import sys
@@ -11,11 +12,14 @@ from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForC
 
 import hf_statecompose as hsc
 from hf_statecompose import _guard
+
 from helpers import VOCAB, random_ids
 
 
 def run_python(code: str, cwd=None) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=cwd)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -24,11 +28,32 @@ def stock_model(arch: str, seed: int = 0):
     """A tiny Mamba / Mamba-2 exactly as transformers makes it: never enabled."""
     torch.manual_seed(seed)
     if arch == "mamba":
-        return MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, pad_token_id=0,
-                                            eos_token_id=1, bos_token_id=2)).eval()
-    return Mamba2ForCausalLM(Mamba2Config(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, num_heads=8,
-                                          head_dim=8, n_groups=2, chunk_size=16, pad_token_id=0, eos_token_id=1,
-                                          bos_token_id=2)).eval()
+        return MambaForCausalLM(
+            MambaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                state_size=8,
+                num_hidden_layers=2,
+                pad_token_id=0,
+                eos_token_id=1,
+                bos_token_id=2,
+            )
+        ).eval()
+    return Mamba2ForCausalLM(
+        Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            state_size=8,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=8,
+            n_groups=2,
+            chunk_size=16,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+        )
+    ).eval()
 
 
 # ------------------------------------------------------------------------------------ lazy names
@@ -59,7 +84,7 @@ def test_every_public_name_resolves_to_its_definition():
     assert hsc.enable is generation.enable and hsc.METHODS is composition.METHODS
     assert hsc.store.StateStore is hsc.StateStore  # subpackages as attributes, as before
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        hsc.nope
+        hsc.nope  # noqa: B018 - the attribute access is what must raise
 
 
 # ------------------------------------------------------------------------------------ the guard
@@ -95,7 +120,9 @@ def test_a_model_enabled_later_works_and_disabling_refuses_again(arch):
         model(input_ids=ids, past_states=states)
     hsc.enable(model)
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ids, past_states=states).logits, reference(input_ids=ids, past_states=states).logits)
+        assert torch.equal(
+            model(input_ids=ids, past_states=states).logits, reference(input_ids=ids, past_states=states).logits
+        )
     generated = model.generate(ids, past_states=states, max_new_tokens=3, do_sample=False)
     assert torch.equal(generated, reference.generate(ids, past_states=states, max_new_tokens=3, do_sample=False))
     hsc.disable(model)
@@ -125,7 +152,7 @@ def test_when_imported_runs_after_the_module_or_at_once(tmp_path, monkeypatch, c
     seen = []
     _guard.when_imported("hsc_probe_a", lambda module: seen.append(module.VALUE + 1))
     assert seen == []  # not imported yet: nothing runs
-    import hsc_probe_a  # noqa: F401
+    import hsc_probe_a
 
     assert seen == [42]  # right after its code ran
     assert "exec_module" not in vars(hsc_probe_a.__loader__)  # the module's loader is left as it was

@@ -1,11 +1,13 @@
 """Input checks at the boundary: contexts and queries whose padding cannot be told from tokens without a mask are
 refused (never a silently wrong state); tokenizer outputs are taken whole; bad ids, types and shapes are refused
 with one clear error; never-enabled SeRpEnt / COFFEE refuse past_states in generate as stock Mamba does."""
+
 import pytest
 import torch
 from transformers import BatchEncoding
 
 import hf_statecompose as hsc
+
 from helpers import VOCAB, random_ids, tiny_model
 
 
@@ -29,8 +31,8 @@ def left_padded(rows, pad=0):
     ids = torch.full((len(rows), length), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
-        ids[i, length - len(r):] = r
-        mask[i, length - len(r):] = 1
+        ids[i, length - len(r) :] = r
+        mask[i, length - len(r) :] = 1
     return ids, mask
 
 
@@ -122,15 +124,22 @@ def test_encode_takes_a_tokenizer_output_with_its_mask(model):
         hsc.encode(model, BatchEncoding({"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]}))
 
 
-@pytest.mark.parametrize("bad, error, match", [
-    ("Velmo founded 1880.", TypeError, r"got str; tokenize first: hsc\.encode\(model, tok\(texts, return_tensors='pt'\)\)"),
-    ([[5, 6, 7]], TypeError, r"got list \(return_tensors='pt'"),
-    (None, TypeError, r"got NoneType; tokenize first"),
-    (torch.tensor([[5.0, 6.0]]), TypeError, r"integer token ids \(torch\.long\), got a torch\.float32 tensor"),
-    (torch.tensor([[5, -1, 6]]), ValueError, r"id -1, outside the model's vocabulary \[0, 99\)"),
-    (torch.tensor([[5, VOCAB, 6]]), ValueError, r"id 99, outside the model's vocabulary \[0, 99\)"),
-    (torch.zeros((0, 4), dtype=torch.long), ValueError, r"no rows \(shape \(0, 4\)\): pass at least one context"),
-])
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (
+            "Velmo founded 1880.",
+            TypeError,
+            r"got str; tokenize first: hsc\.encode\(model, tok\(texts, return_tensors='pt'\)\)",
+        ),
+        ([[5, 6, 7]], TypeError, r"got list \(return_tensors='pt'"),
+        (None, TypeError, r"got NoneType; tokenize first"),
+        (torch.tensor([[5.0, 6.0]]), TypeError, r"integer token ids \(torch\.long\), got a torch\.float32 tensor"),
+        (torch.tensor([[5, -1, 6]]), ValueError, r"id -1, outside the model's vocabulary \[0, 99\)"),
+        (torch.tensor([[5, VOCAB, 6]]), ValueError, r"id 99, outside the model's vocabulary \[0, 99\)"),
+        (torch.zeros((0, 4), dtype=torch.long), ValueError, r"no rows \(shape \(0, 4\)\): pass at least one context"),
+    ],
+)
 def test_encode_refuses_what_is_not_token_ids(model, bad, error, match):
     with pytest.raises(error, match=match):
         hsc.encode(model, bad)
@@ -141,15 +150,31 @@ def test_encode_refuses_what_is_not_token_ids(model, bad, error, match):
 # ------------------------------------------------------------------------------------------ never-enabled own models
 def _serpent():
     torch.manual_seed(0)
-    config = hsc.SeRpEntMambaConfig(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=1, state_size=4,
-                                    resample_window=2, num_gaussians=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config = hsc.SeRpEntMambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=24,
+        num_hidden_layers=1,
+        state_size=4,
+        resample_window=2,
+        num_gaussians=2,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     return hsc.SeRpEntMambaForCausalLM(config).eval()
 
 
 def _coffee():
     torch.manual_seed(0)
-    config = hsc.CoffeeConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, state_size=4, pad_token_id=0,
-                              eos_token_id=1, bos_token_id=2)
+    config = hsc.CoffeeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        state_size=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     return hsc.CoffeeForCausalLM(config).eval()
 
 
@@ -160,7 +185,9 @@ def _stock_refusal(method):
     stock = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1)).eval()
     state = hsc.encode(tiny_model("mamba"), random_ids(3))
     with pytest.raises(ValueError) as caught:
-        getattr(stock, method)(random_ids(2), past_states=[state], **({"max_new_tokens": 1} if method == "generate" else {}))
+        getattr(stock, method)(
+            random_ids(2), past_states=[state], **({"max_new_tokens": 1} if method == "generate" else {})
+        )
     return str(caught.value).replace("MambaForCausalLM", "{cls}")
 
 

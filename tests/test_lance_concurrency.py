@@ -1,6 +1,7 @@
 """The Lance store under concurrency (issue 21): processes writing the same ids store each entry once;
 a store holding copies of an entry reads right until ``repair`` keeps one; deletes, compactions and
 adds at once all succeed (the retry helper); ``delete(missing_ok=...)``."""
+
 import collections
 import json
 import os
@@ -10,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 pytest.importorskip("lancedb")
 TESTS = str(Path(__file__).parent)
@@ -88,7 +90,9 @@ def _legacy_store(path, model):
     import lancedb
     import pyarrow as pa
 
-    schema = hsc.StateStore(str(path) + "-new", model, CharTokenizer(), retriever=BagOfWords(), backend="lance")._schema(BagOfWords().dim)
+    schema = hsc.StateStore(
+        str(path) + "-new", model, CharTokenizer(), retriever=BagOfWords(), backend="lance"
+    )._schema(BagOfWords().dim)
     lancedb.connect(str(path)).create_table("states", schema=schema.set(0, pa.field("id", pa.string())))
     return make_store(path, model)  # keeps that states table, adds the header
 
@@ -109,8 +113,16 @@ def concurrent_run(tmp_path_factory):
     busy.add([f"victim {i} " + TEXTS[i % 7] for i in range(10)], batch_size=1, show_progress=False)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     script = WORKER.format(tests=TESTS)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(root), str(w), "3", str(ROUNDS)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(root), str(w), "3", str(ROUNDS)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(3)
+    ]
     outcomes = [(p.wait(timeout=300), *p.communicate()) for p in procs]
     return root, model, keep, outcomes
 
@@ -122,8 +134,13 @@ def test_processes_writing_the_same_ids_at_once_store_each_entry_once(concurrent
     for name in ("same", "legacy"):
         store = make_store(root / name, model)
         counts = copies(store)
-        assert len(counts) == 4 * ROUNDS and max(counts.values()) == 1, (name, {i: n for i, n in counts.items() if n > 1})
-        assert sorted(e.text for e in store.entries()) == sorted(f"round {r}: {t}" for r in range(ROUNDS) for t in TEXTS[:4])
+        assert len(counts) == 4 * ROUNDS and max(counts.values()) == 1, (
+            name,
+            {i: n for i, n in counts.items() if n > 1},
+        )
+        assert sorted(e.text for e in store.entries()) == sorted(
+            f"round {r}: {t}" for r in range(ROUNDS) for t in TEXTS[:4]
+        )
         assert len({e.id for e in store.retrieve("the red fox", k=6)}) == 6
 
 
@@ -145,10 +162,24 @@ def _copy_rows(store, ids, seal=None, **changes):
     or with ``seal`` (a damaged one)."""
     from hf_statecompose.store.lance import row_seal
 
-    rows = store.table.search().where(f"id IN {store._in(ids)}").select(store._schema(store.embedding_dim).names).limit(None).to_arrow().to_pylist()
+    rows = (
+        store.table.search()
+        .where(f"id IN {store._in(ids)}")
+        .select(store._schema(store.embedding_dim).names)
+        .limit(None)
+        .to_arrow()
+        .to_pylist()
+    )
     for row in rows:
         row.update(changes)
-        row["seal"] = seal or row_seal(row["id"], row["text"], row["metadata"], row["num_tokens"], store._vector_bytes(row["vector"]), row["tensor_digest"])
+        row["seal"] = seal or row_seal(
+            row["id"],
+            row["text"],
+            row["metadata"],
+            row["num_tokens"],
+            store._vector_bytes(row["vector"]),
+            row["tensor_digest"],
+        )
     return store._pa.Table.from_pylist(rows, schema=store._schema(store.embedding_dim))
 
 
@@ -173,12 +204,23 @@ def test_a_store_holding_copies_reads_right_and_repair_keeps_one_verified_copy(t
     store.table.delete(f"id = '{broken}'")
     store.table.add(bad)
     store.table.add(good)
-    for read in (lambda: store.get(differ), lambda: store.entries([differ]), lambda: store.entries(), lambda: store.get(broken),
-                 lambda: store.retrieve(TEXTS[0], k=len(TEXTS))):
+    for read in (
+        lambda: store.get(differ),
+        lambda: store.entries([differ]),
+        lambda: store.entries(),
+        lambda: store.get(broken),
+        lambda: store.retrieve(TEXTS[0], k=len(TEXTS)),
+    ):
         with pytest.raises(ValueError, match="hf-statecompose store repair"):
             read()
     report = store.repair()
-    assert report == {"entries": len(TEXTS), "duplicated": 4, "removed_copies": 4, "unverifiable": [], "still_duplicated": []}
+    assert report == {
+        "entries": len(TEXTS),
+        "duplicated": 4,
+        "removed_copies": 4,
+        "unverifiable": [],
+        "still_duplicated": [],
+    }
     assert max(copies(store).values()) == 1 and sorted(store.ids()) == sorted(ids)
     assert store.entries([differ])[0].metadata == {}  # the first verified copy: the original
     for entry_id, text in zip(ids, TEXTS):  # `broken`: its first copy fails its seal, the second is kept
@@ -225,7 +267,9 @@ def test_the_cli_repairs_a_store(tmp_path, monkeypatch, capsys):
     store = make_store(tmp_path / "s", model)
     ids = store.add(TEXTS[:3], show_progress=False)
     store.table.add(_copy_rows(store, ids))
-    monkeypatch.setattr(cli, "open_store", lambda path, spec, *a, **k: (make_store(path, model), model, CharTokenizer()))
+    monkeypatch.setattr(
+        cli, "open_store", lambda path, spec, *a, **k: (make_store(path, model), model, CharTokenizer())
+    )
     assert cli.main(["store", "repair", str(tmp_path / "s")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["duplicated"] == 3 and report["removed_copies"] == 3 and max(copies(store).values()) == 1
@@ -273,12 +317,20 @@ def test_the_retry_helper_backs_off_and_then_names_the_contention():
 
     sleeps, refreshed = [], []
     operation = Contended(5)
-    assert retry_contended(operation, "delete", "store s", attempts=6, sleep=sleeps.append, refresh=lambda: refreshed.append(1)) == "ok"
+    assert (
+        retry_contended(
+            operation, "delete", "store s", attempts=6, sleep=sleeps.append, refresh=lambda: refreshed.append(1)
+        )
+        == "ok"
+    )
     assert operation.calls == 6 and len(sleeps) == len(refreshed) == 5
     for n, delay in enumerate(sleeps):  # jittered: between half and all of 0.05 * 2**n (capped at 2 s)
-        assert min(2.0, 0.05 * 2 ** n) / 2 <= delay <= min(2.0, 0.05 * 2 ** n)
+        assert min(2.0, 0.05 * 2**n) / 2 <= delay <= min(2.0, 0.05 * 2**n)
     sleeps.clear()
-    with pytest.raises(TimeoutError, match="delete failed 4 times.*other processes kept committing conflicting changes.*retry when fewer"):
+    with pytest.raises(
+        TimeoutError,
+        match=r"delete failed 4 times.*other processes kept committing conflicting changes.*retry when fewer",
+    ):
         retry_contended(Contended(10), "delete", "store s", attempts=4, sleep=sleeps.append)
     assert len(sleeps) == 3 and sum(sleeps) <= 0.35
     with pytest.raises(TimeoutError, match="failed 1 times"):  # no new attempt once the time budget is spent

@@ -5,6 +5,7 @@ Values, the whole trajectory and every gradient (a, b, initial state) on fresh r
 the largest entry); gradcheck / gradgradcheck in fp64; the Triton kernels in the interpreter (L <= 128,
 fp32 and bf16) and compiled for sm_90 without register spills.
 """
+
 import pytest
 import torch
 
@@ -92,12 +93,15 @@ def test_gradcheck_and_double_backward():
 
 def test_no_initial_state_means_zeros_and_half_precision_computes_in_float32():
     (a, b, h0), _ = _inputs(33, "unit", torch.float32, seed=4)
-    assert torch.equal(linear_recurrence(a, b, backend="torch"), linear_recurrence(a, b, torch.zeros_like(h0),
-                                                                                   backend="torch"))
+    assert torch.equal(
+        linear_recurrence(a, b, backend="torch"), linear_recurrence(a, b, torch.zeros_like(h0), backend="torch")
+    )
     h = linear_recurrence(a.bfloat16(), b.bfloat16(), h0, backend="torch")
     assert h.dtype == torch.bfloat16
-    assert relative_error(h, linear_recurrence_reference(a.bfloat16().double(), b.bfloat16().double(),
-                                                         h0.double())) <= 1e-2
+    assert (
+        relative_error(h, linear_recurrence_reference(a.bfloat16().double(), b.bfloat16().double(), h0.double()))
+        <= 1e-2
+    )
     assert linear_recurrence(a[:, :0], b[:, :0], h0, backend="torch").shape == (BATCH, 0, CHANNELS)
 
 

@@ -1,4 +1,5 @@
 """ListOps as Long Range Arena generates it: operator semantics, determinism, length bounds, labels."""
+
 import random
 
 import pytest
@@ -8,21 +9,24 @@ from hf_statecompose.demo import listops as L
 SMALL = L.ListOpsConfig(max_depth=6, max_args=10, min_length=32, max_length=128)
 
 
-@pytest.mark.parametrize("expression, value", [
-    ("7", 7),
-    ("[MAX 2 9 4 ]", 9),
-    ("[MIN 2 9 4 ]", 2),
-    ("[SM 2 9 4 ]", 5),  # 15 mod 10
-    ("[SM 0 0 ]", 0),
-    ("[MED 3 1 2 ]", 2),  # odd count: the middle value
-    ("[MED 1 4 ]", 2),  # even count: int(numpy.median) = floor(2.5), neither 1 nor 4
-    ("[MED 1 2 ]", 1),  # floor(1.5)
-    ("[MED 9 0 7 2 ]", 4),  # middle two 2, 7 -> floor(4.5)
-    ("[MED 5 5 ]", 5),
-    ("[MAX 2 9 [MIN 4 7 ] 0 ]", 9),
-    ("[SM [MAX 3 8 ] [MIN 4 7 ] [MED 1 9 ] ]", 7),  # 8 + 4 + 5 = 17
-    ("[MIN [SM 9 9 ] [MAX [MED 0 2 6 ] 1 ] ]", 2),  # min(8, max(2, 1))
-])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("7", 7),
+        ("[MAX 2 9 4 ]", 9),
+        ("[MIN 2 9 4 ]", 2),
+        ("[SM 2 9 4 ]", 5),  # 15 mod 10
+        ("[SM 0 0 ]", 0),
+        ("[MED 3 1 2 ]", 2),  # odd count: the middle value
+        ("[MED 1 4 ]", 2),  # even count: int(numpy.median) = floor(2.5), neither 1 nor 4
+        ("[MED 1 2 ]", 1),  # floor(1.5)
+        ("[MED 9 0 7 2 ]", 4),  # middle two 2, 7 -> floor(4.5)
+        ("[MED 5 5 ]", 5),
+        ("[MAX 2 9 [MIN 4 7 ] 0 ]", 9),
+        ("[SM [MAX 3 8 ] [MIN 4 7 ] [MED 1 9 ] ]", 7),  # 8 + 4 + 5 = 17
+        ("[MIN [SM 9 9 ] [MAX [MED 0 2 6 ] 1 ] ]", 2),  # min(8, max(2, 1))
+    ],
+)
 def test_operator_semantics_on_hand_made_expressions(expression, value):
     assert L.evaluate_expression(expression) == value
 
@@ -71,7 +75,7 @@ def test_exclude_skips_held_out_expressions():
 def test_labels_are_not_degenerate():
     batch = L.examples(11, 2000, SMALL)
     answers = {e.answer for e in batch}
-    majority, frequency = L.majority_baseline(batch)
+    _majority, frequency = L.majority_baseline(batch)
     assert answers == set(range(10))
     assert frequency < 0.2  # measured: 0.153 (answer 0); 9 and 0 are the most frequent (MAX / MIN)
 

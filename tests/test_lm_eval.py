@@ -1,4 +1,5 @@
 """The lm-eval model ``statecompose`` and the bundled tasks (offline, CPU, demo Mamba-2, bag-of-words retriever)."""
+
 import json
 import math
 import os
@@ -11,12 +12,13 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.demo.corpora import recall_world  # noqa: E402
-from hf_statecompose.pipeline import context_order  # noqa: E402
-from store_helpers import TEXTS, BagOfWords  # noqa: E402
+from lm_eval.api.instance import Instance
 
-from lm_eval.api.instance import Instance  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.demo.corpora import recall_world
+from hf_statecompose.pipeline import context_order
+
+from store_helpers import TEXTS, BagOfWords
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = recall_world(2026, towns=60)
@@ -86,7 +88,9 @@ def test_k0_is_plain_hflm(demo):
     ours, plain = make_lm(demo, k=0), HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4)
     requests = ll_requests(question_pairs())
     assert ours.loglikelihood(requests) == plain.loglikelihood(requests)
-    rolling = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(TEXTS[:3] + WORLD.passages[:2])]
+    rolling = [
+        Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(TEXTS[:3] + WORLD.passages[:2])
+    ]
     assert ours.loglikelihood_rolling(rolling) == plain.loglikelihood_rolling(rolling)
 
 
@@ -113,7 +117,9 @@ def test_exclude_passages(demo, store):
     own_id = next(e.id for e in store.entries() if e.text == own)
     assert store.retrieve(q.query, 1, load_states=False)[0].id == own_id
     with_own, without_own = lm.loglikelihood(ll_requests([(q.query, q.answer)] * 2, [{}, {"exclude_passages": [own]}]))
-    assert without_own[0] == pytest.approx(brute_force(lm, store, model, q.query, q.answer, 1, exclude=[own_id])[0], rel=1e-4)
+    assert without_own[0] == pytest.approx(
+        brute_force(lm, store, model, q.query, q.answer, 1, exclude=[own_id])[0], rel=1e-4
+    )
     assert with_own[0] > without_own[0] + 1.0
 
 
@@ -122,16 +128,22 @@ def test_generate_until_matches_generate(demo, store):
     lm = make_lm(demo, store=store, k=2)
     questions = WORLD.questions[:4]
     kwargs = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
-    got = lm.generate_until([Instance("generate_until", {}, (q.query, dict(kwargs)), i) for i, q in enumerate(questions)])
+    got = lm.generate_until(
+        [Instance("generate_until", {}, (q.query, dict(kwargs)), i) for i, q in enumerate(questions)]
+    )
     for q, text in zip(questions, got):
         ids = torch.tensor([tokenizer(q.query)["input_ids"]])
         states = context_order(store.retrieve(q.query, 2))
-        out = model.generate(ids, past_states=states, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
+        out = model.generate(
+            ids, past_states=states, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
         for stop in ("\n", tokenizer.eos_token):
             expected = expected.split(stop)[0]
         assert text == expected
-    assert sum(text.strip() == q.answer.strip() for q, text in zip(questions, got)) >= 2  # recalled from the states (chance: 1 in 20)
+    assert (
+        sum(text.strip() == q.answer.strip() for q, text in zip(questions, got)) >= 2
+    )  # recalled from the states (chance: 1 in 20)
 
 
 def test_simple_evaluate_runs_each_bundled_task(demo, store):
@@ -141,10 +153,16 @@ def test_simple_evaluate_runs_each_bundled_task(demo, store):
     from hf_statecompose.lmeval import TASKS, TASKS_DIR
 
     results = lm_eval.simple_evaluate(
-        model=make_lm(demo, store=store, k=2), tasks=list(TASKS), task_manager=TaskManager(include_path=str(TASKS_DIR)), limit=5,
+        model=make_lm(demo, store=store, k=2),
+        tasks=list(TASKS),
+        task_manager=TaskManager(include_path=str(TASKS_DIR)),
+        limit=5,
     )["results"]
-    expected = {"statecompose_wikipedia": "bits_per_byte,none", "statecompose_wikipedia_rolling": "bits_per_byte,none",
-                "statecompose_recall_mc": "acc,none"}
+    expected = {
+        "statecompose_wikipedia": "bits_per_byte,none",
+        "statecompose_wikipedia_rolling": "bits_per_byte,none",
+        "statecompose_recall_mc": "acc,none",
+    }
     for task, metric in expected.items():
         assert results[task]["sample_len"] == 5
         assert math.isfinite(results[task][metric]) and results[task][metric] >= 0
@@ -166,7 +184,9 @@ def test_passages_build_a_cached_store_once(demo, tmp_path, monkeypatch, capsys)
     assert len(list((tmp_path / "cache").iterdir())) == 1  # no leftover build folder
     # an explicit empty path is filled; the same path with other passages is refused
     target = tmp_path / "mine"
-    assert len(make_lm(demo, passages=str(passages), store=str(target), retriever=BagOfWords(), k=1).store) == len(TEXTS)
+    assert len(make_lm(demo, passages=str(passages), store=str(target), retriever=BagOfWords(), k=1).store) == len(
+        TEXTS
+    )
     other = tmp_path / "q.jsonl"
     other.write_text(json.dumps({"text": "something else entirely"}) + "\n")
     with pytest.raises(ValueError, match="other passages"):
@@ -178,7 +198,7 @@ def test_clear_errors(demo, tmp_path):
         make_lm(demo, k=-1)
     with pytest.raises(ValueError, match="unknown composition"):
         make_lm(demo, k=1, composition="nope", passages="bundled")
-    with pytest.raises(ValueError, match="store=.*passages="):
+    with pytest.raises(ValueError, match=r"store=.*passages="):
         make_lm(demo, k=3)
     with pytest.raises(ValueError, match="no StateStore"):
         make_lm(demo, k=1, store=str(tmp_path / "nothing"), retriever=BagOfWords())
@@ -191,7 +211,7 @@ def test_clear_errors(demo, tmp_path):
 
 def test_peft_adapter(demo, store, tmp_path):
     peft = pytest.importorskip("peft")
-    model, tokenizer = hsc.load_demo("mamba2")
+    model, _tokenizer = hsc.load_demo("mamba2")
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, target_modules=["in_proj"], init_lora_weights=False)
     peft.get_peft_model(model, config).save_pretrained(tmp_path / "adapter")
@@ -199,8 +219,15 @@ def test_peft_adapter(demo, store, tmp_path):
     passages.write_text("".join(json.dumps({"text": t}) + "\n" for t in WORLD.passages[:6]))
     from hf_statecompose.lmeval.model import StateComposeLM
 
-    lm = StateComposeLM(pretrained="demo", peft=str(tmp_path / "adapter"), passages=str(passages), store=str(tmp_path / "s"),
-                        retriever=BagOfWords(), k=2, batch_size=4)
+    lm = StateComposeLM(
+        pretrained="demo",
+        peft=str(tmp_path / "adapter"),
+        passages=str(passages),
+        store=str(tmp_path / "s"),
+        retriever=BagOfWords(),
+        k=2,
+        batch_size=4,
+    )
     assert type(lm.model).__name__.startswith("Peft")
     pairs = question_pairs()[:4]
     got = lm.loglikelihood(ll_requests(pairs))
@@ -213,13 +240,36 @@ def test_peft_adapter(demo, store, tmp_path):
 def test_cli_wrapper_runs_a_task(tmp_path):
     passages = tmp_path / "p.jsonl"
     passages.write_text("".join(json.dumps({"text": t}) + "\n" for t in WORLD.passages[:4]))
-    env = dict(os.environ, HF_STATECOMPOSE_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        HF_STATECOMPOSE_CACHE=str(tmp_path / "cache"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "hf_statecompose", "lm-eval", "run", "--model", "statecompose",
-         "--model_args", f"pretrained=demo,passages={passages},k=2", "--tasks", "statecompose_recall_mc", "--limit", "5",
-         "--output_path", str(tmp_path / "out")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "hf_statecompose",
+            "lm-eval",
+            "run",
+            "--model",
+            "statecompose",
+            "--model_args",
+            f"pretrained=demo,passages={passages},k=2",
+            "--tasks",
+            "statecompose_recall_mc",
+            "--limit",
+            "5",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "statecompose_recall_mc" in done.stdout and "acc" in done.stdout
@@ -227,13 +277,15 @@ def test_cli_wrapper_runs_a_task(tmp_path):
     assert results and json.loads(results[0].read_text())["results"]["statecompose_recall_mc"]["acc,none"] >= 0
 
 
-
-@pytest.mark.parametrize("model_args, message", [
-    ("pretrained=demo,k=-1", "k must be >= 0"),
-    ("pretrained=demo,k=1,passages=/no/such/passages.jsonl", "passages='/no/such/passages.jsonl': no such file"),
-    ("pretrained=demo,k=1,composition=nope,passages=bundled", "unknown composition 'nope'"),
-    ("pretrained=demo,k=0,bogus=1", "unexpected keyword argument 'bogus'"),
-])
+@pytest.mark.parametrize(
+    "model_args, message",
+    [
+        ("pretrained=demo,k=-1", "k must be >= 0"),
+        ("pretrained=demo,k=1,passages=/no/such/passages.jsonl", "passages='/no/such/passages.jsonl': no such file"),
+        ("pretrained=demo,k=1,composition=nope,passages=bundled", "unknown composition 'nope'"),
+        ("pretrained=demo,k=0,bogus=1", "unexpected keyword argument 'bogus'"),
+    ],
+)
 def test_bad_model_args_are_a_model_argument_error(model_args, message):
     from hf_statecompose.lmeval import ModelArgumentError
     from hf_statecompose.lmeval.model import StateComposeLM
@@ -254,4 +306,7 @@ def test_cli_wrapper_reports_them_in_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", refuses)
     assert run_cli(["run", "--model", "statecompose", "--model_args", "k=-1", "--tasks", "x"]) == 2
-    assert capsys.readouterr().err == "hf-statecompose lm-eval: error: --model_args: k must be >= 0 (0 = no retrieval, plain HFLM), got -1\n"
+    assert (
+        capsys.readouterr().err
+        == "hf-statecompose lm-eval: error: --model_args: k must be >= 0 (0 = no retrieval, plain HFLM), got -1\n"
+    )

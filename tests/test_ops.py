@@ -1,4 +1,5 @@
 """Fast torch ops vs their plain references, fp64 on fresh random inputs, values and gradients."""
+
 import ctypes
 
 import pytest
@@ -28,9 +29,16 @@ def _mamba1_inputs(length, seed, dtype=torch.float64, batch=2, channels=5, state
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
     return dict(
-        u=r(batch, channels, length), delta=r(batch, channels, length), A=-torch.rand(channels, state, generator=g, dtype=dtype) * 4,
-        B=r(batch, state, length), C=r(batch, state, length), D=r(channels), z=r(batch, channels, length),
-        delta_bias=r(channels), delta_softplus=True, initial_state=r(batch, channels, state),
+        u=r(batch, channels, length),
+        delta=r(batch, channels, length),
+        A=-torch.rand(channels, state, generator=g, dtype=dtype) * 4,
+        B=r(batch, state, length),
+        C=r(batch, state, length),
+        D=r(channels),
+        z=r(batch, channels, length),
+        delta_bias=r(channels),
+        delta_softplus=True,
+        initial_state=r(batch, channels, state),
         mask=_left_mask(batch, length, [0, 3]),
     )
 
@@ -39,9 +47,16 @@ def _mamba2_inputs(length, seed, dtype=torch.float64, batch=2, heads=4, head_dim
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
     return dict(
-        x=r(batch, length, heads, head_dim), dt=r(batch, length, heads), A=-torch.rand(heads, generator=g, dtype=dtype) * 4,
-        B=r(batch, length, groups, state), C=r(batch, length, groups, state), D=r(heads), dt_bias=r(heads),
-        dt_softplus=True, dt_limit=(0.0, 1.5), initial_state=r(batch, heads, head_dim, state),
+        x=r(batch, length, heads, head_dim),
+        dt=r(batch, length, heads),
+        A=-torch.rand(heads, generator=g, dtype=dtype) * 4,
+        B=r(batch, length, groups, state),
+        C=r(batch, length, groups, state),
+        D=r(heads),
+        dt_bias=r(heads),
+        dt_softplus=True,
+        dt_limit=(0.0, 1.5),
+        initial_state=r(batch, heads, head_dim, state),
         mask=_left_mask(batch, length, [2, 0]),
     )
 
@@ -86,7 +101,10 @@ def test_padding_is_inert_in_both_scans():
     """A left-padded row equals the same row scanned without its padding."""
     inp = _mamba1_inputs(20, seed=5)
     y, h, dsum = selective_scan(**inp)
-    trimmed = {k: (v[1:, ..., 3:] if torch.is_tensor(v) and v.dim() == 3 and k not in ("initial_state",) else v) for k, v in inp.items()}
+    trimmed = {
+        k: (v[1:, ..., 3:] if torch.is_tensor(v) and v.dim() == 3 and k not in ("initial_state",) else v)
+        for k, v in inp.items()
+    }
     trimmed.update(initial_state=inp["initial_state"][1:], mask=None)
     y2, h2, dsum2 = selective_scan_ref(**trimmed)
     torch.testing.assert_close(h[1:], h2)
@@ -131,7 +149,12 @@ def test_selective_scan_training_backward_across_blocks_and_final_state_only():
     final = [fn(**{**inputs, **leaves})[1].sum() for fn in (selective_scan, selective_scan_ref)]
     grads = [torch.autograd.grad(f, list(leaves.values()), allow_unused=True) for f in final]
     for leaf, a, e in zip(leaves.values(), *grads):  # C does not reach h_T: None or zeros
-        torch.testing.assert_close(a if a is not None else torch.zeros_like(leaf), e if e is not None else torch.zeros_like(leaf), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(
+            a if a is not None else torch.zeros_like(leaf),
+            e if e is not None else torch.zeros_like(leaf),
+            rtol=1e-9,
+            atol=1e-9,
+        )
 
 
 @pytest.mark.parametrize("length", [1, 7, 63])
@@ -182,8 +205,16 @@ def test_scans_agree_with_transformers_own_torch_paths():
 
     inp = _mamba1_inputs(33, seed=4)
     y_stock, h_stock = mamba_selective_scan(
-        inp["u"], inp["delta"], inp["A"], inp["B"], inp["C"], D=inp["D"], z=inp["z"],
-        delta_bias=inp["delta_bias"], delta_softplus=True, return_last_state=True,
+        inp["u"],
+        inp["delta"],
+        inp["A"],
+        inp["B"],
+        inp["C"],
+        D=inp["D"],
+        z=inp["z"],
+        delta_bias=inp["delta_bias"],
+        delta_softplus=True,
+        return_last_state=True,
     )
     y, h, _ = selective_scan(**{**inp, "initial_state": None, "mask": None})
     # the stock path casts B to float32 internally, hence fp32-level tolerance
@@ -192,8 +223,18 @@ def test_scans_agree_with_transformers_own_torch_paths():
 
     inp = _mamba2_inputs(33, seed=5)
     y_stock, h_stock = mamba2_chunk_scan(
-        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=16, D=inp["D"], dt_bias=inp["dt_bias"],
-        initial_states=inp["initial_state"], dt_softplus=True, dt_limit=inp["dt_limit"], return_final_states=True,
+        inp["x"],
+        inp["dt"],
+        inp["A"],
+        inp["B"],
+        inp["C"],
+        chunk_size=16,
+        D=inp["D"],
+        dt_bias=inp["dt_bias"],
+        initial_states=inp["initial_state"],
+        dt_softplus=True,
+        dt_limit=inp["dt_limit"],
+        return_final_states=True,
     )
     y, h, _ = ssd_scan(**{**inp, "mask": None}, chunk_size=16)
     torch.testing.assert_close(y.float(), y_stock.float(), rtol=1e-5, atol=1e-5)
@@ -220,10 +261,10 @@ def test_ssd_fp32_exponents_are_summed_directly(chunk_size):
 # They read tokens-first strided views, run channel blocks of 32 / 16 / 1 (the channel counts below hit all
 # three), and fuse softplus, the clamp, the mask, ΣΔ, the skip and the gate: every combination is checked
 # against the float64 references on fresh random inputs.
-from hf_statecompose.ops import _native  # noqa: E402
-from hf_statecompose.ops.conv import native as conv_native  # noqa: E402
-from hf_statecompose.ops.selective_scan import native as scan_native  # noqa: E402
-from hf_statecompose.ops.ssd import native as ssd_native  # noqa: E402
+from hf_statecompose.ops import _native
+from hf_statecompose.ops.conv import native as conv_native
+from hf_statecompose.ops.selective_scan import native as scan_native
+from hf_statecompose.ops.ssd import native as ssd_native
 
 
 def _needs(result):
@@ -274,7 +315,9 @@ def test_native_selective_scan_without_softplus_bias_skip_or_gate():
 def test_native_ssd_scan_matches_fp64_reference(length, head_dim, state, groups):
     for variant in range(4):
         with_state, with_mask = variant & 1, variant & 2
-        inp = _mamba2_inputs(length, seed=100 * length + head_dim + variant, head_dim=head_dim, state=state, groups=groups)
+        inp = _mamba2_inputs(
+            length, seed=100 * length + head_dim + variant, head_dim=head_dim, state=state, groups=groups
+        )
         inp.update(initial_state=inp["initial_state"] if with_state else None, mask=inp["mask"] if with_mask else None)
         if variant == 2:
             inp.update(dt_limit=None, dt_bias=None, D=None)
@@ -305,8 +348,11 @@ def test_native_conv_matches_reference(length, channels):
         mask = _left_mask(3, length, [0, 1, 5]) if with_mask else None
         out_ref, new_ref = causal_conv1d_ref(x, w, b, state, mask, activation)
         x32 = _tokens_first(x.float()) if variant % 2 else x.float()
-        out, new = _needs(conv_native.causal_conv1d_native(
-            x32, w.float(), b.float(), None if state is None else state.float(), mask, activation))
+        out, new = _needs(
+            conv_native.causal_conv1d_native(
+                x32, w.float(), b.float(), None if state is None else state.float(), mask, activation
+            )
+        )
         keep = mask[:, None] if mask is not None else 1.0
         assert _rel(out * keep, out_ref * keep) < 1e-6 and _rel(new, new_ref) < 1e-6, variant
         assert new.is_contiguous()
@@ -315,13 +361,22 @@ def test_native_conv_matches_reference(length, channels):
 def test_native_math_matches_float64_over_the_whole_range():
     """exp / softplus / silu of the kernels (branch-free, vectorised) against float64, from deep underflow
     (denormal results, then 0) to overflow (inf), and at softplus' threshold (20)."""
-    lib = _native.load("test_math", _native.MATH + r"""
+    lib = _native.load(
+        "test_math",
+        _native.MATH
+        + r"""
         void run(const float* x, float* e, float* s, float* l, long n) {
             for (long i = 0; i < n; i++) { e[i] = hsc_exp(x[i]); s[i] = hsc_softplus(x[i]); l[i] = hsc_silu(x[i]); }
-        }""")
+        }""",
+    )
     if lib is None:
         pytest.skip(f"no native kernels here: {_native.failure('test_math')}")
-    x = torch.cat([torch.linspace(-110, 95, 20001), torch.tensor([-87.5, -87.3, 0.0, 1e-8, -1e-8, 19.99, 20.0, 20.01, 88.7, 88.8])])
+    x = torch.cat(
+        [
+            torch.linspace(-110, 95, 20001),
+            torch.tensor([-87.5, -87.3, 0.0, 1e-8, -1e-8, 19.99, 20.0, 20.01, 88.7, 88.8]),
+        ]
+    )
     outs = [torch.empty_like(x) for _ in range(3)]
     lib.run(*(ctypes.c_void_p(t.data_ptr()) for t in (x, *outs)), ctypes.c_long(x.numel()))
     x64 = x.double()
@@ -333,7 +388,9 @@ def test_native_math_matches_float64_over_the_whole_range():
         rel = ((got.double() - want).abs() / want.abs())[finite].max()
         assert rel < 3e-7, (name, float(rel))
         tiny = ~finite & torch.isfinite(want32)
-        assert float(torch.cat([(got.double() - want).abs()[tiny], torch.zeros(1, dtype=torch.float64)]).max()) < 1e-36, name
+        assert (
+            float(torch.cat([(got.double() - want).abs()[tiny], torch.zeros(1, dtype=torch.float64)]).max()) < 1e-36
+        ), name
 
 
 def test_native_kernels_are_used_for_float32_inference_and_agree_with_the_torch_paths(monkeypatch):
@@ -344,18 +401,35 @@ def test_native_kernels_are_used_for_float32_inference_and_agree_with_the_torch_
     inp1 = _f32(_mamba1_inputs(70, seed=3, channels=40))
     inp2 = _f32(_mamba2_inputs(70, seed=4, head_dim=16))
     calls = []
-    for module, name in ((scan_native, "selective_scan_native"), (ssd_native, "ssd_scan_native"), (conv_native, "causal_conv1d_native")):
+    for module, name in (
+        (scan_native, "selective_scan_native"),
+        (ssd_native, "ssd_scan_native"),
+        (conv_native, "causal_conv1d_native"),
+    ):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    conv_args = (inp1["u"], inp1["u"][0, :, :4].clone(), inp1["D"], inp1["initial_state"][..., :4].contiguous(), inp1["mask"], "silu")
+    conv_args = (
+        inp1["u"],
+        inp1["u"][0, :, :4].clone(),
+        inp1["D"],
+        inp1["initial_state"][..., :4].contiguous(),
+        inp1["mask"],
+        "silu",
+    )
     with torch.no_grad():
-        fast = [backends.selective_scan(**inp1, backend="torch"), backends.ssd_scan(**inp2, backend="torch"),
-                backends.causal_conv1d(*conv_args, backend="torch")]
+        fast = [
+            backends.selective_scan(**inp1, backend="torch"),
+            backends.ssd_scan(**inp2, backend="torch"),
+            backends.causal_conv1d(*conv_args, backend="torch"),
+        ]
         if calls != ["selective_scan_native", "ssd_scan_native", "causal_conv1d_native"]:
             _needs(None)
         monkeypatch.setenv("HF_STATECOMPOSE_NATIVE", "0")
-        slow = [backends.selective_scan(**inp1, backend="torch"), backends.ssd_scan(**inp2, backend="torch"),
-                backends.causal_conv1d(*conv_args, backend="torch")]
+        slow = [
+            backends.selective_scan(**inp1, backend="torch"),
+            backends.ssd_scan(**inp2, backend="torch"),
+            backends.causal_conv1d(*conv_args, backend="torch"),
+        ]
     assert len(calls) == 3
     mask = inp1["mask"][:, None]
     fast[2], slow[2] = (fast[2][0] * mask, fast[2][1]), (slow[2][0] * mask, slow[2][1])
@@ -413,7 +487,7 @@ def test_native_gated_rms_norm_matches_the_transformers_module_in_float64(width,
         norm.weight.copy_(torch.randn(width, generator=g))
     y = torch.randn(2, 5, width, generator=g) * 3
     projected = torch.randn(2, 5, width + 9, generator=g)
-    gate = projected[..., 4:4 + width]  # a strided view, as the mixer passes it
+    gate = projected[..., 4 : 4 + width]  # a strided view, as the mixer passes it
     with torch.no_grad():
         got = ssd_native.gated_rms_norm_native(norm, y, gate)
         if got is None:

@@ -1,5 +1,6 @@
 """``output_hidden_states`` of this package's models follows transformers' MambaModel: each layer's output, then the
 final hidden state (after the last norm, replacing the last layer's output): ``num_hidden_layers + 1`` tensors."""
+
 import pytest
 import torch
 
@@ -7,8 +8,14 @@ import hf_statecompose as hsc
 
 
 def _serpent(layers):
-    config = hsc.SeRpEntMambaConfig(vocab_size=99, hidden_size=32, intermediate_size=32, num_hidden_layers=layers,
-                                    branch_compressions=(1.0, 0.5), state_size=8)
+    config = hsc.SeRpEntMambaConfig(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        branch_compressions=(1.0, 0.5),
+        state_size=8,
+    )
     return hsc.SeRpEntMambaForCausalLM(config)
 
 
@@ -20,14 +27,18 @@ def _serpent_block(model, index, hidden):
 
 
 def _coffee(layers):
-    return hsc.CoffeeForCausalLM(hsc.CoffeeConfig(vocab_size=99, hidden_size=32, num_hidden_layers=layers, state_size=4))
+    return hsc.CoffeeForCausalLM(
+        hsc.CoffeeConfig(vocab_size=99, hidden_size=32, num_hidden_layers=layers, state_size=4)
+    )
 
 
 def _coffee_block(model, index, hidden):
     return model.backbone.layers[index](hidden, None, None)
 
 
-@pytest.mark.parametrize("make, block", [(_serpent, _serpent_block), (_coffee, _coffee_block)], ids=["serpent", "coffee"])
+@pytest.mark.parametrize(
+    "make, block", [(_serpent, _serpent_block), (_coffee, _coffee_block)], ids=["serpent", "coffee"]
+)
 @pytest.mark.parametrize("layers", [1, 3])
 def test_hidden_states_are_each_layer_output_then_the_final_state(make, block, layers):
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """The wheel holds every file of the package (Triton kernels and embedded data included) whatever the
 checkout, and the sdist carries the tests and their helpers. Built with setuptools' PEP 517 backend
 directly (no network, no build isolation)."""
+
 import os
 import subprocess
 import sys

@@ -1,4 +1,5 @@
 """The query of a past_states call: bad shapes and bad masks are refused with the fix; inputs_embeds works."""
+
 import pytest
 import torch
 
@@ -111,8 +112,12 @@ def test_inputs_embeds_with_past_states_equal_input_ids(arch):
     by_embeds = model(inputs_embeds=embeds, attention_mask=mask, past_states=states).logits
     assert torch.equal(by_embeds, by_ids)
     generated = model.generate(ids, attention_mask=mask, past_states=states, max_new_tokens=4, do_sample=False)
-    from_embeds = model.generate(inputs_embeds=embeds, attention_mask=mask, past_states=states, max_new_tokens=4, do_sample=False)
-    assert torch.equal(from_embeds, generated[:, ids.shape[1]:])  # stock generate returns only the new tokens for embeds
+    from_embeds = model.generate(
+        inputs_embeds=embeds, attention_mask=mask, past_states=states, max_new_tokens=4, do_sample=False
+    )
+    assert torch.equal(
+        from_embeds, generated[:, ids.shape[1] :]
+    )  # stock generate returns only the new tokens for embeds
     with pytest.raises(ValueError, match="inputs_embeds must have shape"):
         model(inputs_embeds=embeds[0], past_states=states)
     with pytest.raises(ValueError, match="does not match input_ids"):
@@ -144,16 +149,18 @@ def test_generate_checks_the_mask_it_would_infer_from_the_pad_token(setup):
     ids = random_ids(4, batch=2)
     right = ids.clone()
     right[1, 2:] = 0
-    with pytest.raises(ValueError, match="left padding.*pad_token_id 0"):
+    with pytest.raises(ValueError, match=r"left padding.*pad_token_id 0"):
         model.generate(right, past_states=states, max_new_tokens=2)
     hole = ids.clone()
     hole[0, 1] = 0
-    with pytest.raises(ValueError, match="pad_token_id 0.*attention_mask explicitly"):
+    with pytest.raises(ValueError, match=r"pad_token_id 0.*attention_mask explicitly"):
         model.generate(hole, past_states=states, max_new_tokens=2)
     left = ids.clone()
     left[1, :2] = 0
     inferred = model.generate(left, past_states=states, max_new_tokens=3, do_sample=False)
-    explicit = model.generate(left, attention_mask=(left != 0).long(), past_states=states, max_new_tokens=3, do_sample=False)
+    explicit = model.generate(
+        left, attention_mask=(left != 0).long(), past_states=states, max_new_tokens=3, do_sample=False
+    )
     assert torch.equal(inferred, explicit)
     # an explicit mask says which zeros are tokens: no inference then
     model.generate(hole, attention_mask=torch.ones_like(hole), past_states=states, max_new_tokens=2)

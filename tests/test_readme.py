@@ -1,4 +1,5 @@
 """The README's quickstart runs as written, and its links to files of the repository exist."""
+
 import os
 import re
 import subprocess
@@ -20,7 +21,9 @@ def test_quickstart_is_short_and_runs_as_written(tmp_path):
     code = _quickstart()
     assert len(code.strip().splitlines()) <= 30
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     printed = done.stdout.splitlines()
     # what the comments promise: the answers come from the composed / retrieved states

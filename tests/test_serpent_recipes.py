@@ -1,4 +1,5 @@
 """The SeRpEnt recipe and benchmark run end to end (smoke sizes), and the committed pairs are matched."""
+
 import json
 import os
 import subprocess
@@ -15,8 +16,14 @@ CONFIG = os.path.join(ROOT, "recipes", "configs", "serpent.json")
 
 
 def run(*args):
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -44,7 +51,12 @@ def test_recipe_smoke_trains_both_models_on_both_tasks_and_saves_loadable_checkp
     results = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("*-seed0.json")}
     assert sorted(results) == sorted(f"{t}-{m}-seed0.json" for t in ("lm", "listops") for m in ("serpent", "mamba"))
     for result in results.values():
-        assert result["steps"] == 3 and result["train_seconds"] >= 0 and result["git_commit"] and result["serpent_source_sha256"]
+        assert (
+            result["steps"] == 3
+            and result["train_seconds"] >= 0
+            and result["git_commit"]
+            and result["serpent_source_sha256"]
+        )
         assert set(result["parameters"]) == {"serpent", "mamba"}
     lm = results["lm-serpent-seed0.json"]["metrics"]
     assert 0 <= lm["top1"] <= lm["top5"] <= 1 and lm["loss"] > 0
@@ -55,7 +67,10 @@ def test_recipe_smoke_trains_both_models_on_both_tasks_and_saves_loadable_checkp
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "serpent_mamba"
     # nothing to fetch: any auto_map points at the code files saved beside the weights, not at a Hub repo
-    assert all("--" not in ref and (folder / f"{ref.split('.')[0]}.py").is_file() for ref in config.get("auto_map", {}).values())
+    assert all(
+        "--" not in ref and (folder / f"{ref.split('.')[0]}.py").is_file()
+        for ref in config.get("auto_map", {}).values()
+    )
     model = hsc.SeRpEntMambaForCausalLM.from_pretrained(folder, local_files_only=True).eval()
     from transformers import AutoTokenizer
 

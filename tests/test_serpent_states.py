@@ -4,6 +4,7 @@ One state + query is exactly context + query (forward, greedy generate, beams, r
 batches) for every model-free method; more states compose their branch SSMs as Mamba-1 states (checked
 against the plain reference per virtual layer) and take the resampling state of the last one; state files
 carry the resampling state and refuse crafted ones; states and enabled models survive copies."""
+
 import copy
 import io
 import itertools
@@ -40,8 +41,18 @@ def tiny(seed: int = 0, **overrides) -> hsc.SeRpEntMambaForCausalLM:
     """A tiny random SeRpEnt LM (3 branches κ = 1, 0.5, 0.1), enabled. An untied N(0, 1) head spreads the
     logits, so that greedy decoding does not repeat one token (tied, it echoes) and ties are far."""
     torch.manual_seed(seed)
-    kwargs = dict(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, state_size=4, resample_window=3,
-                  num_gaussians=4, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=24,
+        num_hidden_layers=2,
+        state_size=4,
+        resample_window=3,
+        num_gaussians=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
     kwargs.update(overrides)
     model = hsc.SeRpEntMambaForCausalLM(hsc.SeRpEntMambaConfig(**kwargs)).eval()
     with torch.no_grad():
@@ -58,8 +69,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def composer_of(method: str, n: int) -> StateComposer:
-    return StateComposer(method, weights=[0.2, 0.5, 0.3][:n] if n == 3 else [1.0]) if method == "weighted" \
+    return (
+        StateComposer(method, weights=[0.2, 0.5, 0.3][:n] if n == 3 else [1.0])
+        if method == "weighted"
         else StateComposer(method)
+    )
 
 
 def without_ssm_states(state):
@@ -160,14 +174,22 @@ def test_one_state_reproduces_context_plus_query(model, state, context, query_le
     full = model(whole).logits[:, -query_length:]
     assert rel(model(query).logits[:, -1], full[:, -1]) > MATTERS  # no context
     assert rel(model(query, past_states=[without_ssm_states(state)]).logits[:, -1], full[:, -1]) > MATTERS
-    expected = model.generate(whole, max_new_tokens=NEW, do_sample=False, output_scores=True,
-                              return_dict_in_generate=True)
+    expected = model.generate(
+        whole, max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True
+    )
     for method in METHODS:
         kwargs = dict(composition=composer_of(method, 1))
         assert rel(model(query, past_states=[state], **kwargs).logits, full) < 1e-5, method
-        out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, **kwargs)
-        assert torch.equal(out.sequences, expected.sequences[:, context.shape[1]:]), method
+        out = model.generate(
+            query,
+            past_states=[state],
+            max_new_tokens=NEW,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+        assert torch.equal(out.sequences, expected.sequences[:, context.shape[1] :]), method
         assert rel(out.scores[0], expected.scores[0]) < 1e-5, method
     assert len(set(expected.sequences[0, -NEW:].tolist())) > 1  # a real test: not one token repeated
 
@@ -183,19 +205,20 @@ def test_left_padded_contexts_and_queries(model):
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for r, row in enumerate(rows):
-            ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
+            ids[r, width - len(row) :], mask[r, width - len(row) :] = row, 1
         return ids, mask
 
     (c_ids, c_mask), (q_ids, q_mask) = pad(contexts), pad(queries)
     states = ComposableMambaCache.encode(model, c_ids, attention_mask=c_mask)
     logits = model(q_ids, attention_mask=q_mask, past_states=[states], composition="caso").logits
-    out = model.generate(q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False,
-                         pad_token_id=0)
+    out = model.generate(
+        q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False, pad_token_id=0
+    )
     for r, (c, q) in enumerate(zip(contexts, queries)):
         whole = torch.cat([c, q])[None]
-        assert rel(logits[r, -len(q):], model(whole).logits[0, -len(q):]) < 1e-5
+        assert rel(logits[r, -len(q) :], model(whole).logits[0, -len(q) :]) < 1e-5
         expected = model.generate(whole, max_new_tokens=NEW, do_sample=False)
-        assert torch.equal(out[r, q_ids.shape[1]:], expected[0, whole.shape[1]:])
+        assert torch.equal(out[r, q_ids.shape[1] :], expected[0, whole.shape[1] :])
 
 
 @torch.no_grad()
@@ -216,12 +239,12 @@ def test_beams_and_return_sequences_with_past_states(model, state, context):
     whole = torch.cat([context, query], 1)
     kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False)
     out = model.generate(query, past_states=[state], **kwargs)
-    assert out.shape[0] == 2 and torch.equal(out, model.generate(whole, **kwargs)[:, context.shape[1]:])
+    assert out.shape[0] == 2 and torch.equal(out, model.generate(whole, **kwargs)[:, context.shape[1] :])
     torch.manual_seed(5)
     expected = model.generate(whole, max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
     torch.manual_seed(5)
     out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
-    assert torch.equal(out, expected[:, context.shape[1]:])
+    assert torch.equal(out, expected[:, context.shape[1] :])
 
 
 @torch.no_grad()
@@ -253,8 +276,9 @@ def test_every_method_generates_from_its_composed_state(model, states):
         assert rel(zeroed[:, -1], expected[:, -1]) > MATTERS, method
         out = model.generate(query, past_states=states, composition=composer, max_new_tokens=4, do_sample=False)
         assert out.shape == (1, 9) and torch.equal(out[:, :5], query), method
-        assert torch.equal(out, model.generate(query, cache_params=composed.clone(), max_new_tokens=4,
-                                               do_sample=False)), method
+        assert torch.equal(
+            out, model.generate(query, cache_params=composed.clone(), max_new_tokens=4, do_sample=False)
+        ), method
         next_logits[method] = logits[:, -1]
     for a, b in itertools.combinations(METHODS, 2):
         assert rel(next_logits[a], next_logits[b]) > 1e-3, (a, b)
@@ -262,11 +286,12 @@ def test_every_method_generates_from_its_composed_state(model, states):
     queries = ids_of(3, batch=2, seed=81)
     rows = model(queries, past_states=[states[:2], states[1:]], composition="caso").logits
     for r, row_states in enumerate((states[:2], states[1:])):
-        alone = model(queries[r:r + 1], cache_params=StateComposer("caso").compose(row_states), use_cache=True).logits
-        assert rel(rows[r:r + 1], alone) < 1e-5, r
+        alone = model(queries[r : r + 1], cache_params=StateComposer("caso").compose(row_states), use_cache=True).logits
+        assert rel(rows[r : r + 1], alone) < 1e-5, r
     assert rel(rows[0, -1], rows[1, -1]) > MATTERS
-    out = model.generate(queries, past_states=[states[:2], states[1:]], composition="caso", max_new_tokens=3,
-                         do_sample=False)
+    out = model.generate(
+        queries, past_states=[states[:2], states[1:]], composition="caso", max_new_tokens=3, do_sample=False
+    )
     assert out.shape == (2, 6)
 
 
@@ -282,8 +307,9 @@ def test_branch_states_compose_as_mamba1_and_extras_are_the_last_states(states, 
     w = None if weights is None else torch.tensor(weights, dtype=torch.float64)
     for v in range(composed.num_layers):
         deltas = torch.stack([s.delta_sums[v] for s in states])
-        expected = compose_ssm_ref([s.ssm_states[v].double() for s in states], deltas.double(), states[0].A[v].double(),
-                                   method, weights=w)
+        expected = compose_ssm_ref(
+            [s.ssm_states[v].double() for s in states], deltas.double(), states[0].A[v].double(), method, weights=w
+        )
         torch.testing.assert_close(composed.ssm_states[v].double(), expected, rtol=1e-5, atol=1e-6)
         if method == "soup":
             total = deltas.mean(0)
@@ -345,9 +371,9 @@ def test_states_of_another_architecture_or_model_are_refused(model, state):
     mamba = tiny_model("mamba")
     mamba_state = ComposableMambaCache.encode(mamba, ids_of(6))
     query = ids_of(3)
-    with pytest.raises(ValueError, match="'mamba' model.*this model is 'serpent_mamba'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'mamba' model.*this model is 'serpent_mamba'.*re-encode"):
         model.generate(query, past_states=[mamba_state], max_new_tokens=2)
-    with pytest.raises(ValueError, match="'serpent_mamba' model.*this model is 'mamba'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'serpent_mamba' model.*this model is 'mamba'.*re-encode"):
         mamba.generate(query, past_states=[state], max_new_tokens=2)
     with pytest.raises(ValueError, match="different model"):
         StateComposer("soup").compose([state, mamba_state])
@@ -360,15 +386,23 @@ def test_states_of_another_architecture_or_model_are_refused(model, state):
         tiny(num_hidden_layers=3)(query, past_states=[state])
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.window_inputs.__setitem__(1, s.window_inputs[1].index_fill(1, torch.tensor([0]), float("nan"))),
-     "layer 1 resampling window inputs contain NaN"),
-    (lambda s: s.last_outputs.__setitem__(0, s.last_outputs[0] * float("inf")), "layer 0 resampling last output"),
-    (lambda s: s.clocks.__setitem__(2, s.clocks[2].int()), "layer 2 resampling clock is torch.int32"),
-    (lambda s: s.window_valid.__setitem__(0, None), "layer 0 resampling window valid mask is missing"),
-    (lambda s: s.window_times.__setitem__(3, s.window_times[3][:, :1]), "layer 3 resampling window times has shape"),
-    (lambda s: s.clocks.__setitem__(4, -s.clocks[4] - 1), "clock is negative"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda s: s.window_inputs.__setitem__(1, s.window_inputs[1].index_fill(1, torch.tensor([0]), float("nan"))),
+            "layer 1 resampling window inputs contain NaN",
+        ),
+        (lambda s: s.last_outputs.__setitem__(0, s.last_outputs[0] * float("inf")), "layer 0 resampling last output"),
+        (lambda s: s.clocks.__setitem__(2, s.clocks[2].int()), "layer 2 resampling clock is torch.int32"),
+        (lambda s: s.window_valid.__setitem__(0, None), "layer 0 resampling window valid mask is missing"),
+        (
+            lambda s: s.window_times.__setitem__(3, s.window_times[3][:, :1]),
+            "layer 3 resampling window times has shape",
+        ),
+        (lambda s: s.clocks.__setitem__(4, -s.clocks[4] - 1), "clock is negative"),
+    ],
+)
 @torch.no_grad()
 def test_bad_in_memory_states_are_refused(model, state, edit, message):
     bad = state.clone()
@@ -401,6 +435,7 @@ def _craft(saved, edit):
 def _set(name, fn):
     def edit(tensors, meta):
         tensors[name] = fn(tensors[name])
+
     return edit
 
 
@@ -412,15 +447,31 @@ def _unsort_valid(t):
 
 CRAFTED = [
     ("missing extra", lambda t, m: t.pop("resample.clock.3"), r"missing tensors \['resample.clock.3'\]"),
-    ("extra layer", lambda t, m: t.update({"resample.clock.6": t["resample.clock.0"].clone()}), r"unexpected tensors \['resample.clock.6'\]"),
-    ("inputs shape", _set("resample.inputs.1", lambda t: t[:, :, :-1].contiguous()), "layer 1 resampling window inputs has shape"),
+    (
+        "extra layer",
+        lambda t, m: t.update({"resample.clock.6": t["resample.clock.0"].clone()}),
+        r"unexpected tensors \['resample.clock.6'\]",
+    ),
+    (
+        "inputs shape",
+        _set("resample.inputs.1", lambda t: t[:, :, :-1].contiguous()),
+        "layer 1 resampling window inputs has shape",
+    ),
     ("clock int32", _set("resample.clock.0", lambda t: t.int()), "layer 0 resampling clock is torch.int32"),
-    ("valid uint8", _set("resample.valid.2", lambda t: t.to(torch.uint8)), "layer 2 resampling window valid mask is torch.uint8"),
+    (
+        "valid uint8",
+        _set("resample.valid.2", lambda t: t.to(torch.uint8)),
+        "layer 2 resampling window valid mask is torch.uint8",
+    ),
     ("last output fp64", _set("resample.last_output.5", lambda t: t.double()), "last output is torch.float64"),
     ("negative clock", _set("resample.clock.4", lambda t: -t - 1), "layer 4 resampling clock is negative"),
     ("times after clock", _set("resample.times.1", lambda t: t + (1 << 40)), r"lie in \[0, clock\]"),
     ("valid not aligned", _set("resample.valid.0", _unsort_valid), "not right aligned"),
-    ("nan inputs", _set("resample.inputs.5", lambda t: t.index_fill(1, torch.tensor([2]), float("nan"))), "window inputs contain NaN"),
+    (
+        "nan inputs",
+        _set("resample.inputs.5", lambda t: t.index_fill(1, torch.tensor([2]), float("nan"))),
+        "window inputs contain NaN",
+    ),
     ("layers vs branches", lambda t, m: m.update(num_layers=2), "config has 6 layers, the metadata says 2"),
     ("architecture mamba", lambda t, m: m.update(architecture="mamba"), "metadata says 'mamba'"),
 ]
@@ -437,7 +488,13 @@ def test_crafted_files_are_refused(model, saved, edit, message):
 @torch.no_grad()
 def test_file_round_trip_is_exact_and_generates_the_same(model, state, saved):
     names = set(load_file(saved))
-    assert {"resample.clock.5", "resample.inputs.5", "resample.times.5", "resample.valid.5", "resample.last_output.5"} <= names
+    assert {
+        "resample.clock.5",
+        "resample.inputs.5",
+        "resample.times.5",
+        "resample.valid.5",
+        "resample.last_output.5",
+    } <= names
     query = ids_of(4, seed=90)
     expected = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False)
     for loaded in (ComposableMambaCache.load(saved, model=model), ComposableSeRpEntCache.load(saved)):
@@ -452,9 +509,9 @@ def test_files_of_another_architecture_or_model_are_refused(model, saved, tmp_pa
     mamba = tiny_model("mamba")
     mamba_path = tmp_path / "mamba.safetensors"
     ComposableMambaCache.encode(mamba, ids_of(5)).save(mamba_path)
-    with pytest.raises(ValueError, match="'mamba' model, this model is 'serpent_mamba'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'mamba' model, this model is 'serpent_mamba'.*re-encode"):
         ComposableMambaCache.load(mamba_path, model=model)
-    with pytest.raises(ValueError, match="'serpent_mamba' model, this model is 'mamba'.*re-encode"):
+    with pytest.raises(ValueError, match=r"'serpent_mamba' model, this model is 'mamba'.*re-encode"):
         ComposableMambaCache.load(saved, model=mamba)
     with pytest.raises(ValueError, match="re-encode the contexts with this model"):
         ComposableMambaCache.load(saved, model=tiny(seed=2))
@@ -468,8 +525,13 @@ def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    for copied in (copy.deepcopy(state), pickle_round_trip(state), load_saved(buffer),
-                   state.clone(), state.to("cpu", torch.float32)):
+    for copied in (
+        copy.deepcopy(state),
+        pickle_round_trip(state),
+        load_saved(buffer),
+        state.clone(),
+        state.to("cpu", torch.float32),
+    ):
         assert type(copied) is ComposableSeRpEntCache
         assert_states_equal(copied, state, rtol=0, atol=0)
         assert torch.equal(model(query, past_states=[copied]).logits, expected)
@@ -521,7 +583,9 @@ def test_a_state_store_of_a_serpent_model(tmp_path):
         assert_states_equal(got, expected, clock_atol=64)  # the store encodes padded batches
     query = ids_of(4, seed=93)
     expected = model.generate(query, past_states=alone[:2], max_new_tokens=NEW, do_sample=False)
-    assert torch.equal(model.generate(query, past_states=store.get(ids[:2]), max_new_tokens=NEW, do_sample=False), expected)
+    assert torch.equal(
+        model.generate(query, past_states=store.get(ids[:2]), max_new_tokens=NEW, do_sample=False), expected
+    )
     assert store.retrieve("the cat", k=1)[0].text == texts[0]
     store.delete(ids[1])
     store.compact()

@@ -8,7 +8,9 @@
   :func:`hf_statecompose.state.architectures._check_resampling_values`), crafted ones are refused;
 * row indices must be integers; error messages name the argument the user passed.
 """
+
 import copy
+import itertools
 
 import pytest
 import torch
@@ -17,18 +19,27 @@ import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache, StateComposer
 from hf_statecompose.composition.composer import MODEL_FREE_METHODS
 from hf_statecompose.state import validation
-from hf_statecompose.state.serpent_cache import CLOCK_BITS, CLOCK_ONE
+from hf_statecompose.state.serpent_cache import CLOCK_ONE
 from hf_statecompose.state.validation import check_state
 
-from helpers import random_ids, tiny_model
+from helpers import tiny_model
 
 SERPENT_VOCAB = 61
 
 
 def tiny_serpent(seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    kwargs = dict(vocab_size=SERPENT_VOCAB, hidden_size=24, num_hidden_layers=2, state_size=4, resample_window=3,
-                  num_gaussians=4, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    kwargs = dict(
+        vocab_size=SERPENT_VOCAB,
+        hidden_size=24,
+        num_hidden_layers=2,
+        state_size=4,
+        resample_window=3,
+        num_gaussians=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     kwargs.update(overrides)
     return hsc.enable(hsc.SeRpEntMambaForCausalLM(hsc.SeRpEntMambaConfig(**kwargs)).eval())
 
@@ -81,8 +92,14 @@ def test_row_operations_own_their_rows_and_A(any_model):
     """select / [] / repeat_interleave / stack and composition results (n >= 2) copy, as torch's index_select,
     repeat_interleave and cat do; detach and to() of the same device share, as torch's do."""
     state = encode(any_model, batch=2)
-    for made in (state.select(0), state[1], state[0:2], state.repeat_interleave(2),
-                 type(state).stack([state, state]), StateComposer("soup").compose([state, state])):
+    for made in (
+        state.select(0),
+        state[1],
+        state[0:2],
+        state.repeat_interleave(2),
+        type(state).stack([state, state]),
+        StateComposer("soup").compose([state, state]),
+    ):
         assert not storages(made) & storages(state)
     for made in (state.detach(), state.to("cpu")):
         assert storages(made) == storages(state)
@@ -159,7 +176,9 @@ def test_the_check_runs_once_per_state_and_again_after_an_edit(monkeypatch):
     states = [encode(model, seed=s) for s in range(3)]
     calls = []
     real = validation.check_state
-    monkeypatch.setattr(validation, "check_state", lambda state, *a, **k: (calls.append(state), real(state, *a, **k))[1])
+    monkeypatch.setattr(
+        validation, "check_state", lambda state, *a, **k: (calls.append(state), real(state, *a, **k))[1]
+    )
     query = torch.tensor([[5, 6]])
     for _ in range(3):
         model.generate(query, past_states=states, max_new_tokens=2, do_sample=False)
@@ -189,8 +208,8 @@ def _left_padded_batch(lengths, seed):
     ids = torch.zeros((len(lengths), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, n in enumerate(lengths):
-        ids[r, width - n:] = torch.randint(3, SERPENT_VOCAB, (n,), generator=g)
-        mask[r, width - n:] = 1
+        ids[r, width - n :] = torch.randint(3, SERPENT_VOCAB, (n,), generator=g)
+        mask[r, width - n :] = 1
     return ids, mask
 
 
@@ -199,8 +218,12 @@ def _left_padded_batch(lengths, seed):
 def test_real_serpent_encodings_always_pass(compressions):
     """Contexts of every length 1..3K (alone and in left-padded batches), continued, composed and
     generated from: each state satisfies the invariants."""
-    model = tiny_serpent(seed=3, branch_compressions=list(compressions), hidden_size=12 * len(compressions),
-                         intermediate_size=24 * len(compressions))
+    model = tiny_serpent(
+        seed=3,
+        branch_compressions=list(compressions),
+        hidden_size=12 * len(compressions),
+        intermediate_size=24 * len(compressions),
+    )
     K = model.config.resample_window
     lengths = list(range(1, 3 * K + 1))
     states = []
@@ -209,25 +232,27 @@ def test_real_serpent_encodings_always_pass(compressions):
         check_state(state)
         states.append(state)
     for start in range(0, len(lengths), 3):
-        ids, mask = _left_padded_batch(lengths[start:start + 3], seed=start)
+        ids, mask = _left_padded_batch(lengths[start : start + 3], seed=start)
         batch = ComposableMambaCache.encode(model, ids, attention_mask=mask)
         check_state(batch)
         out = model(torch.tensor([[5, 6, 7]] * batch.batch_size), cache=batch.clone(), use_cache=True)
         check_state(out.cache)  # continued (no token ids any more)
         # a left-padded query after the state
         query_mask = torch.tensor([[0, 1, 1]] * batch.batch_size)
-        out = model(torch.tensor([[0, 5, 6]] * batch.batch_size), attention_mask=query_mask, cache=batch.clone(),
-                    use_cache=True)
+        out = model(
+            torch.tensor([[0, 5, 6]] * batch.batch_size), attention_mask=query_mask, cache=batch.clone(), use_cache=True
+        )
         check_state(out.cache)
     for method in MODEL_FREE_METHODS:
         composer = StateComposer(method, weights=[0.5, 0.5]) if method == "weighted" else StateComposer(method)
-        for a, b in zip(states, states[1:]):
+        for a, b in itertools.pairwise(states):
             check_state(composer.compose([a, b]))
     for method in ("concat", "piconcat_r"):
         check_state(StateComposer(method).compose(states[:3], model=model))
     # past_states accepted end to end, and what generation leaves in the cache too
-    out = model.generate(torch.tensor([[5]]), past_states=states[-2:], max_new_tokens=4, do_sample=False,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        torch.tensor([[5]]), past_states=states[-2:], max_new_tokens=4, do_sample=False, return_dict_in_generate=True
+    )
     check_state(out.cache if hasattr(out, "cache") else out.past_key_values)
 
 
@@ -314,9 +339,19 @@ CRAFTED = [
     ("last time is not the clock", 0, _last_time_not_clock, "layer 0 .*latest valid neighbour's time"),
     ("a step longer than one", 2, _step_too_long, "layer 2 resampling window times .*step"),
     ("κ = 1 step", 0, _kappa_one_step, "layer 0 resampling window times .*step"),
-    ("output before the first grid point", 2, _output_before_grid, "layer 2 resampling last output .*before the first grid point"),
+    (
+        "output before the first grid point",
+        2,
+        _output_before_grid,
+        "layer 2 resampling last output .*before the first grid point",
+    ),
     ("valid counts differ", 0, _valid_counts_differ, "valid neighbours.*layer 0 .*layer 1"),
-    ("more neighbours than tokens", 0, _more_valid_than_tokens, r"layer 0 .*3 valid neighbours, more than num_tokens \(2\)"),
+    (
+        "more neighbours than tokens",
+        0,
+        _more_valid_than_tokens,
+        r"layer 0 .*3 valid neighbours, more than num_tokens \(2\)",
+    ),
     ("window not full, late first time", 0, _window_not_full_but_late, "layer 0 .*first"),
     ("not an encoding of its tokens", 3, _not_an_encoding, "layer 3 .*token_ids"),
 ]
@@ -340,9 +375,11 @@ def test_crafted_serpent_states_are_refused(serpent, layer, edit, message, tmp_p
 @torch.no_grad()
 def test_crafted_serpent_files_are_refused(serpent, tmp_path):
     """The same invariants guard files: a state whose times all equal its clock, written past the save check."""
-    from safetensors.torch import load_file, save
-    from safetensors import safe_open
     import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save
+
     from hf_statecompose.state import serialization
 
     path = tmp_path / "good.safetensors"
@@ -355,13 +392,27 @@ def test_crafted_serpent_files_are_refused(serpent, tmp_path):
     crafted = tmp_path / "crafted.safetensors"
     crafted.write_bytes(save(tensors, metadata={"hf_statecompose": json.dumps(meta)}))
     for kwargs in ({}, {"model": serpent}):
-        with pytest.raises(ValueError, match="layer 2 resampling window times .*step"):
+        with pytest.raises(ValueError, match=r"layer 2 resampling window times .*step"):
             ComposableMambaCache.load(crafted, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------ 4. row indices
-@pytest.mark.parametrize("rows", [0.5, 1.9, torch.tensor([0.0]), torch.tensor(1.0), [0, 1.5], [0.0], True,
-                                  [True, False], torch.tensor([True, False]), "0", None])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        0.5,
+        1.9,
+        torch.tensor([0.0]),
+        torch.tensor(1.0),
+        [0, 1.5],
+        [0.0],
+        True,
+        [True, False],
+        torch.tensor([True, False]),
+        "0",
+        None,
+    ],
+)
 def test_row_indices_must_be_integers(rows):
     model = tiny_model("mamba")
     state = encode(model, batch=2)
@@ -373,8 +424,15 @@ def test_row_indices_must_be_integers(rows):
 def test_integer_row_indices_still_work():
     model = tiny_model("mamba")
     state = encode(model, batch=3)
-    for rows, expected in ((1, [1]), (-1, [2]), ([2, 0], [2, 0]), (torch.tensor([1, 2]), [1, 2]),
-                           (torch.tensor(2), [2]), (slice(0, 2), [0, 1]), (torch.tensor([0], dtype=torch.int32), [0])):
+    for rows, expected in (
+        (1, [1]),
+        (-1, [2]),
+        ([2, 0], [2, 0]),
+        (torch.tensor([1, 2]), [1, 2]),
+        (torch.tensor(2), [2]),
+        (slice(0, 2), [0, 1]),
+        (torch.tensor([0], dtype=torch.int32), [0]),
+    ):
         for take in (state.select, state.__getitem__):
             picked = take(rows)
             assert torch.equal(picked.ssm_states[0], state.ssm_states[0][expected])

@@ -3,6 +3,7 @@ transformers 5.23) still load, on every transformers release of the tested range
 
 ``tests/data/state-0.1.0-*.safetensors`` were written by commit f7cdafc (0.1.0) from the models built below
 (same seeds and configs) encoding the same ids."""
+
 import pathlib
 
 import pytest
@@ -19,8 +20,14 @@ IDS = torch.arange(3, 3 + 11)[None] % 99
 
 def _model(arch):
     if arch == "serpent_mamba":
-        config = hsc.SeRpEntMambaConfig(vocab_size=99, hidden_size=24, state_size=4, num_hidden_layers=2,
-                                        branch_compressions=[1.0, 0.5], resample_window=2)
+        config = hsc.SeRpEntMambaConfig(
+            vocab_size=99,
+            hidden_size=24,
+            state_size=4,
+            num_hidden_layers=2,
+            branch_compressions=[1.0, 0.5],
+            resample_window=2,
+        )
         torch.manual_seed(0)
         return hsc.enable(hsc.SeRpEntMambaForCausalLM(config).eval())
     return tiny_model(arch, seed=0)

@@ -3,6 +3,7 @@
 Every crafted file below is a valid safetensors file whose digest was recomputed with the module's own
 ``_digest``: only the schema / model checks can catch it.
 """
+
 import copy
 import json
 import pickle
@@ -56,6 +57,7 @@ def _craft(saved, edit):
 def _set(name, fn):
     def edit(tensors, meta):
         tensors[name] = fn(tensors[name])
+
     return edit
 
 
@@ -66,9 +68,17 @@ def _batch2_in_layer1(tensors, meta):
 
 # (id, edit, message) : caught by the file alone, with or without the model
 CRAFTED = [
-    ("ssm int32", _set("ssm.0", lambda t: t.to(torch.int32)), "layer 0 SSM state is torch.int32, expected torch.float32"),
+    (
+        "ssm int32",
+        _set("ssm.0", lambda t: t.to(torch.int32)),
+        "layer 0 SSM state is torch.int32, expected torch.float32",
+    ),
     ("conv bool", _set("conv.1", lambda t: t > 0), "layer 1 conv window is torch.bool"),
-    ("conv fp16, model fp32", _set("conv.0", lambda t: t.half()), "conv window is torch.float16, expected torch.float32"),
+    (
+        "conv fp16, model fp32",
+        _set("conv.0", lambda t: t.half()),
+        "conv window is torch.float16, expected torch.float32",
+    ),
     ("ssm fp16", _set("ssm.1", lambda t: t.half()), "SSM state is torch.float16"),
     ("delta_sum fp64", _set("delta_sum.0", lambda t: t.double()), "ΣΔ is torch.float64"),
     ("A fp16", _set("A.0", lambda t: t.half()), "A is torch.float16"),
@@ -78,7 +88,11 @@ CRAFTED = [
     ("A shape", _set("A.0", lambda t: t.reshape(-1)[:1].contiguous()), "A has shape"),
     ("batch 2 in one layer", _batch2_in_layer1, "batch 2 as in layer 0"),
     ("negative delta_sum", _set("delta_sum.0", lambda t: -t - 0.1), "ΣΔ has negative entries"),
-    ("nan delta_sum", _set("delta_sum.1", lambda t: t.index_fill(1, torch.tensor([0]), float("nan"))), "ΣΔ contains NaN"),
+    (
+        "nan delta_sum",
+        _set("delta_sum.1", lambda t: t.index_fill(1, torch.tensor([0]), float("nan"))),
+        "ΣΔ contains NaN",
+    ),
     ("positive A", _set("A.1", lambda t: -t), "A must be finite and negative"),
     ("nan A", _set("A.0", lambda t: t.index_fill(0, torch.tensor([0]), float("nan"))), "A must be finite and negative"),
     ("num_tokens int32", _set("num_tokens", lambda t: t.int()), "num_tokens must be an int64"),
@@ -88,10 +102,18 @@ CRAFTED = [
     ("token_ids right padded", _set("token_ids", lambda t: t.flip(1)), "left padded"),
     ("unknown tensor", lambda t, m: t.update({"extra": torch.zeros(1)}), "unexpected tensors \\['extra'\\]"),
     ("missing tensor", lambda t, m: t.pop("delta_sum.1"), "missing tensors \\['delta_sum.1'\\]"),
-    ("model_dtype says fp16", lambda t, m: m.update(model_dtype="torch.float16"), "conv window is torch.float32, expected torch.float16"),
+    (
+        "model_dtype says fp16",
+        lambda t, m: m.update(model_dtype="torch.float16"),
+        "conv window is torch.float32, expected torch.float16",
+    ),
     ("unknown model_dtype", lambda t, m: m.update(model_dtype="torch.int8"), "unknown model dtype"),
     ("num_layers vs config", lambda t, m: m.update(num_layers=1), "config has 2 layers, the metadata says 1"),
-    ("architecture vs config", lambda t, m: m.update(architecture="mamba" if m["architecture"] == "mamba2" else "mamba2"), "metadata says"),
+    (
+        "architecture vs config",
+        lambda t, m: m.update(architecture="mamba" if m["architecture"] == "mamba2" else "mamba2"),
+        "metadata says",
+    ),
     ("fingerprint not a string", lambda t, m: m.update(fingerprint=123), "'fingerprint' must be a str"),
 ]
 
@@ -147,8 +169,13 @@ def test_save_refuses_a_state_that_would_not_load(state, tmp_path):
 def test_check_state_in_memory(model, state):
     check_state(state, model)
     bad = state.clone()
-    bad.set_layer(1, ssm_state=bad.ssm_states[1][:1], conv_state=bad.conv_states[1][:1],
-                  delta_sum=bad.delta_sums[1][:1], A=bad.A[1])
+    bad.set_layer(
+        1,
+        ssm_state=bad.ssm_states[1][:1],
+        conv_state=bad.conv_states[1][:1],
+        delta_sum=bad.delta_sums[1][:1],
+        A=bad.A[1],
+    )
     with pytest.raises(ValueError, match="batch 2 as in layer 0"):
         check_state(bad)
     bad = state.clone()
@@ -163,9 +190,9 @@ def test_check_state_in_memory(model, state):
 
 def test_fp32_state_into_a_half_model_is_refused(arch, saved, state):
     half = tiny_model(arch, dtype=torch.float16)
-    with pytest.raises(ValueError, match="re-encode the contexts with the model in torch.float16"):
+    with pytest.raises(ValueError, match=r"re-encode the contexts with the model in torch.float16"):
         ComposableMambaCache.load(saved, model=half)
-    with pytest.raises(ValueError, match="torch.float16"):
+    with pytest.raises(ValueError, match=r"torch.float16"):
         half.generate(random_ids(3, batch=2), past_states=[state], max_new_tokens=2)
 
 
@@ -176,7 +203,7 @@ def test_half_state_into_an_fp32_model_is_refused(arch, model, tmp_path):
     path = tmp_path / "half.safetensors"
     state.save(path)
     assert ComposableMambaCache.load(path, model=half).conv_states[0].dtype == torch.float16
-    with pytest.raises(ValueError, match="re-encode the contexts with the model in torch.float32"):
+    with pytest.raises(ValueError, match=r"re-encode the contexts with the model in torch.float32"):
         ComposableMambaCache.load(path, model=model)
     # converting by hand does not sneak it in either: the fingerprint covers the weights' dtype
     with pytest.raises(ValueError, match="re-encode"):
@@ -237,8 +264,9 @@ def test_truncated_header_is_named_truncated(saved):
 # ------------------------------------------------------------------ copies keep their behaviour
 
 
-@pytest.mark.parametrize("round_trip", [copy.deepcopy, pickle_round_trip, torch_save_round_trip],
-                         ids=["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize(
+    "round_trip", [copy.deepcopy, pickle_round_trip, torch_save_round_trip], ids=["deepcopy", "pickle", "torch.save"]
+)
 def test_copies_compose_and_generate_the_same(model, round_trip):
     with torch.no_grad():
         a = ComposableMambaCache.encode(model, random_ids(7))
@@ -253,7 +281,9 @@ def test_copies_compose_and_generate_the_same(model, round_trip):
             assert torch.equal(composed.delta_sums[i], composed2.delta_sums[i])
     ids = random_ids(3)
     kwargs = dict(max_new_tokens=4, do_sample=False, composition="picaso_r")
-    assert torch.equal(model.generate(ids, past_states=[a, b], **kwargs), model.generate(ids, past_states=[a2, b2], **kwargs))
+    assert torch.equal(
+        model.generate(ids, past_states=[a, b], **kwargs), model.generate(ids, past_states=[a2, b2], **kwargs)
+    )
     a2.ssm_states[0].add_(1.0)  # a copy, not a view
     assert not torch.equal(a2.ssm_states[0], a.ssm_states[0])
 

@@ -1,4 +1,5 @@
 """StateStore: round trips, retrieval, delete/compact, storage dtype, corruption, crashes, concurrency."""
+
 import json
 import os
 import subprocess
@@ -7,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 TESTS = str(Path(__file__).parent)
 
@@ -46,7 +48,9 @@ def test_add_get_round_trip_equals_encoding_each_text_alone(tmp_path, model):
     # a stored state works as past_states: one state + query == generate(context + query)
     query = torch.tensor([CharTokenizer()("what?")["input_ids"]])
     alone = model.generate(query, past_states=[store.get(ids[2])], max_new_tokens=6, do_sample=False)
-    full = model.generate(torch.cat([encode_alone(model, TEXTS[2]).token_ids, query], 1), max_new_tokens=6, do_sample=False)
+    full = model.generate(
+        torch.cat([encode_alone(model, TEXTS[2]).token_ids, query], 1), max_new_tokens=6, do_sample=False
+    )
     assert torch.equal(alone[:, -6:], full[:, -6:])
 
 
@@ -75,7 +79,7 @@ def test_retrieve_ranks_by_similarity_with_states(tmp_path):
     store = make_store(tmp_path / "s", model)
     ids = store.add(TEXTS, show_progress=False)
     top = store.retrieve("which town is known for wool?", k=3)
-    assert [e.id for e in top][0] == ids[3]
+    assert top[0].id == ids[3]
     assert top[0].score >= top[1].score >= top[2].score
     assert_same_state(top[0].state, encode_alone(model, TEXTS[3]))
     assert store.retrieve("wool town", k=0) == []
@@ -197,7 +201,7 @@ def test_corruption_is_detected_and_other_shards_stay_readable(tmp_path):
     with pytest.raises(ValueError, match="corrupted"):
         make_store(tmp_path / "s", model).ids()
     (tmp_path / "s" / "store.json").write_text("{")
-    with pytest.raises(ValueError, match="store.json"):
+    with pytest.raises(ValueError, match=r"store.json"):
         make_store(tmp_path / "s", model)
 
 
@@ -243,7 +247,11 @@ print("not killed")
 
 def _run(script, **env):
     return subprocess.Popen(
-        [sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1", **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", script],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -259,7 +267,9 @@ def test_a_process_killed_mid_add_leaves_every_completed_batch(tmp_path, mode):
     for entry in store.entries():
         assert_same_state(store.get(entry.id), encode_alone(model, entry.text))
     assert sorted(e.text for e in store.entries()) == sorted(TEXTS[:4])
-    leftovers = store.stats()["orphan_files"] if mode == "before-commit" else len(list((Path(path) / "shards").glob(".tmp-*")))
+    leftovers = (
+        store.stats()["orphan_files"] if mode == "before-commit" else len(list((Path(path) / "shards").glob(".tmp-*")))
+    )
     assert leftovers == 1
     store.compact()
     assert store.stats()["orphan_files"] == 0 and not list((Path(path) / "shards").glob(".tmp-*"))
@@ -282,8 +292,16 @@ print("done")
 def test_two_processes_adding_at_once_do_not_corrupt_the_store(tmp_path):
     path = str(tmp_path / "s")
     script = WRITER_SCRIPT.format(tests=TESTS, path=path)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(w)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(w)],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(2)
+    ]
     for proc in procs:
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0 and "done" in out, err[-2000:]

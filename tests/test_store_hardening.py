@@ -1,5 +1,6 @@
 """StateStore hardening: ids, sealed manifests and header, compaction killed at every step, checked
 arguments, the recorded tokenizer, reads verified once per shard file."""
+
 import json
 import os
 import shutil
@@ -10,17 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
 from hf_statecompose.store import folder as store_module
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 TESTS = str(Path(__file__).parent)
 
 
 def make_store(path, model, **kwargs):
-    return hsc.StateStore(path, model, kwargs.pop("tokenizer", CharTokenizer()), retriever=kwargs.pop("retriever", BagOfWords()), **kwargs)
+    return hsc.StateStore(
+        path, model, kwargs.pop("tokenizer", CharTokenizer()), retriever=kwargs.pop("retriever", BagOfWords()), **kwargs
+    )
 
 
 def snapshot(store):
@@ -29,9 +33,16 @@ def snapshot(store):
 
 
 def same_states(a, b):
-    return all(torch.equal(x, y) for layer in range(a.num_layers)
-               for x, y in ((a.ssm_states[layer], b.ssm_states[layer]), (a.conv_states[layer], b.conv_states[layer]),
-                            (a.delta_sums[layer], b.delta_sums[layer]), (a.A[layer], b.A[layer]))) and torch.equal(a.token_ids, b.token_ids)
+    return all(
+        torch.equal(x, y)
+        for layer in range(a.num_layers)
+        for x, y in (
+            (a.ssm_states[layer], b.ssm_states[layer]),
+            (a.conv_states[layer], b.conv_states[layer]),
+            (a.delta_sums[layer], b.delta_sums[layer]),
+            (a.A[layer], b.A[layer]),
+        )
+    ) and torch.equal(a.token_ids, b.token_ids)
 
 
 def manifests(path):
@@ -39,7 +50,9 @@ def manifests(path):
 
 
 def files_under(path):
-    return {str(p.relative_to(path)): p.read_bytes() for p in Path(path).rglob("*") if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in Path(path).rglob("*") if p.is_file() and p.name != ".lock"
+    }
 
 
 # ------------------------------------------------------------------------------------ ids
@@ -105,7 +118,11 @@ def _flips(data: bytes):
 def test_every_byte_flip_of_a_manifest_is_refused_or_harmless(tmp_path):
     model = tiny_model("mamba2")
     store = make_store(tmp_path / "s", model)
-    store.add(["bees make honey", "iron ships sail"], metadata=[{"source": "a", "n": 1}, {"source": "b", "n": 2}], show_progress=False)
+    store.add(
+        ["bees make honey", "iron ships sail"],
+        metadata=[{"source": "a", "n": 1}, {"source": "b", "n": 2}],
+        show_progress=False,
+    )
     expected = snapshot(store)
     path = next((tmp_path / "s" / "shards").glob("*.json"))
     pristine = path.read_bytes()
@@ -148,7 +165,7 @@ def test_a_lost_header_does_not_let_another_model_adopt_the_store(tmp_path):
     header = (tmp_path / "s" / "store.json").read_bytes()
     (tmp_path / "s" / "store.json").unlink()
     for who in (other, model):
-        with pytest.raises(ValueError, match="store.json is missing"):
+        with pytest.raises(ValueError, match=r"store.json is missing"):
             make_store(tmp_path / "s", who)
     assert not (tmp_path / "s" / "store.json").exists()
     # a forged header for the other model still meets the fingerprint recorded in every manifest
@@ -165,14 +182,14 @@ def test_a_store_of_the_unsealed_format_1_is_refused_with_the_fix(tmp_path):
     header.update(format_version=1)
     del header["digest"]
     (tmp_path / "s" / "store.json").write_text(json.dumps(header))
-    with pytest.raises(ValueError, match="format 1.*rebuild"):
+    with pytest.raises(ValueError, match=r"format 1.*rebuild"):
         make_store(tmp_path / "s", model)
 
 
 def _flip_tensor_byte(path, tensor):
     data = path.read_bytes()
     header_len = int.from_bytes(data[:8], "little")
-    start, end = json.loads(data[8 : 8 + header_len])[tensor]["data_offsets"]
+    start, _end = json.loads(data[8 : 8 + header_len])[tensor]["data_offsets"]
     out = bytearray(data)
     out[8 + header_len + start + 1] ^= 0x10
     path.write_bytes(bytes(out))
@@ -299,7 +316,12 @@ def test_stored_states_that_are_not_states_of_the_model_are_refused(tmp_path, da
         m["entries"][0]["checksum"] = store_module.checksum(entry_tensors)
 
     reseal(next((tmp_path / "s" / "shards").glob("*.json")), forge)
-    expected = {"negative ΣΔ": "ΣΔ is negative", "NaN": "ssm holds NaN/inf", "inf": "ssm holds NaN/inf", "shape": "not a fp32 state of this model"}
+    expected = {
+        "negative ΣΔ": "ΣΔ is negative",
+        "NaN": "ssm holds NaN/inf",
+        "inf": "ssm holds NaN/inf",
+        "shape": "not a fp32 state of this model",
+    }
     with pytest.raises(ValueError, match=expected[damage]):
         make_store(tmp_path / "s", model).get(ids[0])
 
@@ -368,8 +390,13 @@ def test_compaction_killed_at_every_step_loses_nothing_and_readers_see_each_id_o
     expected = [e for e in snapshot(store)]
     work = tmp_path / "work"
     work.mkdir()
-    done = subprocess.run([sys.executable, "-c", KILLER_SCRIPT.format(tests=TESTS), str(tmp_path / "pristine"), str(work)],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", KILLER_SCRIPT.format(tests=TESTS), str(tmp_path / "pristine"), str(work)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     # rewrite shard 1 (2 writes, 2 removals), drop shard 2 (2), the temporary file (1), the tombstone file (1)

@@ -1,5 +1,6 @@
 """The Lance store backend: the folder store's API and guarantees, the ANN index, migrate, corruption,
 readers during writes and compaction, two writers."""
+
 import json
 import os
 import subprocess
@@ -8,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 pytest.importorskip("lancedb")
 TESTS = str(Path(__file__).parent)
@@ -19,8 +21,14 @@ ROOT = str(Path(__file__).parent.parent)
 
 
 def make_store(path, model, **kwargs):
-    return hsc.StateStore(str(path), model, kwargs.pop("tokenizer", CharTokenizer()), retriever=kwargs.pop("retriever", BagOfWords()),
-                          backend="lance", **kwargs)
+    return hsc.StateStore(
+        str(path),
+        model,
+        kwargs.pop("tokenizer", CharTokenizer()),
+        retriever=kwargs.pop("retriever", BagOfWords()),
+        backend="lance",
+        **kwargs,
+    )
 
 
 def encode_alone(model, text):
@@ -49,7 +57,9 @@ def test_add_get_round_trip_and_generation(tmp_path, model):
     assert ids[0] in store and "0" * 16 not in store and "../x" not in store
     query = torch.tensor([CharTokenizer()("what?")["input_ids"]])
     alone = model.generate(query, past_states=[store.get(ids[2])], max_new_tokens=6, do_sample=False)
-    full = model.generate(torch.cat([encode_alone(model, TEXTS[2]).token_ids, query], 1), max_new_tokens=6, do_sample=False)
+    full = model.generate(
+        torch.cat([encode_alone(model, TEXTS[2]).token_ids, query], 1), max_new_tokens=6, do_sample=False
+    )
     assert torch.equal(alone[:, -6:], full[:, -6:])
 
 
@@ -95,8 +105,14 @@ def test_both_backends_are_state_stores(tmp_path):
     model = tiny_model("mamba2")
     folder = hsc.StateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords())
     lance = make_store(tmp_path / "l", model)
-    assert isinstance(folder, StateStore) and isinstance(folder, FolderStateStore) and not isinstance(folder, LanceStateStore)
-    assert isinstance(lance, StateStore) and isinstance(lance, LanceStateStore) and not isinstance(lance, FolderStateStore)
+    assert (
+        isinstance(folder, StateStore)
+        and isinstance(folder, FolderStateStore)
+        and not isinstance(folder, LanceStateStore)
+    )
+    assert (
+        isinstance(lance, StateStore) and isinstance(lance, LanceStateStore) and not isinstance(lance, FolderStateStore)
+    )
     assert hsc.StateStore is StateStore and (folder.backend, lance.backend) == ("folder", "lance")
     # the subclasses open their own backend directly, and refuse the other one's keyword
     assert type(FolderStateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords())) is FolderStateStore
@@ -120,10 +136,15 @@ def test_retrieve_exclude_and_bad_input(tmp_path):
     with pytest.raises(ValueError, match="k must be"):
         store.retrieve("wool", k=-1)
     for bad in ("../../x", ids[0].upper(), "' OR 1=1 --"):
-        for call in (lambda: store.get(bad), lambda: store.delete(bad), lambda: store.retrieve("wool", k=1, exclude=[bad]),
-                     lambda: store.entries([bad]), lambda: store.add(["a"], ids=[bad], show_progress=False)):
+        for call in (
+            lambda b: store.get(b),
+            lambda b: store.delete(b),
+            lambda b: store.retrieve("wool", k=1, exclude=[b]),
+            lambda b: store.entries([b]),
+            lambda b: store.add(["a"], ids=[b], show_progress=False),
+        ):
             with pytest.raises(ValueError, match="not a store entry id"):
-                call()
+                call(bad)
     with pytest.raises(TypeError, match="single string"):
         store.add("a text", show_progress=False)
     with pytest.raises(ValueError, match="empty"):
@@ -198,7 +219,15 @@ def test_the_ann_index_is_built_on_compact_and_agrees_with_exact_search(tmp_path
 
 def _flip_blob_byte(store, entry_id):
     """Flip one byte of ``entry_id``'s state tensors in the Lance data file on disk (bit rot)."""
-    blob = store.table.search().where(f"id = '{entry_id}'").select(["state"]).limit(1).to_arrow().column("state")[0].as_py()
+    blob = (
+        store.table.search()
+        .where(f"id = '{entry_id}'")
+        .select(["state"])
+        .limit(1)
+        .to_arrow()
+        .column("state")[0]
+        .as_py()
+    )
     header = 8 + int.from_bytes(blob[:8], "little")
     for path in Path(store.uri).rglob("*.lance"):
         if path.is_file():
@@ -251,7 +280,9 @@ def test_migrate_a_folder_store_and_the_cli(tmp_path):
     folder = hsc.StateStore(tmp_path / "f", model, CharTokenizer(), retriever=BagOfWords(), storage_dtype="bf16")
     ids = folder.add(TEXTS, metadata=[{"n": i} for i in range(len(TEXTS))], batch_size=3, show_progress=False)
     folder.delete(ids[1])
-    report = migrate(tmp_path / "f", str(tmp_path / "l"), model, CharTokenizer(), retriever=BagOfWords(), show_progress=False)
+    report = migrate(
+        tmp_path / "f", str(tmp_path / "l"), model, CharTokenizer(), retriever=BagOfWords(), show_progress=False
+    )
     assert report["entries"] == report["copied"] == report["verified"] == len(TEXTS) - 1
     lance = make_store(tmp_path / "l", model)
     assert sorted(lance.ids()) == sorted(folder.ids()) and lance.stats()["storage_dtype"] == "bf16"
@@ -259,7 +290,9 @@ def test_migrate_a_folder_store_and_the_cli(tmp_path):
     for a, b in zip(lance.get(ids[2:]), folder.get(ids[2:])):
         assert_same_state(a, b, rtol=0, atol=0)
     assert [e.id for e in lance.retrieve("wool town", k=3)] == [e.id for e in folder.retrieve("wool town", k=3)]
-    again = migrate(tmp_path / "f", str(tmp_path / "l"), model, CharTokenizer(), retriever=BagOfWords(), show_progress=False)
+    again = migrate(
+        tmp_path / "f", str(tmp_path / "l"), model, CharTokenizer(), retriever=BagOfWords(), show_progress=False
+    )
     assert again["copied"] == 0 and again["already_there"] == again["verified"] == len(TEXTS) - 1
 
 
@@ -269,19 +302,42 @@ def test_cli_store_migrate_on_the_demo_model(tmp_path):
     passages.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(TEXTS[:3])))
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     run = [sys.executable, "-m", "hf_statecompose"]
-    done = subprocess.run(run + ["build", str(tmp_path / "f"), str(passages)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        run + ["build", str(tmp_path / "f"), str(passages)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    done = subprocess.run(run + ["store", "migrate", str(tmp_path / "f"), str(tmp_path / "l")], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        run + ["store", "migrate", str(tmp_path / "f"), str(tmp_path / "l")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout[done.stdout.index("{"):])["verified"] == 3
+    assert json.loads(done.stdout[done.stdout.index("{") :])["verified"] == 3
     # the other commands open a Lance store as they open a folder store (model from its header)
     done = subprocess.run(run + ["stats", str(tmp_path / "l")], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and json.loads(done.stdout)["backend"] == "lance" and json.loads(done.stdout)["entries"] == 3, done.stderr[-2000:]
-    done = subprocess.run(run + ["query", str(tmp_path / "l"), "bees and honey", "-k", "1", "--json", "--max-new-tokens", "2"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    assert (
+        done.returncode == 0
+        and json.loads(done.stdout)["backend"] == "lance"
+        and json.loads(done.stdout)["entries"] == 3
+    ), done.stderr[-2000:]
+    done = subprocess.run(
+        run + ["query", str(tmp_path / "l"), "bees and honey", "-k", "1", "--json", "--max-new-tokens", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(json.loads(done.stdout)["retrieved"]) == 1
-    bad = subprocess.run(run + ["store", "migrate", str(tmp_path / "nothing"), str(tmp_path / "l2")], env=env, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        run + ["store", "migrate", str(tmp_path / "nothing"), str(tmp_path / "l2")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "no store at" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
@@ -300,8 +356,13 @@ print("done")
 
 
 def _spawn(script, *args):
-    return subprocess.Popen([sys.executable, "-c", script, *args], env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_two_writers_lose_nothing_and_a_reader_meanwhile_sees_only_whole_batches(tmp_path):
@@ -366,6 +427,12 @@ def test_import_stays_light_and_the_lance_backend_loads_lancedb_only_when_used()
         "import hf_statecompose.store.lance\n"
         "print('lancedb' in sys.modules, 'ray' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "False", "False"]  # lancedb is imported on first use of the backend

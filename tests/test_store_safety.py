@@ -1,6 +1,7 @@
 """StateStore safety (issue 21): links never followed, multi-id deletes all or nothing, forged
 supersession refused, clear errors for a file path and ``add(None)``, read-only stores readable,
 ``add`` skipping texts already stored, states owning their ``A``."""
+
 import errno
 import json
 import os
@@ -8,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 import hf_statecompose as hsc
 from hf_statecompose.store import folder as store_module
+
+from helpers import tiny_model
+from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 
 def make_store(path, model, **kwargs):
@@ -20,7 +22,9 @@ def make_store(path, model, **kwargs):
 
 
 def files_under(path):
-    return {str(p.relative_to(path)): p.read_bytes() for p in Path(path).rglob("*") if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in Path(path).rglob("*") if p.is_file() and p.name != ".lock"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +81,9 @@ def test_a_multi_id_delete_stopped_at_any_file_change_is_all_or_nothing(tmp_path
         count = [0]
 
         def maybe_stop(*args):
-            if count[0] == step:
+            if count[0] == step:  # noqa: B023 - only called during this step's delete
                 raise Stop
-            count[0] += 1
+            count[0] += 1  # noqa: B023 - only called during this step's delete
 
         def patched_write(p, data):
             if when == "before":
@@ -254,11 +258,17 @@ def test_adding_texts_already_stored_skips_them(tmp_path, model, monkeypatch):
     ids = store.add(TEXTS[:3], metadata=[{"n": 0}, {"n": 1}, {}], show_progress=False)
     encoded = []
     encode = store_module.ComposableMambaCache.encode
-    monkeypatch.setattr(store_module.ComposableMambaCache, "encode", lambda model, ids, **kw: encoded.append(ids.shape[0]) or encode(model, ids, **kw))
+    monkeypatch.setattr(
+        store_module.ComposableMambaCache,
+        "encode",
+        lambda model, ids, **kw: encoded.append(ids.shape[0]) or encode(model, ids, **kw),
+    )
     again = store.add(TEXTS[:3], metadata=[{"n": 0}, {"n": 1}, {}], show_progress=False)  # the Quickstart rerun
     assert again == ids and len(store) == 3 and encoded == []
     # other metadata is another entry; duplicates within one call are one entry
-    more = store.add([TEXTS[0], TEXTS[3], TEXTS[3], TEXTS[1]], metadata=[{"n": 5}, {}, {}, {"n": 1}], show_progress=False)
+    more = store.add(
+        [TEXTS[0], TEXTS[3], TEXTS[3], TEXTS[1]], metadata=[{"n": 5}, {}, {}, {"n": 1}], show_progress=False
+    )
     assert more[0] not in ids and more[1] == more[2] and more[3] == ids[1] and len(store) == 5 and encoded == [2]
     # another process (another object) sees the same
     assert make_store(tmp_path / "s", model).add([TEXTS[3]], show_progress=False) == [more[1]]
@@ -319,7 +329,9 @@ def test_the_lance_store_shares_the_checks_and_hands_out_its_own_A(tmp_path, mod
     first = store.get(ids[0])
     first.A[0].mul_(2)
     again = store.get(ids[0])
-    assert not torch.equal(first.A[0], again.A[0]) and torch.equal(again.A[0], store.retrieve("red fox", k=1)[0].state.A[0])
+    assert not torch.equal(first.A[0], again.A[0]) and torch.equal(
+        again.A[0], store.retrieve("red fox", k=1)[0].state.A[0]
+    )
 
 
 def test_the_lance_store_skips_texts_already_stored_too(tmp_path, model):

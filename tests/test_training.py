@@ -1,4 +1,5 @@
 """Fine-tuning for composition: BPTC / BP2C losses and gradients, LoRA adapters, the recipe."""
+
 import json
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ import torch
 
 import hf_statecompose as hsc
 from hf_statecompose.training import CompositionExample, composition_loss, encode_contexts
+
 from helpers import random_ids, tiny_model
 
 peft = pytest.importorskip("peft")
@@ -53,7 +55,7 @@ def test_one_context_bptc_equals_backprop_through_the_concatenation(arch):
     model.zero_grad()
     ids = torch.cat([ex.contexts[0], ex.query, ex.target])[None]
     labels = torch.full_like(ids, -100)
-    labels[0, -len(ex.target):] = ex.target
+    labels[0, -len(ex.target) :] = ex.target
     reference = model(input_ids=ids, labels=labels).loss
     reference.backward()
     expected = lora_grads(model)
@@ -75,15 +77,18 @@ def test_bptc_gradients_reach_lora_through_the_context_encodings_and_bp2c_stops_
     # BPTC: the states are part of the graph and receive gradient
     states = encode_contexts(model, [c for ex in batch for c in ex.contexts], "bptc")
     assert all(s.ssm_states[i].requires_grad for s in states for i in range(s.num_layers))
-    per_row = [states[3 * r: 3 * r + 3] for r in range(3)]
+    per_row = [states[3 * r : 3 * r + 3] for r in range(3)]
     q = torch.stack([ex.query[-3:] for ex in batch])
     out = model(input_ids=q, past_states=per_row).logits.sum()
     grads = torch.autograd.grad(out, [s.ssm_states[0] for s in states] + [s.delta_sums[0] for s in states])
     assert all(g.abs().max() > 0 for g in grads)
     # BP2C: no graph into the encodings
     states = encode_contexts(model, [c for ex in batch for c in ex.contexts], "bp2c")
-    assert not any(s.ssm_states[i].requires_grad or s.conv_states[i].requires_grad or s.delta_sums[i].requires_grad
-                   for s in states for i in range(s.num_layers))
+    assert not any(
+        s.ssm_states[i].requires_grad or s.conv_states[i].requires_grad or s.delta_sums[i].requires_grad
+        for s in states
+        for i in range(s.num_layers)
+    )
 
     model.zero_grad()
     bptc_loss = composition_loss(model, batch, "bptc")
@@ -105,10 +110,17 @@ def test_bptc_gradients_reach_lora_through_the_context_encodings_and_bp2c_stops_
     detached = [CompositionExample(ex.query, ex.target, []) for ex in batch]
     from hf_statecompose.training import _left_pad, _summed_loss
 
-    rows, labels = zip(*[(torch.cat([ex.query, ex.target]), torch.cat([torch.full_like(ex.query, -100), ex.target])) for ex in detached])
+    rows, labels = zip(
+        *[
+            (torch.cat([ex.query, ex.target]), torch.cat([torch.full_like(ex.query, -100), ex.target]))
+            for ex in detached
+        ]
+    )
     ids, mask = _left_pad(list(rows), 0)
     label_ids, _ = _left_pad(list(labels), -100)
-    loss = _summed_loss(model, ids, mask, label_ids, past_states=[states[3 * r: 3 * r + 3] for r in range(3)]) / int((label_ids != -100).sum())
+    loss = _summed_loss(model, ids, mask, label_ids, past_states=[states[3 * r : 3 * r + 3] for r in range(3)]) / int(
+        (label_ids != -100).sum()
+    )
     loss.backward()
     for n, g in lora_grads(model).items():
         assert torch.allclose(g, bp2c[n], rtol=1e-5, atol=1e-8), n
@@ -164,9 +176,11 @@ def test_three_bptc_steps_change_the_lora_weights_and_the_adapter_reloads_identi
         state = hsc.ComposableMambaCache.encode(model, context)
         again = hsc.ComposableMambaCache.encode(reloaded, context)
         assert state.fingerprint == again.fingerprint
-        assert torch.equal(model(input_ids=ids, past_states=[state]).logits, reloaded(input_ids=ids, past_states=[again]).logits)
+        assert torch.equal(
+            model(input_ids=ids, past_states=[state]).logits, reloaded(input_ids=ids, past_states=[again]).logits
+        )
         # the adapter changes the states: a state of the base model is refused by the adapted one
-        with pytest.raises(ValueError, match="(?i)fingerprint|another model"):
+        with pytest.raises(ValueError, match=r"(?i)fingerprint|another model"):
             reloaded(input_ids=ids, past_states=[hsc.ComposableMambaCache.encode(tiny_model(arch), context)])
 
 
@@ -178,7 +192,7 @@ def test_generate_through_peft_with_one_state_equals_generate_from_the_concatena
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     composed = model.generate(input_ids=query, past_states=[state], **kwargs)
     full = model.generate(input_ids=torch.cat([context, query], 1), **kwargs)
-    assert torch.equal(composed[0, query.shape[1]:], full[0, context.shape[1] + query.shape[1]:])
+    assert torch.equal(composed[0, query.shape[1] :], full[0, context.shape[1] + query.shape[1] :])
 
 
 def test_bad_objective_and_empty_batch_are_refused():
@@ -219,13 +233,34 @@ def test_recipe_runs_three_bptc_steps_on_a_tiny_model(recipe, tmp_path, monkeypa
 
     tok = AutoTokenizer.from_pretrained(ROOT / "hf_statecompose" / "demo" / "models" / "mamba2")
     torch.manual_seed(0)
-    config = Mamba2Config(vocab_size=len(tok), hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, num_heads=8,
-                          head_dim=8, n_groups=1, chunk_size=16, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    config = Mamba2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        state_size=8,
+        num_hidden_layers=2,
+        expand=2,
+        num_heads=8,
+        head_dim=8,
+        n_groups=1,
+        chunk_size=16,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     Mamba2ForCausalLM(config).save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     monkeypatch.setenv("HF_STATECOMPOSE_CACHE", str(tmp_path / "cache"))
-    results = recipe.main(["--experiment", "smoke", "--set", f"model={tmp_path / 'base'}", "--set", f"out={tmp_path / 'out'}",
-                           "--set", "wiki_pool_segments=12"])
+    results = recipe.main(
+        [
+            "--experiment",
+            "smoke",
+            "--set",
+            f"model={tmp_path / 'base'}",
+            "--set",
+            f"out={tmp_path / 'out'}",
+            "--set",
+            "wiki_pool_segments=12",
+        ]
+    )
     assert results["training"]["steps"] == 3 and len(results["log"]) == 3
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["config"]["objective"] == "bptc"
@@ -249,7 +284,7 @@ def test_rows_without_contexts_equal_the_plain_model(arch):
     for ex in batch:  # one row at a time, stock transformers, no padding
         ids = torch.cat([ex.query, ex.target])[None]
         labels = torch.full_like(ids, -100)
-        labels[0, -len(ex.target):] = ex.target
+        labels[0, -len(ex.target) :] = ex.target
         total = total + model(input_ids=ids, labels=labels).loss * len(ex.target)
         count += len(ex.target)
     (total / count).backward()

@@ -8,13 +8,20 @@ the config tester. Beyond them, each with its reason below: the cache checks of 
 cache class, our classes listed in transformers' Auto name tables during the tests (as Mamba's are), and two
 generate-continuation tests skipped (stock Mamba fails them too on transformers 5.24).
 """
+
 import unittest
 
 import pytest
 import torch
 from transformers.models.auto import modeling_auto
 
-from transformers_testsuite import COMMON_FILES, MODEL_MIXIN_FILES, import_transformers_test, is_placeholder, missing_reason
+from transformers_testsuite import (
+    COMMON_FILES,
+    MODEL_MIXIN_FILES,
+    import_transformers_test,
+    is_placeholder,
+    missing_reason,
+)
 
 _reason = missing_reason(*MODEL_MIXIN_FILES)
 if _reason:
@@ -23,8 +30,8 @@ if _reason:
 # the generation mixin and the config tester too
 _FULL_TREE_REASON = missing_reason(*COMMON_FILES)
 
-import hf_statecompose as hsc  # noqa: E402
-from hf_statecompose.state.cache import ComposableMambaCache  # noqa: E402
+import hf_statecompose as hsc
+from hf_statecompose.state.cache import ComposableMambaCache
 
 _modeling_common = import_transformers_test("test_modeling_common")
 _generation = import_transformers_test("generation.test_utils")  # a placeholder without the full tree
@@ -60,9 +67,14 @@ class _TinyModelTester:
 
     def get_config(self):
         return self.config_class(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
-            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-            use_cache=True, **self.config_kwargs(),
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            **self.config_kwargs(),
         )
 
     def prepare_config_and_inputs_for_common(self):
@@ -76,8 +88,13 @@ class SeRpEntMambaModelTester(_TinyModelTester):
 
     def config_kwargs(self):
         # two branches (the uncompressed one and κ = 0.5) so that hidden 32 and intermediate 32 split evenly
-        return {"intermediate_size": 32, "state_size": 8, "branch_compressions": (1.0, 0.5), "num_gaussians": 4,
-                "resample_window": 3}
+        return {
+            "intermediate_size": 32,
+            "state_size": 8,
+            "branch_compressions": (1.0, 0.5),
+            "num_gaussians": 4,
+            "resample_window": 3,
+        }
 
 
 class CoffeeModelTester(_TinyModelTester):
@@ -99,7 +116,8 @@ class _StateModelTest(ModelTesterMixin, GenerationTesterMixin):
         self.model_tester = self.model_tester_class(self)
         if ConfigTester is not None:
             self.config_tester = ConfigTester(
-                self, config_class=self.model_tester.config_class,
+                self,
+                config_class=self.model_tester.config_class,
                 common_properties=["hidden_size", "num_hidden_layers"],
             )
 

@@ -12,6 +12,7 @@ default this test runs them without those (:data:`HYBRID_SUBSET`: 68 s for both 
 Mamba suites); ``HSC_TRANSFORMERS_SUITES=full`` runs every test (the README's recipe). Each run prints its counts per
 module (``pytest -s``).
 """
+
 import os
 import subprocess
 import sys
@@ -67,10 +68,19 @@ def start_suite(tmp_path: Path, enabled: bool, modules=MODULES, keyword: str | N
         "OMP_NUM_THREADS": "1",
     }
     command = [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore",
         *(["-p", "enable_plugin"] if enabled else []),
         *(["-k", keyword] if keyword else []),
-        f"--junitxml={tmp_path / f'{mode}.xml'}", "-o", "junit_family=xunit2",
+        f"--junitxml={tmp_path / f'{mode}.xml'}",
+        "-o",
+        "junit_family=xunit2",
         *(str(folder / module) for module in modules),
     ]
     log = open(tmp_path / f"{mode}.log", "w")
@@ -94,8 +104,12 @@ def finish_suite(tmp_path: Path, run: subprocess.Popen, enabled: bool) -> tuple[
 
 def counts(found: dict[str, list[str]], module: str) -> str:
     """'passed P, failed F, skipped S' over the tests of ``module`` (a test module's dotted name)."""
-    outcomes_of = [outcome for test_id, test_outcomes in found.items() if test_id.startswith(module + ".")
-                   for outcome in test_outcomes]
+    outcomes_of = [
+        outcome
+        for test_id, test_outcomes in found.items()
+        if test_id.startswith(module + ".")
+        for outcome in test_outcomes
+    ]
     failed = outcomes_of.count("failure") + outcomes_of.count("error")
     return f"passed {outcomes_of.count('passed')}, failed {failed}, skipped {outcomes_of.count('skipped')}"
 

@@ -5,11 +5,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from hf_statecompose.ops.compose.weights import WEIGHT_FUNCTIONS  # noqa: E402
-from hf_statecompose.ops.compose import vectorized as compose_module  # noqa: E402
-from hf_statecompose.ops.compose import MODEL_FREE_METHODS as METHODS, compose_ssm_torch
-from hf_statecompose.ops.compose.triton_kernel import compose_ssm_triton  # noqa: E402
-from helpers import compile_without_gpu  # noqa: E402
+from hf_statecompose.ops.compose import MODEL_FREE_METHODS as METHODS
+from hf_statecompose.ops.compose import compose_ssm_torch
+from hf_statecompose.ops.compose import vectorized as compose_module
+from hf_statecompose.ops.compose.triton_kernel import compose_ssm_triton
+from hf_statecompose.ops.compose.weights import WEIGHT_FUNCTIONS
+
+from helpers import compile_without_gpu
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # A·ΣΔ = -inf on purpose
 

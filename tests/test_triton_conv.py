@@ -5,9 +5,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from hf_statecompose.ops.conv.triton_kernel import causal_conv1d_triton  # noqa: E402
-from helpers import compile_without_gpu  # noqa: E402
-from hf_statecompose.ops.conv import causal_conv1d, causal_conv1d_ref  # noqa: E402
+from hf_statecompose.ops.conv import causal_conv1d, causal_conv1d_ref
+from hf_statecompose.ops.conv.triton_kernel import causal_conv1d_triton
+
+from helpers import compile_without_gpu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BATCH, CHANNELS = 4, 6

@@ -3,6 +3,7 @@
 Runs compiled on CUDA, or in Triton's CPU interpreter (conftest sets TRITON_INTERPRET=1 without a GPU):
 widths are small and lengths <= 128 so that the interpreter stays fast.
 """
+
 import os
 import subprocess
 import sys
@@ -11,10 +12,10 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-import torch  # noqa: E402
+import torch
 
-from hf_statecompose.ops.selective_scan.triton_kernel import _selective_scan, selective_scan_triton  # noqa: E402
-from hf_statecompose.ops.selective_scan import selective_scan_ref  # noqa: E402
+from hf_statecompose.ops.selective_scan import selective_scan_ref
+from hf_statecompose.ops.selective_scan.triton_kernel import _selective_scan, selective_scan_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
@@ -27,10 +28,23 @@ def _rel(a, b):
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def _inputs(length, seed, dtype, *, batch=2, channels=12, state=16, softplus=True, bias=True, mask=True,
-            h0=True, d_z=True, noncontig=False):
+def _inputs(
+    length,
+    seed,
+    dtype,
+    *,
+    batch=2,
+    channels=12,
+    state=16,
+    softplus=True,
+    bias=True,
+    mask=True,
+    h0=True,
+    d_z=True,
+    noncontig=False,
+):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     inp = dict(
         u=r(batch, channels, length),
         delta=r(batch, channels, length),
@@ -83,8 +97,10 @@ def _check(length, dtype, chunk_size, block_d=8, **opts):
     leaves = [k for k in GRAD_NAMES if inp.get(k) is not None]
     batch, channels, _ = inp["u"].shape
     g = torch.Generator().manual_seed(7)
-    weights = [torch.randn(*s, generator=g).to(DEVICE) for s in
-               ((batch, channels, length), (batch, channels, inp["A"].shape[1]), (batch, channels))]
+    weights = [
+        torch.randn(*s, generator=g).to(DEVICE)
+        for s in ((batch, channels, length), (batch, channels, inp["A"].shape[1]), (batch, channels))
+    ]
     ours_in = _leaves(inp)
     ref_in = _leaves(inp, torch.float32)  # the same (bf16) values, upcast: the reference computes in fp32 too
     (y, h, s), grads = _run(_selective_scan, ours_in, weights, leaves, chunk_size=chunk_size, block_d=block_d)
@@ -114,8 +130,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("length,dtype,chunk_size,opts", CASES, ids=lambda v: str(v) if not isinstance(v, dict) else
-                         ",".join(f"{k}={x}" for k, x in v.items()) or "all")
+@pytest.mark.parametrize(
+    "length,dtype,chunk_size,opts",
+    CASES,
+    ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(f"{k}={x}" for k, x in v.items()) or "all",
+)
 def test_matches_reference_values_and_gradients(length, dtype, chunk_size, opts):
     _check(length, dtype, chunk_size, **opts)
 
@@ -299,8 +318,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("triton ships no ptxas here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # the wrapper's choices for these shapes: [32, 16] and [64, 8] state tiles, 4 warps, both kernels
     blocks = [(kernel, *tile, 4) for kernel in ("_scan_bwd_kernel", "_scan_fwd_kernel") for tile in ((32, 16), (64, 8))]

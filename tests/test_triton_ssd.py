@@ -5,6 +5,7 @@ stay <= 128 and widths small. Chunk sizes 16 / 24 / 32 make the lengths span sev
 partial one (24: a chunk that does not fill its power-of-two tile). Without a GPU, one more test compiles
 (does not run) every kernel variant for an H100 (sm_90) at real Mamba-2 sizes and checks spills / shared memory.
 """
+
 import json
 import os
 import subprocess
@@ -15,8 +16,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from hf_statecompose.ops.ssd.triton_kernel import ssd_scan_triton  # noqa: E402
-from hf_statecompose.ops.ssd import ssd_scan_ref  # noqa: E402
+from hf_statecompose.ops.ssd import ssd_scan_ref
+from hf_statecompose.ops.ssd.triton_kernel import ssd_scan_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL_FP32 = 2e-5  # observed <= 2e-6 in the interpreter
@@ -34,10 +35,23 @@ def _left_mask(batch, length):
     return mask.to(DEVICE)
 
 
-def _leaves(length, seed, dtype, groups, state, head_dim, heads=4, batch=2, init=True, dt_bias=True, D=True,
-            dt_scale=1.0, A_scale=4.0):
+def _leaves(
+    length,
+    seed,
+    dtype,
+    groups,
+    state,
+    head_dim,
+    heads=4,
+    batch=2,
+    init=True,
+    dt_bias=True,
+    D=True,
+    dt_scale=1.0,
+    A_scale=4.0,
+):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     leaves = dict(
         x=r(batch, length, heads, head_dim).to(dtype),
         dt=(r(batch, length, heads) * dt_scale).to(dtype),
@@ -61,8 +75,22 @@ def _run(fn, leaves, weights, **kwargs):
     return outputs, dict(zip(names, grads))
 
 
-def _compare(length, chunk_size, dtype, groups, state, head_dim, init, mask, dt_limit, seed=0, noncontig=False,
-             tol=TOL_FP32, grad_tol=None, **leaf_kw):
+def _compare(
+    length,
+    chunk_size,
+    dtype,
+    groups,
+    state,
+    head_dim,
+    init,
+    mask,
+    dt_limit,
+    seed=0,
+    noncontig=False,
+    tol=TOL_FP32,
+    grad_tol=None,
+    **leaf_kw,
+):
     leaves, weights = _leaves(length, seed + length, dtype, groups, state, head_dim, init=init, **leaf_kw)
     kwargs = dict(dt_softplus=True, dt_limit=dt_limit, mask=_left_mask(2, length) if mask else None)
     # the reference runs on the same (possibly bf16-rounded) values upcast to fp32
@@ -98,8 +126,20 @@ FP32_CASES = [
 
 @pytest.mark.parametrize("length,chunk_size,groups,state,head_dim,init,mask,dt_limit", FP32_CASES)
 def test_ssd_triton_fp32_matches_reference(length, chunk_size, groups, state, head_dim, init, mask, dt_limit):
-    _compare(length, chunk_size, torch.float32, groups, state, head_dim, init, mask, dt_limit,
-             noncontig=(length == 7), D=(length != 1), dt_bias=(length != 1))
+    _compare(
+        length,
+        chunk_size,
+        torch.float32,
+        groups,
+        state,
+        head_dim,
+        init,
+        mask,
+        dt_limit,
+        noncontig=(length == 7),
+        D=(length != 1),
+        dt_bias=(length != 1),
+    )
 
 
 BF16_CASES = [
@@ -127,8 +167,7 @@ def test_ssd_triton_strong_decay_stays_finite_and_close():
     The only extra error is fp32 rounding of the chunk's cumulative log-decay (|cum| ~ 1e4 here), which
     the chunked torch op shares; the per-step reference has none.
     """
-    _compare(63, 16, torch.float32, 2, 12, 8, True, True, None, dt_scale=30.0, A_scale=50.0, tol=2e-3,
-             grad_tol=2e-3)
+    _compare(63, 16, torch.float32, 2, 12, 8, True, True, None, dt_scale=30.0, A_scale=50.0, tol=2e-3, grad_tol=2e-3)
 
 
 @pytest.mark.parametrize("block_cap", [None, 16])
@@ -169,10 +208,12 @@ def test_ssd_triton_final_state_only_gradient():
     leaves, _ = _leaves(40, 5, torch.float32, 2, 16, 8)
     ref_leaves = {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
     names = ["x", "dt", "A", "B", "dt_bias", "initial_state"]
-    grads = torch.autograd.grad(ssd_scan_triton(**leaves, dt_softplus=True, chunk_size=16)[1].square().sum(),
-                                [leaves[k] for k in names])
-    expected = torch.autograd.grad(ssd_scan_ref(**ref_leaves, dt_softplus=True)[1].square().sum(),
-                                   [ref_leaves[k] for k in names])
+    grads = torch.autograd.grad(
+        ssd_scan_triton(**leaves, dt_softplus=True, chunk_size=16)[1].square().sum(), [leaves[k] for k in names]
+    )
+    expected = torch.autograd.grad(
+        ssd_scan_ref(**ref_leaves, dt_softplus=True)[1].square().sum(), [ref_leaves[k] for k in names]
+    )
     for name, a, e in zip(names, grads, expected):
         assert _rel(a, e) < TOL_FP32, f"d{name}: rel err {_rel(a, e):.2e}"
 
@@ -295,7 +336,9 @@ MAX_SPILL_BYTES = 64  # with triton 3.9 every variant spills 0 (the 64-wide K sl
 def _variant_table(variants):
     return "\n".join(
         f"{v['kernel']:24s} {v['shape']:10s} {json.dumps(v['constexprs'])} ptr={v['pointers']} warps={v['num_warps']} "
-        f"smem={v['shared']} regs={v['regs']} spill={v['spill_stores']}/{v['spill_loads']}" for v in variants)
+        f"smem={v['shared']} regs={v['regs']} spill={v['spill_stores']}/{v['spill_loads']}"
+        for v in variants
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the other tests run the compiled kernels")
@@ -308,20 +351,25 @@ def test_ssd_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # a fresh cache: ptxas runs (and reports registers and spills) for every variant
     env.update(TRITON_DEFAULT_FP_FUSION="1", TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SSD_FOR_SM90], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SSD_FOR_SM90], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
     variants = [json.loads(line[8:]) for line in done.stdout.splitlines() if line.startswith("VARIANT ")]
     table = _variant_table(variants)
     print(table)
     assert all(v["cubin"] > 0 for v in variants), table
     # every kernel and every pass was compiled, fp32 and bf16 inputs
-    scan = {(v["constexprs"]["EPI"], v["constexprs"]["REVERSE"])
-            for v in variants if v["kernel"] == "_chunk_scan_kernel"}
+    scan = {
+        (v["constexprs"]["EPI"], v["constexprs"]["REVERSE"]) for v in variants if v["kernel"] == "_chunk_scan_kernel"
+    }
     assert scan == {(0, False), (1, True), (2, False), (0, True)}, table
     state = {v["constexprs"]["FROM_START"] for v in variants if v["kernel"] == "_chunk_state_kernel"}
-    passing = {(v["constexprs"]["HAS_START"], v["constexprs"]["REVERSE"])
-               for v in variants if v["kernel"] == "_state_passing_kernel"}
+    passing = {
+        (v["constexprs"]["HAS_START"], v["constexprs"]["REVERSE"])
+        for v in variants
+        if v["kernel"] == "_state_passing_kernel"
+    }
     assert state == {False, True} and passing == {(True, False), (False, False), (True, True)}, table
     assert {v["shape"] for v in variants} == {f"{s} {d}" for s in ("130m", "2.7b", "small") for d in ("fp32", "bf16")}
     assert any("b" in v["pointers"] for v in variants), table

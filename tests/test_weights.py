@@ -1,4 +1,5 @@
 """Composition weights vs a float64 brute force over orders; stability; gradients."""
+
 import itertools
 import math
 

@@ -14,6 +14,7 @@ They import each other relatively as the package ``tests`` (``from .generation.t
 the one place that does, and it edits no ``sys.path``. Without the variable (or with a folder that lacks the
 files), the tests that need them skip, saying why.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -59,8 +60,10 @@ def missing_reason(*files: str) -> str | None:
     """Why transformers' tests ``files`` (paths under its ``tests/``) cannot run here, or None if they can."""
     folder = transformers_tests_dir()
     if folder is None:
-        return (f"{ENV} is not set: it names the tests/ folder of transformers' source tree for the installed "
-                f"release (transformers {transformers.__version__}); the test command sets it")
+        return (
+            f"{ENV} is not set: it names the tests/ folder of transformers' source tree for the installed "
+            f"release (transformers {transformers.__version__}); the test command sets it"
+        )
     missing = [name for name in files if not (folder / name).is_file()]
     if missing:
         return f"{ENV}={folder} lacks {', '.join(missing)} (transformers' tests for {transformers.__version__})"
@@ -87,8 +90,10 @@ def import_transformers_test(name: str):
             if not (folder / (module.replace(".", "/") + ".py")).is_file():
                 _placeholder(module, mixin)
     elif Path(package.__path__[0]).resolve() != folder:
-        raise ImportError(f"a module named {PACKAGE!r} is already imported from {list(package.__path__)}, "
-                          f"not transformers' tests at {folder}")
+        raise ImportError(
+            f"a module named {PACKAGE!r} is already imported from {list(package.__path__)}, "
+            f"not transformers' tests at {folder}"
+        )
     return importlib.import_module(f"{PACKAGE}.{name}")
 
 
@@ -100,8 +105,11 @@ def _placeholder(module: str, mixin: str) -> None:
         sys.modules[parent] = types.ModuleType(parent)
         sys.modules[parent].__path__ = []
     placeholder = types.ModuleType(f"{PACKAGE}.{module}")
-    setattr(placeholder, mixin, type(mixin, (), {"__doc__": f"placeholder: transformers' sdist lacks tests/{module}",
-                                                 "hsc_placeholder": True}))
+    setattr(
+        placeholder,
+        mixin,
+        type(mixin, (), {"__doc__": f"placeholder: transformers' sdist lacks tests/{module}", "hsc_placeholder": True}),
+    )
     sys.modules[placeholder.__name__] = placeholder
 
 

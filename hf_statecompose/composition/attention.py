@@ -25,6 +25,7 @@ the whole composition is invariant to the order of the states.
 Padding: each state's padding slots (``positions == -1``) are dropped from the middle; the composed layers are
 left padded per row (padding first), the same positions in every attention layer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -83,8 +84,9 @@ def compose_attention(out, states, policy: str = "concat", model=None) -> None:
     if policy == "none":
         for target, source in zip(out.attention_layers, first.attention_layers):
             empty = source.keys[:, :, :0].to(dtype)
-            target.fill_keys(empty, source.values[:, :, :0].to(dtype),
-                             torch.zeros(batch, 0, dtype=torch.long, device=device))
+            target.fill_keys(
+                empty, source.values[:, :, :0].to(dtype), torch.zeros(batch, 0, dtype=torch.long, device=device)
+            )
         return
     layout = architecture(first.architecture)
     rotary_dims = layout.rotary_dims(first.config)
@@ -92,17 +94,28 @@ def compose_attention(out, states, policy: str = "concat", model=None) -> None:
     for state in states:
         offsets.append(total.clone() if policy == "concat" else torch.zeros_like(total))
         total = total + spans(state) if policy == "concat" else torch.maximum(total, spans(state))
-    positions = torch.cat([
-        torch.where(s.attention_layers[0].positions >= 0, s.attention_layers[0].positions + offsets[k][:, None], -1)
-        for k, s in enumerate(states)], dim=-1)
-    shift = torch.cat([torch.where(s.attention_layers[0].positions >= 0, offsets[k][:, None], 0).expand_as(
-        s.attention_layers[0].positions) for k, s in enumerate(states)], dim=-1)
+    positions = torch.cat(
+        [
+            torch.where(s.attention_layers[0].positions >= 0, s.attention_layers[0].positions + offsets[k][:, None], -1)
+            for k, s in enumerate(states)
+        ],
+        dim=-1,
+    )
+    shift = torch.cat(
+        [
+            torch.where(s.attention_layers[0].positions >= 0, offsets[k][:, None], 0).expand_as(
+                s.attention_layers[0].positions
+            )
+            for k, s in enumerate(states)
+        ],
+        dim=-1,
+    )
     real = positions >= 0
     # left padding per row: padding first, the real keys in their order (a stable sort of the mask), then drop
     # the columns that are padding in every row
     order = torch.sort(real.to(torch.int8), dim=-1, stable=True).indices
     keep = int(real.sum(-1).max()) if real.numel() else 0
-    order = order[:, order.shape[1] - keep:]
+    order = order[:, order.shape[1] - keep :]
     positions = positions.gather(1, order)
     shift = shift.gather(1, order)
     moved = rotary_dims > 0 and bool((shift != 0).any())

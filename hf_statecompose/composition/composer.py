@@ -29,24 +29,25 @@ model-free method (one state composes to itself, so n = 1 stays exact). ``concat
 re-encoding (exact); ``piconcat_r`` from its list-order concatenation, the rotation that ends with the
 last state.
 """
+
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from operator import attrgetter
-from typing import Sequence
 
 import torch
 
 from ..models import encode
 from ..ops.backends import check_backend_name, compose_ssm, resolve
-from ..ops.compose import native as compose_native
 from ..ops.compose import MODEL_FREE_METHODS
+from ..ops.compose import native as compose_native
 from ..state.architectures import architecture
-from .attention import ATTENTION_POLICIES, compose_attention
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import model_fingerprint
 from ..state.validation import check_against_model, check_compatible, check_finite, check_state_once
+from .attention import ATTENTION_POLICIES, compose_attention
 
 MODEL_BASED_METHODS = ("concat", "piconcat_r")
 METHODS = MODEL_FREE_METHODS + MODEL_BASED_METHODS
@@ -106,7 +107,9 @@ class StateComposer:
         return f"StateComposer(method={self.method!r}, conv={self.conv!r}, backend={self.backend!r}{extra})"
 
     # ------------------------------------------------------------------------------------------
-    def compose(self, states: Sequence[ComposableMambaCache], model=None, *, validated: bool = False) -> ComposableMambaCache:
+    def compose(
+        self, states: Sequence[ComposableMambaCache], model=None, *, validated: bool = False
+    ) -> ComposableMambaCache:
         """Compose a non-empty list of states of one model (same batch) into one state (same batch).
 
         The states are checked: their metadata against each other (one signature comparison per state; the
@@ -166,8 +169,7 @@ def _check_picaso_s_cost(states):
     first, n = states[0], len(states)
     per_element = architecture(first.architecture).per_element_decay  # a weight per state element, or per head
     per_state = sum(
-        d.numel() * (ssm.shape[-1] if per_element else 1)
-        for d, ssm in zip(first.delta_sums, first.layer_tensors()[0])
+        d.numel() * (ssm.shape[-1] if per_element else 1) for d, ssm in zip(first.delta_sums, first.layer_tensors()[0])
     )
     terms = n * math.ceil(n / 2) * per_state
     if terms > PICASO_S_MAX_TERMS:
@@ -185,7 +187,8 @@ def _signature(state):
     ssm, conv, _ = state.layer_tensors()
     layers = tuple(
         (s.shape, s.dtype, s.device, c.shape, c.dtype, c.device)
-        for s, c in zip(ssm, conv) if s is not None and c is not None
+        for s, c in zip(ssm, conv)
+        if s is not None and c is not None
     )
     return len(state.state_layers), state.model_dtype, state.fingerprint, layers
 
@@ -198,7 +201,7 @@ class _Gathered:
     whose SSM states (every state, every layer) share one shape and dtype and are all on the CPU, and
     likewise the conv windows: then the states agree in all that ``check_compatible`` compares per layer."""
 
-    __slots__ = ("ssm", "conv", "delta", "ssm_shape", "conv_shape", "ssm_dtype", "conv_dtype")
+    __slots__ = ("conv", "conv_dtype", "conv_shape", "delta", "ssm", "ssm_dtype", "ssm_shape")
 
     def __init__(self, ssm, conv, delta, ssm_shape, conv_shape, ssm_dtype, conv_dtype):
         self.ssm, self.conv, self.delta = ssm, conv, delta
@@ -236,8 +239,11 @@ def _check_compatible_fast(states, name: str = "states"):
     check runs and raises its precise message. Returns the :class:`_Gathered` tensors when the states
     are uniform CPU states (what the native kernel can take), else None."""
     if (
-        isinstance(states, list) and states and all(isinstance(s, ComposableMambaCache) for s in states)
-        and states[0].state_layers and all(layer.filled for layer in states[0].state_layers)
+        isinstance(states, list)
+        and states
+        and all(isinstance(s, ComposableMambaCache) for s in states)
+        and states[0].state_layers
+        and all(layer.filled for layer in states[0].state_layers)
         and all(type(s) is type(states[0]) for s in states)
     ):
         gathered = _gather_uniform(states, states[0])
@@ -258,13 +264,15 @@ def _check_states_fit_model(states, model, method, name: str = "states"):
         check_against_model(state, model, fingerprint, f"{name}[{k}] (method {method!r})")
 
 
-_WEIGHTS_HELP = "pass weights as a list (or 1-D tensor) of n non-negative real numbers summing to 1, e.g. [0.5, 0.3, 0.2]"
+_WEIGHTS_HELP = (
+    "pass weights as a list (or 1-D tensor) of n non-negative real numbers summing to 1, e.g. [0.5, 0.3, 0.2]"
+)
 
 
 def _check_weights_values(weights) -> torch.Tensor:
     """The user's weights as a float64 tensor [n]; anything but n real numbers is refused by name
     (a bool, a str, a dict, a 2-D table or complex numbers would otherwise be silently coerced)."""
-    if torch.is_tensor(weights) or hasattr(weights, "__array__") and not isinstance(weights, (list, tuple)):
+    if torch.is_tensor(weights) or (hasattr(weights, "__array__") and not isinstance(weights, (list, tuple))):
         w = torch.as_tensor(weights)
         if w.dtype == torch.bool or w.is_complex() or not (w.is_floating_point() or w.dtype in _INT_DTYPES):
             raise TypeError(f"weights must hold real numbers, got a tensor of {w.dtype}; {_WEIGHTS_HELP}")
@@ -276,10 +284,18 @@ def _check_weights_values(weights) -> torch.Tensor:
             if torch.is_tensor(value) and value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"weights[{k}] is {value!r} ({type(value).__name__}), not a real number; {_WEIGHTS_HELP}")
-        w = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in weights]) if weights else torch.zeros(0, dtype=torch.float64)
+                raise TypeError(
+                    f"weights[{k}] is {value!r} ({type(value).__name__}), not a real number; {_WEIGHTS_HELP}"
+                )
+        w = (
+            torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in weights])
+            if weights
+            else torch.zeros(0, dtype=torch.float64)
+        )
     else:
-        raise TypeError(f"weights must be a list, tuple or 1-D tensor of numbers, got {type(weights).__name__}; {_WEIGHTS_HELP}")
+        raise TypeError(
+            f"weights must be a list, tuple or 1-D tensor of numbers, got {type(weights).__name__}; {_WEIGHTS_HELP}"
+        )
     if w.numel() == 0:
         raise ValueError("weights is empty: pass one non-negative weight per state")
     values = w.detach()
@@ -316,8 +332,12 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
     for i in range(first.num_layers):
         delta = torch.stack([s.delta_sums[i] for s in states])  # [n, B, D|H]
         composed = compose_ssm(
-            [s.ssm_states[i] for s in states], delta, first.A[i], method,
-            weights=weights if method == "weighted" else None, backend=backend,
+            [s.ssm_states[i] for s in states],
+            delta,
+            first.A[i],
+            method,
+            weights=weights if method == "weighted" else None,
+            backend=backend,
         )
         if method == "weighted":
             delta_out = (weights.to(delta).view(-1, 1, 1) * delta).sum(0)
@@ -351,7 +371,9 @@ def _compose_native(states, method, conv, weights, backend, gathered):
     of SSM states and of conv windows, all on the CPU)."""
     first = states[0]
     if (
-        gathered.ssm_dtype != torch.float32 or gathered.conv_dtype != torch.float32 or not compose_native.enabled()
+        gathered.ssm_dtype != torch.float32
+        or gathered.conv_dtype != torch.float32
+        or not compose_native.enabled()
         or resolve(backend, first.device, "compose_ssm") != "torch"
     ):
         return None
@@ -361,20 +383,30 @@ def _compose_native(states, method, conv, weights, backend, gathered):
     rows = shape[:2]
     try:  # ΣΔ [B, R] float32 on the CPU; A [R, N] (Mamba-1) or [R] (Mamba-2), float32, on the CPU
         if (
-            set(map(_shape, deltas)) != {rows} or set(map(_dtype, deltas)) != {torch.float32}
-            or not all(map(_is_cpu, deltas)) or len(shape) != (3 if mamba1 else 4)
+            set(map(_shape, deltas)) != {rows}
+            or set(map(_dtype, deltas)) != {torch.float32}
+            or not all(map(_is_cpu, deltas))
+            or len(shape) != (3 if mamba1 else 4)
             or set(map(_shape, A)) != {shape[1:3] if mamba1 else shape[1:2]}
-            or set(map(_dtype, A)) != {torch.float32} or not all(map(_is_cpu, A))
+            or set(map(_dtype, A)) != {torch.float32}
+            or not all(map(_is_cpu, A))
         ):
             return None
     except (AttributeError, TypeError):  # a missing ΣΔ or A
         return None
-    if not (all(map(_contiguous, ssm)) and all(map(_contiguous, convs)) and all(map(_contiguous, deltas))
-            and all(map(_contiguous, A))):
+    if not (
+        all(map(_contiguous, ssm))
+        and all(map(_contiguous, convs))
+        and all(map(_contiguous, deltas))
+        and all(map(_contiguous, A))
+    ):
         return None
     if torch.is_grad_enabled() and (
-        any(map(_requires_grad, ssm)) or any(map(_requires_grad, convs)) or any(map(_requires_grad, deltas))
-        or any(map(_requires_grad, A)) or (torch.is_tensor(weights) and weights.requires_grad)
+        any(map(_requires_grad, ssm))
+        or any(map(_requires_grad, convs))
+        or any(map(_requires_grad, deltas))
+        or any(map(_requires_grad, A))
+        or (torch.is_tensor(weights) and weights.requires_grad)
     ):
         return None
     w = None if weights is None else weights.tolist()
@@ -388,8 +420,13 @@ def _compose_native(states, method, conv, weights, backend, gathered):
     else:  # the order-based methods stand for a concatenation: the total ΣΔ
         ssm_w, delta_w = None, [1.0] * n
     done = compose_native.compose_native(
-        nl, n, [(ssm, ssm_w), (convs, conv_w), (deltas, delta_w)],
-        method=method, delta=deltas, A=A, per_element=mamba1,
+        nl,
+        n,
+        [(ssm, ssm_w), (convs, conv_w), (deltas, delta_w)],
+        method=method,
+        delta=deltas,
+        A=A,
+        per_element=mamba1,
     )
     if done is None:
         return None
@@ -413,7 +450,7 @@ def _check_finite_once(composed, states, name: str = "states"):
         return
     for k, state in enumerate(states):
         check_finite(state, f"{name}[{k}]")
-    bad = next(i for i in range(composed.num_layers) if not all(bool(f) for f in flags[3 * i: 3 * i + 3]))
+    bad = next(i for i in range(composed.num_layers) if not all(bool(f) for f in flags[3 * i : 3 * i + 3]))
     raise ValueError(
         f"composing gave NaN or inf in layer {bad} although every input is finite; "
         "the states' values are so close to the dtype's largest number that their weighted sum overflows; "
@@ -437,8 +474,8 @@ def _left_pad(sequences, pad_id: int = 0):
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for r, seq in enumerate(sequences):
-        ids[r, width - len(seq):] = seq.cpu()
-        mask[r, width - len(seq):] = 1
+        ids[r, width - len(seq) :] = seq.cpu()
+        mask[r, width - len(seq) :] = 1
     return ids, mask
 
 
@@ -465,6 +502,7 @@ def _piconcat_r(states, model) -> ComposableMambaCache:
     encoded = encode(model, ids, attention_mask=mask)
     out = encoded._empty_like()
     for i in range(encoded.num_layers):
+
         def mean_rows(t):
             return t.view(batch, n, *t.shape[1:]).float().mean(1).to(t.dtype)
 

@@ -1,5 +1,6 @@
 """The embedded demo: three small checkpoints (``models/``), bundled passages (``data/``), the main job
 (``python -m hf_statecompose.demo``, ``run.py``), the corpora and the PICASO evaluation (``eval.py``)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +11,15 @@ DEMO_ARCHS = ("mamba2", "mamba", "hybrid")
 DEMO_SPECS = {"demo": "mamba2", "demo-mamba2": "mamba2", "demo-mamba": "mamba", "demo-hybrid": "hybrid"}
 # a checkpoint folder holds one of these when it has a tokenizer (without any, transformers 5 makes an
 # empty one that turns every text into no tokens)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 
 def checkpoint_problem(path) -> str | None:
@@ -20,12 +28,16 @@ def checkpoint_problem(path) -> str | None:
     wrong ``--model`` before they load or start anything."""
     folder = Path(path)
     if not folder.is_dir():
-        return f"{str(path)!r} is not one of {', '.join(DEMO_SPECS)} nor a local checkpoint folder (nothing is downloaded)"
+        return (
+            f"{str(path)!r} is not one of {', '.join(DEMO_SPECS)} nor a local checkpoint folder (nothing is downloaded)"
+        )
     if not (folder / "config.json").is_file():
         return f"{str(path)!r} holds no config.json: not a transformers checkpoint folder"
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return (f"{str(path)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...): "
-                "save the tokenizer beside the model (tokenizer.save_pretrained(folder))")
+        return (
+            f"{str(path)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...): "
+            "save the tokenizer beside the model (tokenizer.save_pretrained(folder))"
+        )
     return None
 
 
@@ -46,7 +58,9 @@ def load_demo(arch: str = "mamba2", device=None):
         raise ValueError(f"unknown demo arch {arch!r}; choose one of {DEMO_ARCHS}")
     path = DEMO_DIR / arch
     if not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(f"the demo checkpoint {path} is missing; train it with: python recipes/train_demo.py --arch {arch}")
+        raise FileNotFoundError(
+            f"the demo checkpoint {path} is missing; train it with: python recipes/train_demo.py --arch {arch}"
+        )
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if device is not None:

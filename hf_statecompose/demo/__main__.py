@@ -1,4 +1,5 @@
 """``python -m hf_statecompose.demo``: see :mod:`hf_statecompose.demo.run`."""
+
 import sys
 
 from .run import main

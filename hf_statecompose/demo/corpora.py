@@ -15,6 +15,7 @@
   (``"Gasol lies on the river Iron."``) and four facts per town (a key of town *and* relation),
   showed no recall at all after 800 training steps.
 """
+
 from __future__ import annotations
 
 import bz2
@@ -36,9 +37,15 @@ def wikipedia_dump_path() -> str:
         raise ImportError(
             "the Wikipedia corpus ships inside the gensim wheel: pip install -c constraints.txt 'hf_statecompose[recipes]'"
         ) from error
-    found = sorted(glob.glob(os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", "enwiki-latest-pages-articles1*.bz2")))
+    found = sorted(
+        glob.glob(
+            os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", "enwiki-latest-pages-articles1*.bz2")
+        )
+    )
     if not found:
-        raise FileNotFoundError("gensim is installed but its Wikipedia test excerpt (enwiki-latest-pages-articles1*.bz2) is missing")
+        raise FileNotFoundError(
+            "gensim is installed but its Wikipedia test excerpt (enwiki-latest-pages-articles1*.bz2) is missing"
+        )
     return found[0]
 
 
@@ -100,15 +107,84 @@ def segments(text: str, tokenizer, length: int) -> list[str]:
 # 16 syllables -> 256 two-syllable town names, each frequent enough in training to be one BPE token
 _SYLLABLES = "ka ve lo ri ta mo su ne dar vel or ith bre sol mir gan".split()
 RELATIONS = {
-    "country": ("{town} country {value}.", "{town} country", [
-        "France", "Peru", "Norway", "Kenya", "Japan", "Chile", "Egypt", "Canada", "Poland", "India",
-        "Mexico", "Spain", "Brazil", "Sweden", "Greece", "Ghana", "Nepal", "Italy", "Cuba", "Iran"]),
-    "product": ("{town} product {value}.", "{town} product", [
-        "copper", "wool", "cheese", "silver", "glass", "salt", "timber", "honey", "olives", "wine",
-        "paper", "rice", "tea", "iron", "cotton", "pottery", "tobacco", "leather", "pearls", "coal"]),
-    "river": ("{town} river {value}.", "{town} river", [
-        "Amber", "Stone", "Silver", "Black", "White", "Green", "Red", "Long", "Swift", "Cold",
-        "North", "Deep", "Clear", "Iron", "Bright", "Dark", "Wild", "Quiet", "Golden", "Grey"]),
+    "country": (
+        "{town} country {value}.",
+        "{town} country",
+        [
+            "France",
+            "Peru",
+            "Norway",
+            "Kenya",
+            "Japan",
+            "Chile",
+            "Egypt",
+            "Canada",
+            "Poland",
+            "India",
+            "Mexico",
+            "Spain",
+            "Brazil",
+            "Sweden",
+            "Greece",
+            "Ghana",
+            "Nepal",
+            "Italy",
+            "Cuba",
+            "Iran",
+        ],
+    ),
+    "product": (
+        "{town} product {value}.",
+        "{town} product",
+        [
+            "copper",
+            "wool",
+            "cheese",
+            "silver",
+            "glass",
+            "salt",
+            "timber",
+            "honey",
+            "olives",
+            "wine",
+            "paper",
+            "rice",
+            "tea",
+            "iron",
+            "cotton",
+            "pottery",
+            "tobacco",
+            "leather",
+            "pearls",
+            "coal",
+        ],
+    ),
+    "river": (
+        "{town} river {value}.",
+        "{town} river",
+        [
+            "Amber",
+            "Stone",
+            "Silver",
+            "Black",
+            "White",
+            "Green",
+            "Red",
+            "Long",
+            "Swift",
+            "Cold",
+            "North",
+            "Deep",
+            "Clear",
+            "Iron",
+            "Bright",
+            "Dark",
+            "Wild",
+            "Quiet",
+            "Golden",
+            "Grey",
+        ],
+    ),
     "year": ("{town} founded {value}.", "{town} founded", [str(y) for y in range(1700, 1900, 10)]),
 }
 RELATION_ORDER = ("country", "product", "river", "year")

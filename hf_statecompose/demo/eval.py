@@ -20,6 +20,7 @@ conditioning state** from the stored states (retrieval and reading them are comm
 reported apart): baseline (no context), concat (re-encode the concatenated tokens), soup, CASO,
 PICASO-S, PICASO-R, PIConcat-R (re-encode the k cyclic concatenations, averaged).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,24 @@ from ..composition import MODEL_FREE_METHODS
 
 # every method but user-weighted, baselines around the model-free ones
 EVALUATED_METHODS = ("concat",) + tuple(m for m in MODEL_FREE_METHODS if m != "weighted") + ("piconcat_r",)
-COLORS = {"baseline": "black", "concat": "tab:blue", "soup": "tab:orange", "caso": "tab:green", "picaso_s": "tab:red",
-          "picaso_r": "tab:purple", "piconcat_r": "tab:brown"}
-LABELS = {"baseline": "Baseline", "concat": "Concat", "soup": "Soup", "caso": "CASO", "picaso_s": "PICASO-S",
-          "picaso_r": "PICASO-R", "piconcat_r": "PIConcat-R"}
+COLORS = {
+    "baseline": "black",
+    "concat": "tab:blue",
+    "soup": "tab:orange",
+    "caso": "tab:green",
+    "picaso_s": "tab:red",
+    "picaso_r": "tab:purple",
+    "piconcat_r": "tab:brown",
+}
+LABELS = {
+    "baseline": "Baseline",
+    "concat": "Concat",
+    "soup": "Soup",
+    "caso": "CASO",
+    "picaso_s": "PICASO-S",
+    "picaso_r": "PICASO-R",
+    "piconcat_r": "PIConcat-R",
+}
 DATASETS = ("wikipedia", "recall")
 
 
@@ -57,15 +72,28 @@ def build_samples(dataset: str, tokenizer, queries: int, half: int = 64, seed: i
             if len(ids) < half + 8:
                 continue
             query, continuation = ids[:half], ids[half:]
-            samples.append({"query_ids": torch.tensor(query), "continuation_ids": torch.tensor(continuation),
-                            "query_text": tokenizer.decode(query), "own": index, "gold": None})
+            samples.append(
+                {
+                    "query_ids": torch.tensor(query),
+                    "continuation_ids": torch.tensor(continuation),
+                    "query_text": tokenizer.decode(query),
+                    "own": index,
+                    "gold": None,
+                }
+            )
     elif dataset == "recall":
         world = recall_world(2026, towns=60)
         database = list(world.passages)
         for q in rng.sample(world.questions, min(queries, len(world.questions))):
-            samples.append({"query_ids": torch.tensor(tokenizer(q.query, add_special_tokens=False)["input_ids"]),
-                            "continuation_ids": torch.tensor(tokenizer(q.answer, add_special_tokens=False)["input_ids"]),
-                            "query_text": q.query, "own": None, "gold": list(q.passages)})
+            samples.append(
+                {
+                    "query_ids": torch.tensor(tokenizer(q.query, add_special_tokens=False)["input_ids"]),
+                    "continuation_ids": torch.tensor(tokenizer(q.answer, add_special_tokens=False)["input_ids"]),
+                    "query_text": q.query,
+                    "own": None,
+                    "gold": list(q.passages),
+                }
+            )
     else:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of {DATASETS}")
     return database, samples
@@ -78,8 +106,18 @@ def _timed(fn):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, dataset: str, queries: int = 40, k_max: int = 10, store_dir=None, storage_dtype: str = "fp32",
-             methods=EVALUATED_METHODS, retriever=None, log=print) -> dict:
+def evaluate(
+    model,
+    tokenizer,
+    dataset: str,
+    queries: int = 40,
+    k_max: int = 10,
+    store_dir=None,
+    storage_dtype: str = "fp32",
+    methods=EVALUATED_METHODS,
+    retriever=None,
+    log=print,
+) -> dict:
     """Run the protocol; returns the result dict (per method and k: mean loss, mean seconds)."""
     from ..composition.composer import StateComposer
     from ..pipeline import context_order, continuation_losses
@@ -87,20 +125,30 @@ def evaluate(model, tokenizer, dataset: str, queries: int = 40, k_max: int = 10,
 
     database, samples = build_samples(dataset, tokenizer, queries)
     with tempfile.TemporaryDirectory() as tmp:
-        store = StateStore(Path(store_dir or tmp) / f"{dataset}-{storage_dtype}", model, tokenizer, retriever=retriever, storage_dtype=storage_dtype)  # type: ignore[abstract]  # StateStore() returns its backend's class
+        store = StateStore(
+            Path(store_dir or tmp) / f"{dataset}-{storage_dtype}",
+            model,
+            tokenizer,
+            retriever=retriever,
+            storage_dtype=storage_dtype,
+        )  # type: ignore[abstract]  # StateStore() returns its backend's class
         if len(store) == 0:
-            _, build_seconds = _timed(lambda: store.add(database, [{"index": i} for i in range(len(database))], show_progress=False))
+            _, build_seconds = _timed(
+                lambda: store.add(database, [{"index": i} for i in range(len(database))], show_progress=False)
+            )
         else:
             build_seconds = None
         id_of = {entry.metadata["index"]: entry.id for entry in store.entries()}
-        log(f"{dataset}: {len(database)} database entries, {len(samples)} samples, store {store.stats()['bytes'] / 1e6:.1f} MB")
+        log(
+            f"{dataset}: {len(database)} database entries, {len(samples)} samples, store {store.stats()['bytes'] / 1e6:.1f} MB"
+        )
         loss: dict[str, list[list[float]]] = {m: [[] for _ in range(k_max + 1)] for m in ("baseline",) + tuple(methods)}
         seconds: dict[str, list[list[float]]] = {m: [[] for _ in range(k_max + 1)] for m in methods}
         retrieval_seconds, hits = [], [0] * (k_max + 1)
         composers = {m: StateComposer(m) for m in methods}
         for number, sample in enumerate(samples):
             exclude = [id_of[sample["own"]]] if sample["own"] is not None else []
-            retrieved, t = _timed(lambda: store.retrieve(sample["query_text"], k_max, exclude=exclude))
+            retrieved, t = _timed(lambda: store.retrieve(sample["query_text"], k_max, exclude=exclude))  # noqa: B023 - _timed calls it at once
             retrieval_seconds.append(t)
             base = continuation_losses(model, [None], sample["query_ids"], sample["continuation_ids"])[0].item()
             for k in range(k_max + 1):
@@ -113,17 +161,24 @@ def evaluate(model, tokenizer, dataset: str, queries: int = 40, k_max: int = 10,
                 contexts = context_order(retrieved[:k])
                 composed = []
                 for m in methods:
-                    state, t = _timed(lambda: composers[m].compose(contexts, model=model))
+                    state, t = _timed(lambda: composers[m].compose(contexts, model=model))  # noqa: B023 - _timed calls it at once
                     seconds[m][k].append(t)
                     composed.append(state)
-                for m, value in zip(methods, continuation_losses(model, composed, sample["query_ids"], sample["continuation_ids"]).tolist()):
+                for m, value in zip(
+                    methods,
+                    continuation_losses(model, composed, sample["query_ids"], sample["continuation_ids"]).tolist(),
+                ):
                     loss[m][k].append(value)
             if (number + 1) % 10 == 0:
                 log(f"  {number + 1}/{len(samples)} samples")
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
     result = {
-        "dataset": dataset, "samples": len(samples), "database_entries": len(database), "k": list(range(k_max + 1)),
-        "storage_dtype": storage_dtype, "store_build_seconds": build_seconds,
+        "dataset": dataset,
+        "samples": len(samples),
+        "database_entries": len(database),
+        "k": list(range(k_max + 1)),
+        "storage_dtype": storage_dtype,
+        "store_build_seconds": build_seconds,
         "retrieval_and_read_seconds_mean": mean(retrieval_seconds),
         "loss": {m: [mean(v) for v in per_k] for m, per_k in loss.items()},
         "seconds": {m: [mean(v) for v in per_k] for m, per_k in seconds.items()},
@@ -154,7 +209,9 @@ def plot(results: list[dict], path: Path) -> None:
             axes[row][0].plot(ks, values, style, label=LABELS[method], markersize=3, color=COLORS[method])
         axes[row][0].set(xlabel="retrieved contexts k", ylabel="continuation loss (nats/token)", title=title)
         for method, values in result["seconds"].items():
-            axes[row][1].plot(ks[1:], [v * 1e3 for v in values[1:]], "-o", label=LABELS[method], markersize=3, color=COLORS[method])
+            axes[row][1].plot(
+                ks[1:], [v * 1e3 for v in values[1:]], "-o", label=LABELS[method], markersize=3, color=COLORS[method]
+            )
         axes[row][1].set(xlabel="retrieved contexts k", ylabel="time to the state (ms)", yscale="log", title=title)
         axes[row][0].legend(fontsize=7)
         axes[row][1].legend(fontsize=7)
@@ -165,8 +222,10 @@ def plot(results: list[dict], path: Path) -> None:
 
 def table(results: list[dict]) -> str:
     """Markdown: loss at k = 0 (baseline), at k_max, best over k, and relative improvement."""
-    lines = ["| model | dataset | method | loss k=0 | loss k=max | improvement at k=max | best improvement (k) | ms to state at k=max |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | dataset | method | loss k=0 | loss k=max | improvement at k=max | best improvement (k) | ms to state at k=max |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         base = r["loss"]["baseline"][0]
         k_max = r["k"][-1]
@@ -192,11 +251,15 @@ def main(argv=None):
     parser.add_argument("--storage-dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="benchmarks/results/eval")
-    parser.add_argument("--replot", action="store_true", help="only redraw the plot and table of --all from the JSON in --out")
+    parser.add_argument(
+        "--replot", action="store_true", help="only redraw the plot and table of --all from the JSON in --out"
+    )
     args = parser.parse_args(argv)
     if args.replot:
         out = Path(args.out)
-        results = [json.loads((out / f"picaso_eval_{a}_{d}.json").read_text()) for a in ("mamba2", "mamba") for d in DATASETS]
+        results = [
+            json.loads((out / f"picaso_eval_{a}_{d}.json").read_text()) for a in ("mamba2", "mamba") for d in DATASETS
+        ]
         plot(results, out / "picaso_eval_all.png")
         (out / "picaso_eval_all.md").write_text(table(results) + "\n")
         return

@@ -22,6 +22,7 @@ Symbols ``V = {1, ..., vocab}`` (the paper: 7), ``0`` is the padding symbol, so 
 millisecond plus the rejection of the rare bad rows); a seeded ``torch.Generator`` makes it deterministic.
 Training and validation use two independent generators (App. H.1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,9 +51,11 @@ class InductionHeadTask:
         if min(self.trigger_len, self.target_len, self.vocab) < 1 or self.noise_between < 0:
             raise ValueError("trigger_len, target_len and vocab must be >= 1 and noise_between >= 0")
         if self.noise_len < 1:
-            raise ValueError(f"seq_len {self.seq_len} leaves no noise for trigger_len {self.trigger_len}, "
-                             f"target_len {self.target_len}, noise_between {self.noise_between} "
-                             f"(App. E: L_seq - 2 L_tri - L_tar >= 1, plus the padding and L_noise)")
+            raise ValueError(
+                f"seq_len {self.seq_len} leaves no noise for trigger_len {self.trigger_len}, "
+                f"target_len {self.target_len}, noise_between {self.noise_between} "
+                f"(App. E: L_seq - 2 L_tri - L_tar >= 1, plus the padding and L_noise)"
+            )
         if self.trigger is None:
             g = torch.Generator().manual_seed(self.trigger_seed)
             self.trigger = tuple(int(s) for s in torch.randint(1, self.vocab + 1, (self.trigger_len,), generator=g))
@@ -76,9 +79,15 @@ class InductionHeadTask:
         return self.seq_len - 2 * self.trigger_len - self.target_len - self.padding - self.noise_between
 
     def to_dict(self) -> dict:
-        return {"seq_len": self.seq_len, "trigger_len": self.trigger_len, "target_len": self.target_len,
-                "noise_between": self.noise_between, "vocab": self.vocab, "trigger": self._trigger.tolist(),
-                "pad": PAD}
+        return {
+            "seq_len": self.seq_len,
+            "trigger_len": self.trigger_len,
+            "target_len": self.target_len,
+            "noise_between": self.noise_between,
+            "vocab": self.vocab,
+            "trigger": self._trigger.tolist(),
+            "pad": PAD,
+        }
 
     def _draw(self, batch: int, generator: torch.Generator):
         """Symbols for the noise (both sides), the L_noise block and the target: [batch, ...] each."""
@@ -126,13 +135,13 @@ class InductionHeadTask:
             else:  # pragma: no cover - needs a pathological trigger
                 raise RuntimeError(f"could not draw sequences with the trigger {self.trigger} exactly twice")
         labels = torch.full_like(ids, IGNORE)
-        labels[:, self.seq_len - self.target_len:] = target
+        labels[:, self.seq_len - self.target_len :] = target
         return {"input_ids": ids, "labels": labels, "target": target, "split": split}
 
 
 def target_logits(logits: torch.Tensor, target_len: int) -> torch.Tensor:
     """The logits at the target positions (the last ``target_len``): [B, L, V] -> [B, target_len, V]."""
-    return logits[:, logits.shape[1] - target_len:]
+    return logits[:, logits.shape[1] - target_len :]
 
 
 def score(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,11 +22,12 @@ are -100 elsewhere). That turns the 10-way classification into next-token predic
 ``*ForCausalLM`` classes train on it unchanged; accuracy is the argmax over the 10 digit tokens' logits
 at the ``=`` position. The vocabulary is fixed (17 tokens, :data:`VOCAB`: pad, 4 operators, `]`, 10 digits, `=`).
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Union
 
 MAX, MIN, MED, SUM_MOD = "[MAX", "[MIN", "[MED", "[SM"
 OPERATORS = (MAX, MIN, MED, SUM_MOD)
@@ -42,7 +43,7 @@ ANSWER_MARKER_ID = TOKEN_IDS[ANSWER_MARKER]
 OPERATOR_PROBABILITY = 0.25  # LRA: r = random(); r > VALUE_P (0.25) -> a digit
 
 # a tree is a digit or (operator, [arguments])
-Tree = Union[int, tuple]
+Tree = int | tuple
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class ListOpsConfig:
 
     def __post_init__(self):
         if self.max_depth < 2 or self.max_args < 2:
-            raise ValueError(f"max_depth and max_args must be >= 2 (an operator needs depth 2 and 2 arguments), got {self}")
+            raise ValueError(
+                f"max_depth and max_args must be >= 2 (an operator needs depth 2 and 2 arguments), got {self}"
+            )
         if not 1 <= self.min_length <= self.max_length:
             raise ValueError(f"need 1 <= min_length <= max_length, got {self.min_length}, {self.max_length}")
 
@@ -120,7 +123,7 @@ def to_tokens(tree: Tree) -> list[str]:
     return out + [END]
 
 
-def parse(expression: Union[str, list[str], tuple[str, ...]]) -> Tree:
+def parse(expression: str | list[str] | tuple[str, ...]) -> Tree:
     """The tree of ``"[MAX 2 9 [MIN 4 7 ] 0 ]"`` (or of its token list); raises ``ValueError`` on
     anything that is not one well-formed expression."""
     tokens = expression.split() if isinstance(expression, str) else list(expression)
@@ -150,7 +153,7 @@ def parse(expression: Union[str, list[str], tuple[str, ...]]) -> Tree:
     return tree
 
 
-def evaluate_expression(expression: Union[str, list[str], tuple[str, ...]]) -> int:
+def evaluate_expression(expression: str | list[str] | tuple[str, ...]) -> int:
     """``evaluate_expression("[MED 1 4 ]") == 2``."""
     return evaluate(parse(expression))
 
@@ -168,7 +171,9 @@ def examples(seed: int, count: int, config: ListOpsConfig, exclude: frozenset = 
     return list(stream(seed, config, exclude, count))
 
 
-def stream(seed: int, config: ListOpsConfig, exclude: frozenset = frozenset(), count: int | None = None) -> Iterator[ListOpsExample]:
+def stream(
+    seed: int, config: ListOpsConfig, exclude: frozenset = frozenset(), count: int | None = None
+) -> Iterator[ListOpsExample]:
     """Examples from ``random.Random(seed)`` (deterministic per seed), ``count`` of them or endless;
     expressions in ``exclude`` (token tuples, e.g. a held-out set's) are skipped."""
     rng, made = random.Random(seed), 0
@@ -199,9 +204,9 @@ def collate(batch: list[ListOpsExample]):
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, (ids, row_labels) in enumerate(encoded):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        labels[row, width - len(ids):] = torch.tensor(row_labels)
-        mask[row, width - len(ids):] = 1
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        labels[row, width - len(ids) :] = torch.tensor(row_labels)
+        mask[row, width - len(ids) :] = 1
     return input_ids, mask, labels
 
 

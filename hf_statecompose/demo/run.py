@@ -12,6 +12,7 @@
 4. Check the exactness the library promises (one stored state + query generates exactly what
    context + query generates) and time composition against re-reading the contexts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,25 +55,35 @@ def main(argv=None):
         if len(store) == 0:
             t0 = time.perf_counter()
             store.add([p["text"] for p in passages], [{"source": p["source"]} for p in passages], show_progress=False)
-            print(f"store: encoded {len(passages)} passages once in {time.perf_counter() - t0:.1f} s -> {json.dumps(store.stats())}")
+            print(
+                f"store: encoded {len(passages)} passages once in {time.perf_counter() - t0:.1f} s -> {json.dumps(store.stats())}"
+            )
 
         correct = 0
         for q in questions:
-            with_context = generate_with_retrieval(model, tok, q["query"], store, k=args.k, composition=args.method,
-                                                       max_new_tokens=4, do_sample=False)
+            with_context = generate_with_retrieval(
+                model, tok, q["query"], store, k=args.k, composition=args.method, max_new_tokens=4, do_sample=False
+            )
             without = generate_with_retrieval(model, tok, q["query"], store, k=0, max_new_tokens=4, do_sample=False)
             answer = with_context.text.split(".")[0] + "."
             correct += answer == q["answer"]
             print(f"\nquery: {q['query']!r}   expected {q['answer']!r}")
             for rank, entry in enumerate(with_context.retrieved, 1):
                 print(f"  retrieved [{rank}] {entry.score:.2f} {entry.text[:70]!r}")
-            print(f"  {args.method} of {len(with_context.retrieved)} states -> {with_context.text!r}   | no context -> {without.text!r}")
+            print(
+                f"  {args.method} of {len(with_context.retrieved)} states -> {with_context.text!r}   | no context -> {without.text!r}"
+            )
         print(f"\n{correct}/{len(questions)} answers right from composed states ({args.method}, k={args.k})")
 
         q = questions[0]
         retrieved = store.retrieve(q["query"], args.k)
-        attribution = leave_one_out(model, context_order(retrieved), tok(q["query"]).input_ids,
-                                        tok(q["answer"]).input_ids, composition=args.method)
+        attribution = leave_one_out(
+            model,
+            context_order(retrieved),
+            tok(q["query"]).input_ids,
+            tok(q["answer"]).input_ids,
+            composition=args.method,
+        )
         order = list(reversed(retrieved))
         print(f"\nwhich context mattered for {q['query']!r} (loss rise when left out, nats/token):")
         for i in attribution.ranking():
@@ -81,14 +92,23 @@ def main(argv=None):
         wiki = next(p for p in passages if p["source"].startswith("Wikipedia"))
         words = wiki["text"].split()
         query = " ".join(words[:12])
-        out = generate_with_retrieval(model, tok, query, store, k=args.k, composition=args.method, max_new_tokens=24, do_sample=False)
+        out = generate_with_retrieval(
+            model, tok, query, store, k=args.k, composition=args.method, max_new_tokens=24, do_sample=False
+        )
         print(f"\nWikipedia query {query!r}\n  -> {out.text!r}")
 
         # exactness: one stored state + query == generate(context + query)
         entry = store.retrieve(q["query"], 1)[0]
         query_ids = tok(q["query"], return_tensors="pt").input_ids
-        alone = model.generate(query_ids, past_states=[entry.state], max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-        full = model.generate(torch.cat([entry.state.token_ids, query_ids], 1), max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        alone = model.generate(
+            query_ids, past_states=[entry.state], max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id
+        )
+        full = model.generate(
+            torch.cat([entry.state.token_ids, query_ids], 1),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
         same = torch.equal(alone[0, -8:], full[0, -8:])
         print(f"\none stored state + query == generate(context + query): {same}")
 
@@ -102,7 +122,9 @@ def main(argv=None):
         t0 = time.perf_counter()
         ComposableMambaCache.encode(model, ids)
         concat_s = time.perf_counter() - t0
-        print(f"10 contexts ({ids.shape[1]} tokens): {args.method} {compose_s * 1e3:.2f} ms vs re-reading them {concat_s * 1e3:.1f} ms")
+        print(
+            f"10 contexts ({ids.shape[1]} tokens): {args.method} {compose_s * 1e3:.2f} ms vs re-reading them {concat_s * 1e3:.1f} ms"
+        )
     if not same:
         raise SystemExit("exactness check failed")
 

@@ -20,6 +20,7 @@ them by name; instances reduce themselves to :func:`_new_enabled_model` and the 
 re-creates the enabled class on load. The subclass keeps the stock ``__name__`` because transformers
 writes ``type(model).__name__`` into ``config.architectures`` on ``save_pretrained``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -179,8 +180,9 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
                     named.get("num_beams", getattr(config, "num_beams", 1)) or 1,
                     named.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1,
                 )
-                composed = compose_for_batch(self, past_states, composition, batch, model_inputs=named,
-                                             pad_token_id=_pad_for_mask(named, config))
+                composed = compose_for_batch(
+                    self, past_states, composition, batch, model_inputs=named, pad_token_id=_pad_for_mask(named, config)
+                )
                 # generate() expands input_ids for beams / return sequences but never a user cache: do it here
                 compat.pop_cache(named)
                 cache = composed.repeat_interleave(expand) if expand > 1 else composed
@@ -221,16 +223,22 @@ def _hybrid_query_inputs(composed, named: dict, pad_token_id=None) -> None:
     device = (ids if ids is not None else embeds).device
     query_mask = named.get("attention_mask")
     if query_mask is None:
-        query_mask = ids.ne(pad_token_id).long() if ids is not None and pad_token_id is not None else \
-            torch.ones(shape, dtype=torch.long, device=device)
+        query_mask = (
+            ids.ne(pad_token_id).long()
+            if ids is not None and pad_token_id is not None
+            else torch.ones(shape, dtype=torch.long, device=device)
+        )
     key_mask = composed.key_mask
     if key_mask is None:
         key_mask = torch.zeros(shape[0], 0, dtype=torch.long, device=device)
     named["attention_mask"] = torch.cat([key_mask.to(device=device, dtype=query_mask.dtype), query_mask], dim=-1)
     if named.get("position_ids") is None:
         positions = composed.attention_layers[0].positions
-        start = (positions.max(dim=-1).values.clamp(min=-1) + 1) if positions.shape[-1] else \
-            torch.zeros(shape[0], dtype=torch.long, device=positions.device)
+        start = (
+            (positions.max(dim=-1).values.clamp(min=-1) + 1)
+            if positions.shape[-1]
+            else torch.zeros(shape[0], dtype=torch.long, device=positions.device)
+        )
         steps = (query_mask.long().cumsum(-1) - 1).masked_fill(query_mask == 0, 0)
         named["position_ids"] = (start.to(device)[:, None] + steps).masked_fill(query_mask == 0, 0)
 
@@ -245,24 +253,31 @@ def _record_appended_positions(cache, named: dict) -> None:
     if not layers or not torch.is_tensor(mask) or layers[0].positions is None:
         return
     positions = layers[0].positions
-    ids: Any = next((named[name] for name in ("inputs", "input_ids", "inputs_embeds") if torch.is_tensor(named.get(name))), None)
+    ids: Any = next(
+        (named[name] for name in ("inputs", "input_ids", "inputs_embeds") if torch.is_tensor(named.get(name))), None
+    )
     keys = mask.shape[-1] - ids.shape[1]  # the call had a query (ids or embeds)
     appended = positions.shape[-1] - keys
     if keys < 0 or appended <= 0 or positions.shape[0] % mask.shape[0]:
         return
     repeat = positions.shape[0] // mask.shape[0]
     query_mask = mask[:, keys:].to(device=positions.device, dtype=torch.long).repeat_interleave(repeat, dim=0)
-    real = torch.cat([query_mask, query_mask.new_ones(query_mask.shape[0], max(0, appended - query_mask.shape[-1]))],
-                     dim=-1)[:, :appended]
-    start = positions[:, :keys].max(dim=-1, keepdim=True).values.clamp(min=-1) + 1 if keys else \
-        positions.new_zeros(positions.shape[0], 1)
+    real = torch.cat(
+        [query_mask, query_mask.new_ones(query_mask.shape[0], max(0, appended - query_mask.shape[-1]))], dim=-1
+    )[:, :appended]
+    start = (
+        positions[:, :keys].max(dim=-1, keepdim=True).values.clamp(min=-1) + 1
+        if keys
+        else positions.new_zeros(positions.shape[0], 1)
+    )
     placed = torch.where(real > 0, start + real.cumsum(-1) - 1, -1)
     for layer in layers:
         layer.positions = torch.cat([layer.positions[:, :keys], placed], dim=-1)
 
 
-def compose_for_batch(model, past_states, composition, batch_size: int, model_inputs: dict | None = None,
-                      pad_token_id=None) -> ComposableMambaCache:
+def compose_for_batch(
+    model, past_states, composition, batch_size: int, model_inputs: dict | None = None, pad_token_id=None
+) -> ComposableMambaCache:
     """One composed state row per query row, checked against ``model``. For a hybrid model, ``model_inputs`` (the
     call's arguments by name) get the attention mask and positions that continue after the composed keys."""
     composed = _compose_for_batch(model, past_states, composition, batch_size)
@@ -276,7 +291,11 @@ def _compose_for_batch(model, past_states, composition, batch_size: int) -> Comp
     fingerprint = model_fingerprint(model)
     if isinstance(past_states, ComposableMambaCache):
         raise TypeError("past_states must be a list of states (or a list of lists, one per row), not a single state")
-    if isinstance(past_states, (list, tuple)) and past_states and all(isinstance(s, (list, tuple)) for s in past_states):
+    if (
+        isinstance(past_states, (list, tuple))
+        and past_states
+        and all(isinstance(s, (list, tuple)) for s in past_states)
+    ):
         if len(past_states) != batch_size:
             raise ValueError(
                 f"past_states has {len(past_states)} lists but the query batch has {batch_size} rows; "

@@ -4,6 +4,7 @@ and the bundled ``statecompose_*`` tasks (:data:`TASKS_DIR`).
 Named ``lmeval`` (not ``lm_eval``) so that it never shadows the harness itself. Importing
 ``hf_statecompose`` registers the model name lazily (nothing heavy is imported until lm-eval asks for it).
 """
+
 from __future__ import annotations
 
 import os

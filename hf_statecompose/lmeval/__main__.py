@@ -5,6 +5,7 @@ is given)::
     python -m hf_statecompose.lmeval run --model statecompose \\
         --model_args pretrained=demo,passages=bundled,k=5 --tasks statecompose_recall_mc
 """
+
 import sys
 
 from . import run_cli

@@ -17,6 +17,7 @@ method is HFLM's, unchanged.
 * ``generate_until``: retrieval by the context; ``model.generate(..., past_states=...)`` with HFLM's
   stop sequences, ``max_gen_toks`` and greedy default.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,7 +55,9 @@ def _read_passages(spec) -> tuple[list[str], list[dict], str]:
     """``(texts, metadata, sha256 of the file)`` of a .jsonl of ``{"text": ...}`` (``bundled``: ours)."""
     path = BUNDLED_PASSAGES if spec == "bundled" else Path(spec).expanduser()
     if not path.is_file():
-        raise ValueError(f"passages={spec!r}: no such file (a .jsonl with one {{\"text\": ...}} per line, or 'bundled')")
+        raise ValueError(
+            f"passages={spec!r}: no such file (a .jsonl with one {{\"text\": ...}} per line, or 'bundled')"
+        )
     from ..store.passages import parse_passages_jsonl
 
     raw = path.read_bytes()
@@ -137,7 +140,9 @@ class StateComposeLM(HFLM):
         if passages is not None and passages != "bundled" and not Path(passages).expanduser().is_file():
             _read_passages(passages)  # its error, before minutes of model and retriever loading
         if retriever is not None and not callable(retriever) and retriever not in ("minilm", "default"):
-            raise ValueError(f"retriever={retriever!r}: use 'minilm' (the default) or, from Python, a callable list[str] -> [n, E]")
+            raise ValueError(
+                f"retriever={retriever!r}: use 'minilm' (the default) or, from Python, a callable list[str] -> [n, E]"
+            )
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         super().__init__(pretrained=_resolve_pretrained(pretrained), device=device, **kwargs)
@@ -170,8 +175,8 @@ class StateComposeLM(HFLM):
 
     # ------------------------------------------------------------------------------------- the store
     def _open_store(self, store, passages, retriever, storage_dtype):
-        from ..state.fingerprint import model_fingerprint
         from ..retrieval import default_retriever
+        from ..state.fingerprint import model_fingerprint
         from ..store import StateStore
         from ..store.format import content_id
 
@@ -207,7 +212,9 @@ class StateComposeLM(HFLM):
                 existing = opened(path)
                 recorded = existing.header.get("info", {}).get("passages_sha256")
                 if len(existing) and recorded != sha:
-                    raise ValueError(f"store={store!r} already holds other passages than {passages!r}; pass an empty or new path")
+                    raise ValueError(
+                        f"store={store!r} already holds other passages than {passages!r}; pass an empty or new path"
+                    )
                 if len(existing):
                     return existing
                 existing.add(texts, metadata, show_progress=progress)
@@ -218,10 +225,14 @@ class StateComposeLM(HFLM):
         path = cache_root() / f"{model_fingerprint(model)[:16]}-{key}"
         if (path / "store.json").is_file():
             existing = opened(path)
-            distinct = len({content_id(text, meta) for text, meta in zip(texts, metadata)})  # add stores a repeated passage once
+            distinct = len(
+                {content_id(text, meta) for text, meta in zip(texts, metadata)}
+            )  # add stores a repeated passage once
             if len(existing) == distinct:
                 return existing
-            logger.warning("the cached store %s is incomplete (%d of %d entries): rebuilding it", path, len(existing), distinct)
+            logger.warning(
+                "the cached store %s is incomplete (%d of %d entries): rebuilding it", path, len(existing), distinct
+            )
         # build next to the final path, then rename: an interrupted build never looks complete
         import shutil
         import tempfile
@@ -291,27 +302,39 @@ class StateComposeLM(HFLM):
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         if self.k == 0:
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
-        return self._grouped(requests, lambda r: r.args[0], super().loglikelihood, disable_tqdm, "statecompose loglikelihood")
+        return self._grouped(
+            requests, lambda r: r.args[0], super().loglikelihood, disable_tqdm, "statecompose loglikelihood"
+        )
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         if self.k == 0:
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
         return self._grouped(
-            requests, lambda r: r.args[0][: self.rolling_query_chars], super().loglikelihood_rolling, disable_tqdm,
+            requests,
+            lambda r: r.args[0][: self.rolling_query_chars],
+            super().loglikelihood_rolling,
+            disable_tqdm,
             "statecompose loglikelihood_rolling",
         )
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         if self.k == 0:
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
-        return self._grouped(requests, lambda r: r.args[0], super().generate_until, disable_tqdm, "statecompose generate_until")
+        return self._grouped(
+            requests, lambda r: r.args[0], super().generate_until, disable_tqdm, "statecompose generate_until"
+        )
 
     # ------------------------------------------------------------------ HFLM's model calls, conditioned
     def _model_call(self, inps, attn_mask=None, labels=None):
         if self._active is None:
             return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
-        with torch.no_grad(), torch.autocast(
-            device_type=self.device.type, dtype=self.mixed_precision_dtype, enabled=self.mixed_precision_dtype is not None
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                device_type=self.device.type,
+                dtype=self.mixed_precision_dtype,
+                enabled=self.mixed_precision_dtype is not None,
+            ),
         ):
             return self.model(input_ids=inps, past_states=self._active, composition=self.composition).logits
 
@@ -323,7 +346,12 @@ class StateComposeLM(HFLM):
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
-        info.update({"statecompose_k": self.k, "statecompose_composition": str(self.composition),
-                     "statecompose_store": str(getattr(self.store, "path", None)),
-                     "statecompose_store_entries": len(self.store) if self.store is not None else 0})
+        info.update(
+            {
+                "statecompose_k": self.k,
+                "statecompose_composition": str(self.composition),
+                "statecompose_store": str(getattr(self.store, "path", None)),
+                "statecompose_store_entries": len(self.store) if self.store is not None else 0,
+            }
+        )
         return info

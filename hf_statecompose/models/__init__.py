@@ -6,18 +6,20 @@ transformers' cache classes, no transformers modeling code) because it is the pa
 config, which transformers' post-import hook for ``AutoConfig`` imports, possibly while transformers is
 half way through importing its own modeling modules (``hf_statecompose/__init__.py``).
 """
+
 import importlib
 from typing import TYPE_CHECKING
 
 from ..state.cache import ComposableMambaCache
 
-if TYPE_CHECKING:  # what the names below are, for type checkers (at run time, __getattr__ imports them)
-    from .coffee import CoffeeConfig, CoffeeForCausalLM, CoffeeForImageClassification, CoffeeModel
-    from .encode import encode
-    from .mamba import mamba_mixer_forward
-    from .mamba2 import mamba2_mixer_forward
-    from .mixers import disable_state_path, enable_state_path, get_backend, set_backend, using_backend
-    from .serpent import SeRpEntMambaConfig, SeRpEntMambaForCausalLM, SeRpEntMambaModel
+# the names of _EXPORTS as type checkers see them (at run time, __getattr__ imports them on first use)
+if TYPE_CHECKING:
+    from .coffee import CoffeeConfig, CoffeeForCausalLM, CoffeeForImageClassification, CoffeeModel  # noqa: F401
+    from .encode import encode  # noqa: F401
+    from .mamba import mamba_mixer_forward  # noqa: F401
+    from .mamba2 import mamba2_mixer_forward  # noqa: F401
+    from .mixers import disable_state_path, enable_state_path, get_backend, set_backend, using_backend  # noqa: F401
+    from .serpent import SeRpEntMambaConfig, SeRpEntMambaForCausalLM, SeRpEntMambaModel  # noqa: F401
 
 # public name -> the submodule that defines it
 _EXPORTS = {
@@ -56,8 +58,9 @@ def __dir__():
 
 def _encode(model, input_ids, attention_mask=None, backend=None, enable_grad=False):
     """:func:`hf_statecompose.models.encode.encode`, imported on the first call."""
-    return __getattr__("encode")(model, input_ids, attention_mask=attention_mask, backend=backend,
-                                 enable_grad=enable_grad)
+    return __getattr__("encode")(
+        model, input_ids, attention_mask=attention_mask, backend=backend, enable_grad=enable_grad
+    )
 
 
 # ComposableMambaCache.encode (data layer) runs models through this layer's encoder

@@ -5,6 +5,7 @@ outputs.
 Their modeling files import this module absolutely (``hf_statecompose.models.causal_lm``), so the copies that
 ``save_pretrained`` writes for ``trust_remote_code`` keep working.
 """
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """Encode contexts into a :class:`ComposableMambaCache`: one prefill of the backbone, no logits."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -12,8 +13,13 @@ from ..state.validation import check_left_padded_mask, check_unmasked_context_pa
 from .mixers import enable_state_path, refuse_layer_checkpointing, using_backend
 
 
-def encode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, backend: str | None = None,
-           enable_grad: bool = False) -> ComposableMambaCache:
+def encode(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    backend: str | None = None,
+    enable_grad: bool = False,
+) -> ComposableMambaCache:
     """See :meth:`ComposableMambaCache.encode` (the same function).
 
     ``encode`` does not enable ``past_states``: it swaps the model's mixers for the state-aware ones (it
@@ -29,7 +35,9 @@ def encode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be a non-empty [B, T] tensor of token ids, got shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be a non-empty [B, T] tensor of token ids, got shape {tuple(input_ids.shape)}"
+            )
         if input_ids.shape[0] == 0:
             raise ValueError(f"input_ids has no rows (shape {tuple(input_ids.shape)}): pass at least one context")
         check_vocabulary(model, input_ids)
@@ -49,8 +57,13 @@ def encode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
             # left-padded row's keys are rotated exactly as that row alone would rotate them
             extra["position_ids"] = context_positions(mask, input_ids).clamp(min=0)
         with using_backend(model, backend):
-            backbone(input_ids=input_ids, attention_mask=mask, use_cache=True, **compat.cache_kwargs(cache, hybrid=hybrid),
-                     **extra)
+            backbone(
+                input_ids=input_ids,
+                attention_mask=mask,
+                use_cache=True,
+                **compat.cache_kwargs(cache, hybrid=hybrid),
+                **extra,
+            )
         if hybrid:
             cache.set_positions(context_positions(mask, input_ids))
         token_ids = input_ids.clone()
@@ -68,11 +81,15 @@ def _ids_and_mask(input_ids, attention_mask):
     ``input_ids`` and, for a padded batch, ``attention_mask``: both are taken). Anything else is refused."""
     if isinstance(input_ids, Mapping):
         if "input_ids" not in input_ids:
-            raise TypeError(f"input_ids was a {type(input_ids).__name__} without 'input_ids' (keys {sorted(input_ids)}); "
-                            f"{_TOKENIZE}")
+            raise TypeError(
+                f"input_ids was a {type(input_ids).__name__} without 'input_ids' (keys {sorted(input_ids)}); "
+                f"{_TOKENIZE}"
+            )
         given = input_ids.get("attention_mask")
         if given is not None and attention_mask is not None:
-            raise ValueError("the attention_mask came twice (in the tokenizer's output and as attention_mask=): pass it once")
+            raise ValueError(
+                "the attention_mask came twice (in the tokenizer's output and as attention_mask=): pass it once"
+            )
         attention_mask = given if attention_mask is None else attention_mask
         input_ids = input_ids["input_ids"]
     if not torch.is_tensor(input_ids):
@@ -84,8 +101,9 @@ def _ids_and_mask(input_ids, attention_mask):
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids (torch.long), got a {input_ids.dtype} tensor")
     if attention_mask is not None and not torch.is_tensor(attention_mask):
-        raise TypeError(f"attention_mask must be a tensor of 0/1 of the shape of input_ids, got "
-                        f"{type(attention_mask).__name__}")
+        raise TypeError(
+            f"attention_mask must be a tensor of 0/1 of the shape of input_ids, got {type(attention_mask).__name__}"
+        )
     return input_ids, attention_mask
 
 

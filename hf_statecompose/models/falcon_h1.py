@@ -16,6 +16,7 @@ As for Mamba-2: the forward continues from the cached state for any input length
 conv window continued per row) and ΣΔ (``clamp(softplus(dt + dt_bias), *time_step_limit)`` summed over the real
 tokens) is accumulated per head. The decoder layer multiplies the output by ``ssm_out_multiplier`` itself.
 """
+
 from __future__ import annotations
 
 import torch

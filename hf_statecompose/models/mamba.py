@@ -6,6 +6,7 @@ input length, keeps left padding inert (Δ = 0 and the conv window continued per
 ΣΔ. It computes Δ exactly as the mixer does: ``softplus(dt_proj(x) + bias)``; an adapter on ``dt_proj`` (PEFT's
 LoRA) takes part and trains (:func:`time_step_projection`).
 """
+
 from __future__ import annotations
 
 from typing import cast
@@ -20,7 +21,7 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     """hidden_states [B, T, hidden] -> [B, T, hidden]; updates layer ``mixer.layer_idx`` of ``cache``."""
     layer_idx = mixer.layer_idx
     dtype = hidden_states.dtype
-    batch, length, _ = hidden_states.shape
+    _batch, _length, _ = hidden_states.shape
     layer = cache.layers[layer_idx]
     has_state = layer.filled
     backend = getattr(mixer, "_hsc_backend", "auto")
@@ -43,9 +44,7 @@ def mamba_mixer_forward(mixer, hidden_states: torch.Tensor, cache, mask: torch.T
     if mask is not None:
         x = x * mask[:, None, :].to(x.dtype)
 
-    y, ssm_state, delta_sum, A = selective_ssm(
-        mixer, x, gate, layer.ssm_state if has_state else None, mask, backend
-    )
+    y, ssm_state, delta_sum, A = selective_ssm(mixer, x, gate, layer.ssm_state if has_state else None, mask, backend)
     cache.advance_layer(layer_idx, ssm_state=ssm_state, conv_state=conv_window, delta_sum=delta_sum, A=A)
     return mixer.out_proj(y.transpose(1, 2).to(dtype))
 

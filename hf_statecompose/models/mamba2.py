@@ -9,6 +9,7 @@ it is: Bamba's ``BambaMixer``, GraniteMoeHybrid's ``GraniteMoeHybridMambaLayer``
 and Zamba2's ``Zamba2MambaMixer`` (NemotronH and Zamba2 with ``time_step_limit = (time_step_min, inf)``; all with the
 group-wise gated norm, ``group_size = intermediate_size // n_groups``). ``tests/test_hybrid_mixers_2.py`` checks them.
 """
+
 from __future__ import annotations
 
 import torch

@@ -13,18 +13,18 @@ A mixer class with ``_hsc_runs_on_cache = True`` (SeRpEnt-Mamba's ``SeRpEntMixer
 ``CoffeeSequenceMixer``) always runs on this
 package's cache: it is left as it is, and reads the backend from its ``_hsc_backend`` attribute.
 """
+
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any
 
 import torch
 
 from .. import compat
 from ..ops.backends import check_backend_name
-from ..state.cache import ComposableMambaCache
 from ..state.architectures import architecture
+from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, base_model_of
 from .falcon_h1 import falcon_h1_mixer_forward
 from .mamba import mamba_mixer_forward
@@ -32,10 +32,16 @@ from .mamba2 import mamba2_mixer_forward
 
 # model_type -> our initial-state-aware forward of that architecture's stock mixer (compat.mixer_classes())
 _PATH_FOR_MODEL_TYPE = {
-    "mamba": mamba_mixer_forward, "mamba2": mamba2_mixer_forward, "falcon_mamba": mamba_mixer_forward,
+    "mamba": mamba_mixer_forward,
+    "mamba2": mamba2_mixer_forward,
+    "falcon_mamba": mamba_mixer_forward,
     # the hybrids' Mamba mixers
-    "jamba": mamba_mixer_forward, "zamba2": mamba2_mixer_forward, "bamba": mamba2_mixer_forward,
-    "granitemoehybrid": mamba2_mixer_forward, "nemotron_h": mamba2_mixer_forward, "falcon_h1": falcon_h1_mixer_forward,
+    "jamba": mamba_mixer_forward,
+    "zamba2": mamba2_mixer_forward,
+    "bamba": mamba2_mixer_forward,
+    "granitemoehybrid": mamba2_mixer_forward,
+    "nemotron_h": mamba2_mixer_forward,
+    "falcon_h1": falcon_h1_mixer_forward,
 }
 _COMPOSABLE_MIXER_CLASSES: dict[type, type] = {}
 
@@ -67,8 +73,9 @@ def _composable_mixer_class(base: type) -> type:
             cache = args.pop(0) if args else compat.pop_cache(kwargs)
             attention_mask = args.pop(0) if args else kwargs.pop("attention_mask", None)
             if not isinstance(cache, ComposableMambaCache):
-                return base.forward(self, hidden_states, *args, attention_mask=attention_mask,
-                                    **compat.cache_kwargs(cache), **kwargs)
+                return base.forward(
+                    self, hidden_states, *args, attention_mask=attention_mask, **compat.cache_kwargs(cache), **kwargs
+                )
             length = hidden_states.shape[1]
             mask = None
             if attention_mask is not None and attention_mask.dim() == 2 and length > 1:
@@ -137,7 +144,8 @@ def enable_state_path(model, backend: str | None = None):
 def state_path_enabled(model) -> bool:
     """Whether ``model``'s mixers are the state-aware ones."""
     return all(
-        isinstance(mixer, _StateAwareMixer) or getattr(mixer, "_hsc_runs_on_cache", False) for mixer in ssm_mixers(model)
+        isinstance(mixer, _StateAwareMixer) or getattr(mixer, "_hsc_runs_on_cache", False)
+        for mixer in ssm_mixers(model)
     )
 
 

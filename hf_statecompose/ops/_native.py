@@ -12,6 +12,7 @@ by a hash of the source, the flags, the compiler and the CPU. If there is no com
 fails, a warning is logged once and the callers use their torch paths. ``HF_STATECOMPOSE_NATIVE=0``
 turns the native kernels off.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -108,7 +109,9 @@ def load(name: str, source: str) -> ctypes.CDLL | None:
                 _loaded[name] = _build(name, source)
             except Exception as error:  # no compiler, read-only home, unsupported platform: torch paths
                 _failed[name] = repr(error)
-                logger.warning("hf_statecompose: native CPU kernel %r unavailable (%s); using the torch path", name, error)
+                logger.warning(
+                    "hf_statecompose: native CPU kernel %r unavailable (%s); using the torch path", name, error
+                )
                 return None
     return _loaded.get(name)
 

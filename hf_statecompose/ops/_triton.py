@@ -1,4 +1,5 @@
 """Shared helpers of the Triton kernels (``<op>/triton_kernel.py``); imports no Triton itself."""
+
 from __future__ import annotations
 
 import importlib

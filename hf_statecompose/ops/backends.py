@@ -14,6 +14,7 @@
 An explicitly requested backend that cannot run raises ``RuntimeError`` with the reason; it never
 silently falls back.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -92,8 +93,9 @@ def selective_scan(*args, backend: str = "auto", **kwargs):
     return _dispatch("selective_scan", selective_scan_torch, "u", args, kwargs, backend)
 
 
-def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                         initial_state=None, mask=None):
+def selective_scan_torch(
+    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None, mask=None
+):
     """The torch backend: the native C kernel for float32 inference (see ``ops/_native.py``), else compiled
     for long inference inputs, else chunked eager (and always with autograd)."""
     args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, mask)
@@ -119,8 +121,20 @@ def ssd_scan(*args, backend: str = "auto", **kwargs):
     return _dispatch("ssd_scan", ssd_scan_torch, "x", args, kwargs, backend)
 
 
-def ssd_scan_torch(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, dt_limit=None, initial_state=None,
-                   mask=None, chunk_size: int = 64):
+def ssd_scan_torch(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    dt_bias=None,
+    dt_softplus=False,
+    dt_limit=None,
+    initial_state=None,
+    mask=None,
+    chunk_size: int = 64,
+):
     """The torch backend: the native C recurrence for float32 inference, else the chunked scan (with autograd)."""
     args = (x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_state, mask)
     if _ssd_native.applicable(x, dt, A, B, C, initial_state, mask):

@@ -12,13 +12,15 @@ value checks.
 Every function of a config here reads only plain config entries (no derived properties), so that a config
 rebuilt from a state file's JSON, or the JSON itself seen through attributes, answers the same.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -197,42 +199,56 @@ def _check_resampling_values(extras: dict, v: int, refuse, *, config, num_tokens
     seen = count > 0
     if ((clock > 0) & ~seen).any():
         row = int(((clock > 0) & ~seen).nonzero()[0, 0])
-        refuse(f"layer {v} resampling clock is {int(clock[row])} (row {row}) but no window neighbour is valid: the clock "
-               "only moves with real tokens, and every real token enters the window")
+        refuse(
+            f"layer {v} resampling clock is {int(clock[row])} (row {row}) but no window neighbour is valid: the clock "
+            "only moves with real tokens, and every real token enters the window"
+        )
     if window and (valid[:, -1] & (times[:, -1] != clock)).any():
-        refuse(f"layer {v} resampling latest valid neighbour's time differs from the clock: the latest real token set both")
+        refuse(
+            f"layer {v} resampling latest valid neighbour's time differs from the clock: the latest real token set both"
+        )
     if window > 1:
         steps = times[:, 1:] - times[:, :-1]
         if (valid[:, :-1] & ((steps < least) | (steps > one))).any():
-            refuse(f"layer {v} resampling window times must grow by one token's clock step between valid neighbours, "
-                   f"in [{least}, {one}] for this branch (κ = {float(config.branch_compressions[v % len(config.branch_compressions)]):g})")
+            refuse(
+                f"layer {v} resampling window times must grow by one token's clock step between valid neighbours, "
+                f"in [{least}, {one}] for this branch (κ = {float(config.branch_compressions[v % len(config.branch_compressions)]):g})"
+            )
     if window and seen.any():
         first = times.gather(1, (window - count).clamp(max=window - 1)[:, None])[:, 0]
         if (seen & (first < least)).any():
             refuse(f"layer {v} resampling first valid neighbour's time is below one token's least clock step {least}")
         if (seen & (count < window) & (first > one)).any():
-            refuse(f"layer {v} resampling window is not full, so it holds every real token so far, but its first "
-                   f"valid time is after the first token's (at most {one})")
+            refuse(
+                f"layer {v} resampling window is not full, so it holds every real token so far, but its first "
+                f"valid time is after the first token's (at most {one})"
+            )
     last_output = extras["last_outputs"]
     for label, tensor in (("window inputs", extras["window_inputs"]), ("last output", last_output)):
         if not torch.isfinite(tensor).all():
             refuse(f"layer {v} resampling {label} contain NaN or inf")
     if ((clock < one) & (last_output != 0).flatten(1).any(1)).any():
-        refuse(f"layer {v} resampling last output is not zero before the first grid point (clock < {one}: the model "
-               "reads zeros until it creates one)")
+        refuse(
+            f"layer {v} resampling last output is not zero before the first grid point (clock < {one}: the model "
+            "reads zeros until it creates one)"
+        )
     if num_tokens is None:
         return
     if (count > num_tokens).any():
         row = int((count > num_tokens).nonzero()[0, 0])
-        refuse(f"layer {v} resampling window holds {int(count[row])} valid neighbours, more than num_tokens "
-               f"({int(num_tokens[row])}) (row {row})")
+        refuse(
+            f"layer {v} resampling window holds {int(count[row])} valid neighbours, more than num_tokens "
+            f"({int(num_tokens[row])}) (row {row})"
+        )
     if (clock > num_tokens * one).any():
         refuse(f"layer {v} resampling clock exceeds num_tokens x {one}: each token advances it by at most {one}")
     if encoded:
         if (count != num_tokens.clamp(max=window)).any() or (clock < num_tokens * least).any():
-            refuse(f"layer {v} resampling state is not that of an encoding of num_tokens tokens (the state carries "
-                   f"token_ids, so it was encoded from an empty state: min(K, num_tokens) valid neighbours and a "
-                   f"clock of at least num_tokens x {least})")
+            refuse(
+                f"layer {v} resampling state is not that of an encoding of num_tokens tokens (the state carries "
+                f"token_ids, so it was encoded from an empty state: min(K, num_tokens) valid neighbours and a "
+                f"clock of at least num_tokens x {least})"
+            )
 
 
 def _check_resampling_across_layers(layers: list, refuse) -> None:
@@ -244,9 +260,11 @@ def _check_resampling_across_layers(layers: list, refuse) -> None:
     differ = counts != counts[:1]
     if bool(differ.any()):
         v, row = (int(i) for i in differ.nonzero()[0])
-        refuse(f"the resampling windows hold different numbers of valid neighbours: layer 0 has "
-               f"{int(counts[0, row])}, layer {v} has {int(counts[v, row])} (row {row}); every layer and branch "
-               "sees the same real tokens")
+        refuse(
+            f"the resampling windows hold different numbers of valid neighbours: layer 0 has "
+            f"{int(counts[0, row])}, layer {v} has {int(counts[v, row])} (row {row}); every layer and branch "
+            "sees the same real tokens"
+        )
 
 
 SERPENT_MAMBA = Architecture(
@@ -260,18 +278,39 @@ SERPENT_MAMBA = Architecture(
     cache_class_name="ComposableSeRpEntCache",
     extras=(
         ExtraTensor("clocks", "resample.clock", "resampling clock", lambda c: (), lambda d: torch.int64),
-        ExtraTensor("window_inputs", "resample.inputs", "resampling window inputs",
-                    lambda c: (c.resample_window, c.hidden_size), lambda d: torch.promote_types(d, torch.float32)),
-        ExtraTensor("window_times", "resample.times", "resampling window times",
-                    lambda c: (c.resample_window,), lambda d: torch.int64),
-        ExtraTensor("window_valid", "resample.valid", "resampling window valid mask",
-                    lambda c: (c.resample_window,), lambda d: torch.bool),
-        ExtraTensor("last_outputs", "resample.last_output", "resampling last output",
-                    lambda c: (c.hidden_size // _branches(c),), lambda d: d),
+        ExtraTensor(
+            "window_inputs",
+            "resample.inputs",
+            "resampling window inputs",
+            lambda c: (c.resample_window, c.hidden_size),
+            lambda d: torch.promote_types(d, torch.float32),
+        ),
+        ExtraTensor(
+            "window_times",
+            "resample.times",
+            "resampling window times",
+            lambda c: (c.resample_window,),
+            lambda d: torch.int64,
+        ),
+        ExtraTensor(
+            "window_valid",
+            "resample.valid",
+            "resampling window valid mask",
+            lambda c: (c.resample_window,),
+            lambda d: torch.bool,
+        ),
+        ExtraTensor(
+            "last_outputs",
+            "resample.last_output",
+            "resampling last output",
+            lambda c: (c.hidden_size // _branches(c),),
+            lambda d: d,
+        ),
     ),
     check_extra_values=_check_resampling_values,
     check_extras_across_layers=_check_resampling_across_layers,
 )
+
 
 # ---------------------------------------------------------------------------------------------- COFFEE
 def _coffee_elements(c) -> int:
@@ -309,8 +348,19 @@ COFFEE = Architecture(
 # A state holds one SSM state layer per Mamba layer (as Mamba-2's, or Mamba-1's for Jamba) and, per attention
 # layer, the context's keys and values [B, kv heads, L, head dim] with their positions [B, L] (-1: padding); the
 # cache (.hybrid_cache) keeps one layer object per model layer, aligned with the model's layer indices.
-_SSM_KINDS = {"linear_attention": "ssm", "mamba": "ssm", "m": "ssm", "attention": "attention", "full_attention": "attention",
-              "*": "attention", "hybrid": "both", "mlp": "none", "moe": "none", "-": "none", "e": "none"}
+_SSM_KINDS = {
+    "linear_attention": "ssm",
+    "mamba": "ssm",
+    "m": "ssm",
+    "attention": "attention",
+    "full_attention": "attention",
+    "*": "attention",
+    "hybrid": "both",
+    "mlp": "none",
+    "moe": "none",
+    "-": "none",
+    "e": "none",
+}
 
 
 def _kinds(names) -> tuple:
@@ -330,11 +380,14 @@ def _listed_kinds(*keys):
             if names:
                 return _kinds(names)
         raise ValueError(f"the config lists no layer types ({' / '.join(keys)})")
+
     return kinds
 
 
 def _jamba_kinds(c):
-    return tuple("attention" if i % c.attn_layer_period == c.attn_layer_offset else "ssm" for i in range(c.num_hidden_layers))
+    return tuple(
+        "attention" if i % c.attn_layer_period == c.attn_layer_offset else "ssm" for i in range(c.num_hidden_layers)
+    )
 
 
 def _bamba_kinds(c):
@@ -376,27 +429,66 @@ def _rope_fraction(c) -> float:
     return float(parameters.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)) or 1.0)
 
 
-BAMBA = _mamba2_hybrid("bamba", heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state", groups="mamba_n_groups",
-                       kernel="mamba_d_conv", kinds=_bamba_kinds, mixer_paths=(("mamba",),), attention_shape=_kv_shape,
-                       rotary_dims=lambda c: int(_head_dim(c) * _rope_fraction(c)))
+BAMBA = _mamba2_hybrid(
+    "bamba",
+    heads="mamba_n_heads",
+    head_dim="mamba_d_head",
+    state="mamba_d_state",
+    groups="mamba_n_groups",
+    kernel="mamba_d_conv",
+    kinds=_bamba_kinds,
+    mixer_paths=(("mamba",),),
+    attention_shape=_kv_shape,
+    rotary_dims=lambda c: int(_head_dim(c) * _rope_fraction(c)),
+)
 GRANITE_MOE_HYBRID = _mamba2_hybrid(
-    "granitemoehybrid", heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state", groups="mamba_n_groups",
-    kernel="mamba_d_conv", kinds=_listed_kinds("layer_types", "layers_block_type"), mixer_paths=(("mamba",),),
-    attention_shape=_kv_shape, rotary_dims=lambda c: _head_dim(c) if getattr(c, "position_embedding_type", None) == "rope" else 0)
+    "granitemoehybrid",
+    heads="mamba_n_heads",
+    head_dim="mamba_d_head",
+    state="mamba_d_state",
+    groups="mamba_n_groups",
+    kernel="mamba_d_conv",
+    kinds=_listed_kinds("layer_types", "layers_block_type"),
+    mixer_paths=(("mamba",),),
+    attention_shape=_kv_shape,
+    rotary_dims=lambda c: _head_dim(c) if getattr(c, "position_embedding_type", None) == "rope" else 0,
+)
 NEMOTRON_H = _mamba2_hybrid(
-    "nemotron_h", heads="mamba_num_heads", head_dim="mamba_head_dim", state="ssm_state_size", groups="n_groups",
-    kernel="conv_kernel", kinds=_listed_kinds("layers_block_type", "layer_types"), mixer_paths=(("mixer",),),
-    attention_shape=_kv_shape, rotary_dims=lambda c: 0)
+    "nemotron_h",
+    heads="mamba_num_heads",
+    head_dim="mamba_head_dim",
+    state="ssm_state_size",
+    groups="n_groups",
+    kernel="conv_kernel",
+    kinds=_listed_kinds("layers_block_type", "layer_types"),
+    mixer_paths=(("mixer",),),
+    attention_shape=_kv_shape,
+    rotary_dims=lambda c: 0,
+)
 FALCON_H1 = _mamba2_hybrid(
-    "falcon_h1", heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state", groups="mamba_n_groups",
-    kernel="mamba_d_conv", kinds=lambda c: ("both",) * c.num_hidden_layers, mixer_paths=(("mamba",),),
-    attention_shape=_kv_shape, rotary_dims=_head_dim)
+    "falcon_h1",
+    heads="mamba_n_heads",
+    head_dim="mamba_d_head",
+    state="mamba_d_state",
+    groups="mamba_n_groups",
+    kernel="mamba_d_conv",
+    kinds=lambda c: ("both",) * c.num_hidden_layers,
+    mixer_paths=(("mamba",),),
+    attention_shape=_kv_shape,
+    rotary_dims=_head_dim,
+)
 ZAMBA2 = _mamba2_hybrid(
-    "zamba2", heads="n_mamba_heads", head_dim="mamba_headdim", state="mamba_d_state", groups="mamba_ngroups",
-    kernel="mamba_d_conv", kinds=_listed_kinds("layers_block_type", "layer_types"),
+    "zamba2",
+    heads="n_mamba_heads",
+    head_dim="mamba_headdim",
+    state="mamba_d_state",
+    groups="mamba_ngroups",
+    kernel="mamba_d_conv",
+    kinds=_listed_kinds("layers_block_type", "layer_types"),
     mixer_paths=(("mamba",), ("mamba_decoder", "mamba")),
     attention_shape=lambda c: (getattr(c, "num_key_value_heads", None) or c.num_attention_heads, c.attention_head_dim),
-    rotary_dims=lambda c: c.attention_head_dim if getattr(c, "use_mem_rope", False) else 0)
+    rotary_dims=lambda c: c.attention_head_dim if getattr(c, "use_mem_rope", False) else 0,
+)
 
 
 def _jamba_inner(c) -> int:
@@ -425,19 +517,35 @@ def _hybrid_A_log_of(layout):
             return None
         mixer = layout.mixer_of(backbone.layers[layers[v]])
         return getattr(mixer, "A_log", None)
+
     return A_log_of
 
 
-HYBRIDS = tuple(dataclasses.replace(a, A_log_of=_hybrid_A_log_of(a)) for a in (JAMBA, ZAMBA2, BAMBA, GRANITE_MOE_HYBRID, NEMOTRON_H, FALCON_H1))
+HYBRIDS = tuple(
+    dataclasses.replace(a, A_log_of=_hybrid_A_log_of(a))
+    for a in (JAMBA, ZAMBA2, BAMBA, GRANITE_MOE_HYBRID, NEMOTRON_H, FALCON_H1)
+)
 for _a in HYBRIDS:  # the A_log lookup closes over the first object: point it at the final one
     object.__setattr__(_a, "A_log_of", _hybrid_A_log_of(_a))
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (MAMBA, MAMBA2, FALCON_MAMBA, SERPENT_MAMBA, COFFEE, *HYBRIDS)}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a for a in (MAMBA, MAMBA2, FALCON_MAMBA, SERPENT_MAMBA, COFFEE, *HYBRIDS)
+}
 
 
-def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, model_dtype: torch.dtype, batch: int,
-                        device, refuse: Callable[[str], NoReturn], num_tokens: torch.Tensor | None = None,
-                        encoded: bool = False) -> None:
+def check_extra_tensors(
+    layout: Architecture,
+    extras: dict,
+    v: int,
+    *,
+    config,
+    model_dtype: torch.dtype,
+    batch: int,
+    device,
+    refuse: Callable[[str], NoReturn],
+    num_tokens: torch.Tensor | None = None,
+    encoded: bool = False,
+) -> None:
     """The extra tensors of state layer ``v`` (``{attribute: tensor}``) as ``layout`` describes them: present,
     dtypes (from ``model_dtype``), shapes (``[batch, *row_shape(config)]``), device and values (the invariants of
     a real encoding, :func:`_check_resampling_values` for SeRpEnt). ``num_tokens`` (``[batch]`` int64, optional)
@@ -447,23 +555,37 @@ def check_extra_tensors(layout: Architecture, extras: dict, v: int, *, config, m
     for extra in layout.extras:
         tensor = extras.get(extra.attribute)
         if not isinstance(tensor, torch.Tensor):
-            refuse(f"layer {v} {extra.label} is missing ({type(tensor).__name__}): the state carries no "
-                   f"{layout.name} resampling state")
+            refuse(
+                f"layer {v} {extra.label} is missing ({type(tensor).__name__}): the state carries no "
+                f"{layout.name} resampling state"
+            )
         dtype, shape = extra.dtype(model_dtype), (batch, *extra.row_shape(config))
         if tensor.dtype != dtype:
             refuse(f"layer {v} {extra.label} is {tensor.dtype}, expected {dtype}")
         if tuple(tensor.shape) != shape:
-            refuse(f"layer {v} {extra.label} has shape {tuple(tensor.shape)}, expected {shape} "
-                   f"(batch {batch}, the rest from the {layout.name} config)")
+            refuse(
+                f"layer {v} {extra.label} has shape {tuple(tensor.shape)}, expected {shape} "
+                f"(batch {batch}, the rest from the {layout.name} config)"
+            )
         if device is not None and tensor.device != device:
             refuse(f"layer {v} {extra.label} is on {tensor.device}, the states on {device}")
     if layout.check_extra_values is not None:
-        counts = (num_tokens if isinstance(num_tokens, torch.Tensor) and num_tokens.dtype == torch.int64
-                  and tuple(num_tokens.shape) == (batch,) else None)
+        counts = (
+            num_tokens
+            if isinstance(num_tokens, torch.Tensor)
+            and num_tokens.dtype == torch.int64
+            and tuple(num_tokens.shape) == (batch,)
+            else None
+        )
         with torch.no_grad():
-            layout.check_extra_values(extras, v, refuse, config=config,
-                                      num_tokens=counts.to(extras[layout.extras[0].attribute].device) if counts is not None else None,
-                                      encoded=encoded and counts is not None)
+            layout.check_extra_values(
+                extras,
+                v,
+                refuse,
+                config=config,
+                num_tokens=counts.to(extras[layout.extras[0].attribute].device) if counts is not None else None,
+                encoded=encoded and counts is not None,
+            )
 
 
 def architecture(name: str | None) -> Architecture:

@@ -21,10 +21,12 @@ their ``[B, E, n]`` layer state flattened into a Mamba-1 layout with one channel
 ``-Σ_k log(1 + λΔ(k))`` and ``A`` = -1 ``[E·n, 1]``, so ``log_decay(l)`` is each element's log of the product
 of its step multipliers over the context (:data:`.architectures.COFFEE`).
 """
+
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -52,8 +54,16 @@ class ComposableMambaCache(compat.DynamicCache):
     def is_compileable(self) -> bool:
         return False
 
-    def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None,
-                 num_layers: int | None = None):
+    def __init__(
+        self,
+        config,
+        *,
+        architecture: str,
+        fingerprint: str,
+        model_dtype: torch.dtype,
+        model_info=None,
+        num_layers: int | None = None,
+    ):
         from .architectures import architecture as layout_of
 
         if num_layers is None:
@@ -67,14 +77,16 @@ class ComposableMambaCache(compat.DynamicCache):
         self.num_tokens: torch.Tensor | None = None  # [B] int64
         self.token_ids: torch.Tensor | None = None  # [B, T] int64, left-padded with -1
 
-    ssm_states = layer_attribute("ssm_state", "Per layer: the SSM state (Mamba-1 ``[B, D, N]``, Mamba-2 ``[B, H, P, N]``).")
+    ssm_states = layer_attribute(
+        "ssm_state", "Per layer: the SSM state (Mamba-1 ``[B, D, N]``, Mamba-2 ``[B, H, P, N]``)."
+    )
     conv_states = layer_attribute("conv_state", "Per layer: the conv window ``[B, C, K]`` (the model's dtype).")
     delta_sums = layer_attribute("delta_sum", "Per layer: the context's ΣΔ (Mamba-1 ``[B, D]``, Mamba-2 ``[B, H]``).")
     A = layer_attribute("A", "Per layer: the layer's ``A`` (Mamba-1 ``[D, N]``, Mamba-2 ``[H]``), float32.")
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def empty_for(cls, model) -> "ComposableMambaCache":
+    def empty_for(cls, model) -> ComposableMambaCache:
         """A cache with no state yet, for ``model``: the model's forward fills it. Called on this class, it
         gives the cache class of the model's architecture (a :class:`ComposableSeRpEntCache` for a SeRpEnt
         model, with the same public contract)."""
@@ -98,8 +110,12 @@ class ComposableMambaCache(compat.DynamicCache):
     @classmethod
     def _model_info(cls, model) -> dict:
         config = model.config
-        return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
-                "hidden_size": config.hidden_size, "state_size": config.state_size}
+        return {
+            "model_type": config.model_type,
+            "num_hidden_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "state_size": config.state_size,
+        }
 
     @classmethod
     def encode(
@@ -195,7 +211,7 @@ class ComposableMambaCache(compat.DynamicCache):
     # states give states that share no tensor with their inputs, ``A`` and every extra included, so an
     # in-place edit of one never reaches the other. detach() and to() (to the same device and dtype) share
     # memory, as torch's detach / to do; a composition of one state is that state (it shares its tensors).
-    def _map_rows(self, fn, fixed=None) -> "ComposableMambaCache":
+    def _map_rows(self, fn, fixed=None) -> ComposableMambaCache:
         """A new cache whose every per-row tensor (of every layer, and the token counts / ids) is ``fn`` of this
         one's and whose ``A`` (no batch dimension) is ``fixed`` of this one's, a copy by default."""
         fixed = (lambda t: t.clone()) if fixed is None else fixed
@@ -215,7 +231,7 @@ class ComposableMambaCache(compat.DynamicCache):
         out.token_ids = fn(self.token_ids) if self.token_ids is not None else None
         return out
 
-    def _empty_like(self) -> "ComposableMambaCache":
+    def _empty_like(self) -> ComposableMambaCache:
         """A cache of the same model and class with empty layers."""
         return type(self)(
             self.config,
@@ -226,22 +242,22 @@ class ComposableMambaCache(compat.DynamicCache):
             num_layers=len(self.layers) if self.state_layers is self.layers else None,
         )
 
-    def _filled_like(self, ssm_states, conv_states, delta_sums) -> "ComposableMambaCache":
+    def _filled_like(self, ssm_states, conv_states, delta_sums) -> ComposableMambaCache:
         """A new cache of this one's model with these per-layer tensors and a copy of this cache's ``A``."""
         out = self._empty_like()
         for i, (ssm_state, conv_state, delta_sum, A) in enumerate(zip(ssm_states, conv_states, delta_sums, self.A)):
             out.set_layer(i, ssm_state=ssm_state, conv_state=conv_state, delta_sum=delta_sum, A=A.clone())
         return out
 
-    def clone(self) -> "ComposableMambaCache":
+    def clone(self) -> ComposableMambaCache:
         """A copy owning every tensor (``A`` and the architecture's extras included)."""
         return self._map_rows(lambda t: t.clone())
 
-    def detach(self) -> "ComposableMambaCache":
+    def detach(self) -> ComposableMambaCache:
         """The same tensors without autograd history (they share memory with this cache's, as ``Tensor.detach``)."""
         return self._map_rows(lambda t: t.detach(), fixed=lambda t: t.detach())
 
-    def to(self, device=None, dtype=None) -> "ComposableMambaCache":
+    def to(self, device=None, dtype=None) -> ComposableMambaCache:
         """Move to ``device``; ``dtype`` converts the conv windows and records it as the model dtype
         (SSM states, ΣΔ and A stay float32). Tensors already there are shared, as ``Tensor.to`` shares them."""
         move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
@@ -273,14 +289,18 @@ class ComposableMambaCache(compat.DynamicCache):
         if isinstance(rows, (list, tuple)):
             for k, row in enumerate(rows):
                 integer = (isinstance(row, numbers.Integral) and not isinstance(row, bool)) or (
-                    torch.is_tensor(row) and row.dim() == 0 and not row.dtype.is_floating_point
-                    and not row.dtype.is_complex and row.dtype != torch.bool)
+                    torch.is_tensor(row)
+                    and row.dim() == 0
+                    and not row.dtype.is_floating_point
+                    and not row.dtype.is_complex
+                    and row.dtype != torch.bool
+                )
                 if not integer:
                     raise TypeError(f"{self._ROWS_ACCEPTED}, got {row!r} ({type(row).__name__}) at position {k}")
             return torch.tensor([int(row) for row in rows], dtype=torch.long)
         raise TypeError(f"{self._ROWS_ACCEPTED}, got {rows!r} ({type(rows).__name__})")
 
-    def select(self, rows) -> "ComposableMambaCache":
+    def select(self, rows) -> ComposableMambaCache:
         """Rows ``rows`` (int, list of ints, slice or LongTensor) as a new cache owning its tensors."""
         index = self._row_index(rows)
         if index.numel() and (index.min() < -self.batch_size or index.max() >= self.batch_size):
@@ -290,7 +310,7 @@ class ComposableMambaCache(compat.DynamicCache):
     def __getitem__(self, rows):
         return self.select(rows)
 
-    def repeat_interleave(self, repeats: int) -> "ComposableMambaCache":
+    def repeat_interleave(self, repeats: int) -> ComposableMambaCache:
         """Each row ``repeats`` times in a row (as ``torch.repeat_interleave(dim=0)``), for beam search."""
         if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral):
             raise TypeError(f"repeats must be an int >= 1, got {type(repeats).__name__} {repeats!r:.40}")
@@ -299,7 +319,7 @@ class ComposableMambaCache(compat.DynamicCache):
         return self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     @classmethod
-    def stack(cls, caches: Sequence["ComposableMambaCache"]) -> "ComposableMambaCache":
+    def stack(cls, caches: Sequence[ComposableMambaCache]) -> ComposableMambaCache:
         """Concatenate caches of the same model along the batch (called on this class, the caches' own
         class does it, so that a subclass's extra tensors follow their rows)."""
         from .validation import check_compatible
@@ -328,10 +348,12 @@ class ComposableMambaCache(compat.DynamicCache):
         token_ids = [c.token_ids for c in caches if c.token_ids is not None]
         if len(token_ids) == len(caches):
             width = max(t.shape[1] for t in token_ids)
-            out.token_ids = torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0), value=-1) for t in token_ids])
+            out.token_ids = torch.cat(
+                [torch.nn.functional.pad(t, (width - t.shape[1], 0), value=-1) for t in token_ids]
+            )
         return out
 
-    def _finish_composition(self, states: Sequence["ComposableMambaCache"]) -> None:
+    def _finish_composition(self, states: Sequence[ComposableMambaCache]) -> None:
         """Called by the composer on a state it composed from ``states`` (list order, non-empty) after
         setting every layer's SSM state, conv window and ΣΔ: a subclass fills in what else its states carry
         (SeRpEnt: the resampling state, from the last state). Nothing more for Mamba / Mamba-2."""
@@ -381,7 +403,7 @@ class ComposableMambaCache(compat.DynamicCache):
         save_state(self, path, keys_dtype=keys_dtype)
 
     @classmethod
-    def load(cls, path, model=None, device=None) -> "ComposableMambaCache":
+    def load(cls, path, model=None, device=None) -> ComposableMambaCache:
         """Read a state written by :meth:`save`. With ``model``, checks it was encoded by that model."""
         from .serialization import load_state
 
@@ -421,5 +443,8 @@ def _stack_keys(layers) -> tuple:
         shape[dim] = missing
         return torch.cat([t.new_full(shape, value), t], dim=dim)
 
-    return (torch.cat([pad(l.keys, 0, -2) for l in layers]), torch.cat([pad(l.values, 0, -2) for l in layers]),
-            torch.cat([pad(l.positions, -1, -1) for l in layers]))
+    return (
+        torch.cat([pad(l.keys, 0, -2) for l in layers]),
+        torch.cat([pad(l.values, 0, -2) for l in layers]),
+        torch.cat([pad(l.positions, -1, -1) for l in layers]),
+    )

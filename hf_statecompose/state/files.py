@@ -1,4 +1,5 @@
 """Crash-safe file writes shared by state files, the store and the benchmarks' JSON."""
+
 from __future__ import annotations
 
 import os

@@ -7,13 +7,13 @@ Only the LM head and the final norm are left out: they act after the states. Ran
 gives identical ``A_log`` and ``D`` across seeds, so those alone would not tell models apart; hashing
 every parameter does.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import threading
 import weakref
-
 from typing import Any
 
 import torch
@@ -81,12 +81,18 @@ def base_model_of(model: torch.nn.Module) -> Any:
 # hybrids whose states are refused, and why (README "Hybrid models")
 REFUSED_MODEL_TYPES = {
     "qwen3_next": "its linear layers are gated DeltaNet: the state transition (I - beta k k^T) is not diagonal, so a "
-                  "context's decay is a matrix, not the per-channel accumulated decay (ΣΔ) that the composition rules weigh by",
+    "context's decay is a matrix, not the per-channel accumulated decay (ΣΔ) that the composition rules weigh by",
     "lfm2": "its recurrent layers are short gated convolutions without an SSM state or decay: there is nothing for the "
-            "decay-weighted rules to weigh, only a window of the last few inputs",
+    "decay-weighted rules to weigh, only a window of the last few inputs",
 }
-REFUSED_MODEL_TYPES.update({"qwen3_5": REFUSED_MODEL_TYPES["qwen3_next"], "qwen3_5_moe": REFUSED_MODEL_TYPES["qwen3_next"],
-                            "qwen3_next_moe": REFUSED_MODEL_TYPES["qwen3_next"], "lfm2_moe": REFUSED_MODEL_TYPES["lfm2"]})
+REFUSED_MODEL_TYPES.update(
+    {
+        "qwen3_5": REFUSED_MODEL_TYPES["qwen3_next"],
+        "qwen3_5_moe": REFUSED_MODEL_TYPES["qwen3_next"],
+        "qwen3_next_moe": REFUSED_MODEL_TYPES["qwen3_next"],
+        "lfm2_moe": REFUSED_MODEL_TYPES["lfm2"],
+    }
+)
 
 
 def architecture_of(model: torch.nn.Module) -> str:
@@ -163,7 +169,9 @@ def _content_checksum(tensors) -> bytes:
                 # the same bits as bfloat16: fp16 reductions are slow on CPUs; a bijection loses nothing
                 data = data.view(torch.bfloat16)
             rows = data.reshape(data.shape[0], -1)
-            parts.append(_float_bits(rows.sum(-1) if rows.dtype.is_floating_point else rows.sum(-1, dtype=torch.float64)))
+            parts.append(
+                _float_bits(rows.sum(-1) if rows.dtype.is_floating_point else rows.sum(-1, dtype=torch.float64))
+            )
             flat = tensor.detach().reshape(-1)
             parts.append(_float_bits(flat[:: max(1, flat.numel() // _SAMPLES_PER_TENSOR)][:_SAMPLES_PER_TENSOR]))
     if not parts:
@@ -247,8 +255,21 @@ _REFRESH_LOCK = threading.Lock()  # one full hash + arming at a time (arming swa
 class _Cached:
     """A model's fingerprint and what it was computed from (see the comment above)."""
 
-    __slots__ = ("architecture", "armed", "checked", "checksum", "config", "fingerprint", "identity", "lost", "names", "refs",
-                 "small", "small_bytes", "volatile")
+    __slots__ = (
+        "architecture",
+        "armed",
+        "checked",
+        "checksum",
+        "config",
+        "fingerprint",
+        "identity",
+        "lost",
+        "names",
+        "refs",
+        "small",
+        "small_bytes",
+        "volatile",
+    )
 
     def __init__(self, fingerprint, architecture, config, named, identity, volatile, lost=frozenset()):
         self.fingerprint, self.architecture, self.config, self.volatile = fingerprint, architecture, config, volatile
@@ -295,8 +316,9 @@ def _exact_bytes(tensors) -> dict:
     for t in tensors:
         data = t.detach()
         if data.numel():
-            by_device.setdefault(str(data.device), []).append(data.reshape(-1).view(torch.uint8) if data.dtype != torch.bool
-                                                              else data.reshape(-1).to(torch.uint8))
+            by_device.setdefault(str(data.device), []).append(
+                data.reshape(-1).view(torch.uint8) if data.dtype != torch.bool else data.reshape(-1).to(torch.uint8)
+            )
     return {device: torch.cat(parts) for device, parts in by_device.items()}
 
 

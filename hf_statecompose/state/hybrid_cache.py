@@ -19,6 +19,7 @@ layer ``ssm_layer_indices[v]``), so the composition rules, state files and check
 unchanged; :attr:`attention_layers` are the layers with keys and values, composed by their own rule
 (:mod:`hf_statecompose.composition.attention`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,15 +43,25 @@ def _new_layer(kind: str):
 class ComposableHybridCache(ComposableMambaCache):
     """A hybrid model's state: one layer per model layer (SSM, attention, both, or empty), see the module doc."""
 
-    def __init__(self, config, *, architecture: str, fingerprint: str, model_dtype: torch.dtype, model_info=None,
-                 num_layers: int | None = None):
+    def __init__(
+        self,
+        config,
+        *,
+        architecture: str,
+        fingerprint: str,
+        model_dtype: torch.dtype,
+        model_info=None,
+        num_layers: int | None = None,
+    ):
         layout = layout_of(architecture)
         kinds = layout.layer_kinds(config)  # type: ignore[misc]  # every hybrid layout has layer_kinds
         if num_layers is not None and num_layers != len(kinds):
             raise ValueError(f"a {architecture} state has one layer per model layer ({len(kinds)}), not {num_layers}")
         if "ssm" not in kinds and "both" not in kinds:
-            raise ValueError(f"this {architecture} model has no SSM layer (layer kinds {kinds}): it has no state to "
-                             "encode or compose; use transformers' own cache (past_key_values) for its attention layers")
+            raise ValueError(
+                f"this {architecture} model has no SSM layer (layer kinds {kinds}): it has no state to "
+                "encode or compose; use transformers' own cache (past_key_values) for its attention layers"
+            )
         compat.Cache.__init__(self, layers=[_new_layer(kind) for kind in kinds])
         self.config = config
         self.architecture = architecture
@@ -94,11 +105,16 @@ class ComposableHybridCache(ComposableMambaCache):
     @classmethod
     def _model_info(cls, model) -> dict:
         config = model.config
-        return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
-                "hidden_size": config.hidden_size}
+        return {
+            "model_type": config.model_type,
+            "num_hidden_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+        }
 
     _repr_name = "ComposableHybridCache"
 
     def _repr_layers(self) -> str:
-        return (f"layers={len(self.layers)} ({len(self.ssm_layer_indices)} SSM, {len(self.attention_layer_indices)} "
-                f"attention), keys={self.context_length}")
+        return (
+            f"layers={len(self.layers)} ({len(self.ssm_layer_indices)} SSM, {len(self.attention_layer_indices)} "
+            f"attention), keys={self.context_length}"
+        )

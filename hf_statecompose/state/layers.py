@@ -16,9 +16,10 @@ The cache keeps list-like per-layer views (``cache.ssm_states[l]``, ``cache.delt
 SeRpEnt's ``cache.clocks[v]``, ...) for the documented API: reading and assigning an item reads and assigns
 the layer's attribute (:class:`LayerView`).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .. import compat
 from .architectures import SERPENT_MAMBA
@@ -53,7 +54,7 @@ class ComposableSSMAttentionLayer(compat.SSMAttentionLayerBase):
 class LayerView(Sequence):
     """``cache.<name>[l]`` reads (and ``cache.<name>[l] = x`` sets) attribute ``attribute`` of state layer ``l``."""
 
-    __slots__ = ("_layers", "_attribute")
+    __slots__ = ("_attribute", "_layers")
 
     def __init__(self, layers, attribute: str):
         self._layers = layers

@@ -14,6 +14,7 @@ blake2b digest of all tensor bytes, so a file whose data was damaged after writi
 Writes go to a temporary file in the same folder, are fsynced, then renamed over the target: a crash
 mid-write leaves the old file (or none), never half a file.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,7 +37,11 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     """On the CPU with standard strides. ``contiguous()`` is not enough: a size-1 dimension may keep any
     stride (SeRpEnt's clock ``[1]`` is a column of a ``[1, T]`` tensor), which a byte view refuses."""
     tensor = tensor.detach().cpu()
-    return tensor if tensor.stride() == torch.empty(tensor.shape, device="meta").stride() else tensor.new_empty(tensor.shape).copy_(tensor)
+    return (
+        tensor
+        if tensor.stride() == torch.empty(tensor.shape, device="meta").stride()
+        else tensor.new_empty(tensor.shape).copy_(tensor)
+    )
 
 
 def _digest(tensors: dict) -> str:
@@ -60,11 +65,17 @@ def _keys_dtype(state, keys_dtype) -> torch.dtype:
     if keys_dtype is None:
         return state.model_dtype
     if not isinstance(keys_dtype, torch.dtype):
-        raise TypeError(f"keys_dtype must be a torch dtype (torch.bfloat16 or torch.float16) or None, got {type(keys_dtype).__name__} {keys_dtype!r:.40}")
+        raise TypeError(
+            f"keys_dtype must be a torch dtype (torch.bfloat16 or torch.float16) or None, got {type(keys_dtype).__name__} {keys_dtype!r:.40}"
+        )
     if not architecture(state.architecture).is_hybrid:
-        raise ValueError(f"keys_dtype applies to the attention keys of a hybrid model's state; this {state.architecture!r} state has none (leave keys_dtype=None)")
+        raise ValueError(
+            f"keys_dtype applies to the attention keys of a hybrid model's state; this {state.architecture!r} state has none (leave keys_dtype=None)"
+        )
     if keys_dtype not in _KEYS_DTYPES + (state.model_dtype,):
-        raise ValueError(f"keys_dtype must be torch.bfloat16, torch.float16 or the model dtype {state.model_dtype}, got {keys_dtype}")
+        raise ValueError(
+            f"keys_dtype must be torch.bfloat16, torch.float16 or the model dtype {state.model_dtype}, got {keys_dtype}"
+        )
     return keys_dtype
 
 
@@ -95,7 +106,9 @@ def state_to_tensors(state, keys_dtype=None) -> dict:
     out, storages = {}, set()
     for name, tensor in tensors.items():
         tensor = _dense(tensor)
-        if tensor.numel():  # safetensors refuses tensors that share memory (a hybrid's layers share one positions tensor)
+        if (
+            tensor.numel()
+        ):  # safetensors refuses tensors that share memory (a hybrid's layers share one positions tensor)
             storage = tensor.untyped_storage().data_ptr()
             tensor = tensor.clone() if storage in storages else tensor
             storages.add(tensor.untyped_storage().data_ptr())
@@ -114,7 +127,9 @@ def serialize_state(state, keys_dtype=None) -> bytes:
     tensors = state_to_tensors(state, keys_dtype)
     for name, tensor in tensors.items():  # float16's range is 65504: a key beyond it would load as inf
         if name.startswith("attn.") and not all_finite(tensor):
-            raise ValueError(f"the state's {name} overflow {keys_dtype} (values beyond its range); save with keys_dtype=torch.bfloat16 or None")
+            raise ValueError(
+                f"the state's {name} overflow {keys_dtype} (values beyond its range); save with keys_dtype=torch.bfloat16 or None"
+            )
     meta = {
         "format_version": FORMAT_VERSION,
         "architecture": state.architecture,
@@ -137,10 +152,14 @@ def save_state(state, path, keys_dtype=None) -> None:
     keys, rounded: see the README for what it costs); ``None`` stores them in the model dtype."""
     path = _check_path(path, "path")
     if os.path.isdir(path):
-        raise IsADirectoryError(f"{path} is a folder: give a file name for the state (e.g. {os.path.join(path, 'context.safetensors')})")
+        raise IsADirectoryError(
+            f"{path} is a folder: give a file name for the state (e.g. {os.path.join(path, 'context.safetensors')})"
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"cannot save the state to {path}: the folder {folder} does not exist (create it first)")
+        raise FileNotFoundError(
+            f"cannot save the state to {path}: the folder {folder} does not exist (create it first)"
+        )
     atomic_write(path, serialize_state(state, keys_dtype))
 
 
@@ -255,7 +274,9 @@ def _check_metadata(meta, path) -> None:
             f"{[str(d) for d in _KEYS_DTYPES]} (corrupted or hand-made file); re-encode the context"
         )
     if not hybrid and "keys_dtype" in meta:
-        raise ValueError(f"{path}: a {meta['architecture']!r} state has no keys, but its metadata records keys_dtype (hand-made file); re-encode the context")
+        raise ValueError(
+            f"{path}: a {meta['architecture']!r} state has no keys, but its metadata records keys_dtype (hand-made file); re-encode the context"
+        )
     if meta["num_layers"] < 1:
         raise ValueError(f"{path}: num_layers is {meta['num_layers']}, a state has at least one layer")
     model_type = meta["config"].get("model_type")
@@ -271,14 +292,18 @@ def _check_metadata(meta, path) -> None:
         raise ValueError(f"{path}: the recorded config has {expected!r} layers, the metadata says {meta['num_layers']}")
 
 
-def _check_tensor_names(tensors: dict, num_layers: int, path, architecture_name: str = "mamba", attention_layers=()) -> None:
+def _check_tensor_names(
+    tensors: dict, num_layers: int, path, architecture_name: str = "mamba", attention_layers=()
+) -> None:
     kinds = ("ssm", "conv", "delta_sum", "A") + tuple(e.file_key for e in architecture(architecture_name).extras)
     expected = {f"{kind}.{i}" for kind in kinds for i in range(num_layers)}
     expected |= {name for i in attention_layers for name in attention_tensor_names(i)}
     missing = sorted(expected - set(tensors))
     unknown = sorted(set(tensors) - expected - {"num_tokens", "token_ids"})
     if missing:
-        raise ValueError(f"{path}: missing tensors {missing[:4]}{'…' if len(missing) > 4 else ''}; re-encode the context")
+        raise ValueError(
+            f"{path}: missing tensors {missing[:4]}{'…' if len(missing) > 4 else ''}; re-encode the context"
+        )
     if unknown:
         raise ValueError(
             f"{path}: unexpected tensors {unknown[:4]}{'…' if len(unknown) > 4 else ''} for a {num_layers}-layer state "
@@ -313,7 +338,9 @@ def load_state(path, model=None, device=None):
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError) as error:
-            raise ValueError(f"device={device!r} is not a torch device ({str(error).splitlines()[0][:120]}); use e.g. 'cpu' or 'cuda:0'") from None
+            raise ValueError(
+                f"device={device!r} is not a torch device ({str(error).splitlines()[0][:120]}); use e.g. 'cpu' or 'cuda:0'"
+            ) from None
     meta = _read_metadata(path)
     if model is not None and architecture_of(model) != meta["architecture"]:
         raise ValueError(
@@ -326,7 +353,9 @@ def load_state(path, model=None, device=None):
     except Exception as error:
         raise ValueError(f"{path} is truncated or corrupted ({error}); re-encode the context") from None
     if _digest(tensors) != meta["tensor_digest"]:
-        raise ValueError(f"{path}: tensor data does not match its recorded digest (corrupted file); re-encode the context")
+        raise ValueError(
+            f"{path}: tensor data does not match its recorded digest (corrupted file); re-encode the context"
+        )
     num_layers = meta["num_layers"]
     if model is not None:
         config = model.config
@@ -336,7 +365,9 @@ def load_state(path, model=None, device=None):
         try:
             config = AutoConfig.for_model(model_type, **config_dict)
         except Exception as error:
-            raise ValueError(f"{path}: the recorded model config cannot be rebuilt ({error}); re-encode the context") from None
+            raise ValueError(
+                f"{path}: the recorded model config cannot be rebuilt ({error}); re-encode the context"
+            ) from None
     state = layout.cache_class()(
         config,
         architecture=meta["architecture"],
@@ -351,14 +382,24 @@ def load_state(path, model=None, device=None):
         )
     attention_layers = tuple(getattr(state, "attention_layer_indices", ()))
     if layout.is_hybrid:
-        stored = tuple(sorted({int(name.rsplit(".", 1)[1]) for name in tensors
-                               if name.startswith("attn.keys.") and name.rsplit(".", 1)[1].isdigit()}))
+        stored = tuple(
+            sorted(
+                {
+                    int(name.rsplit(".", 1)[1])
+                    for name in tensors
+                    if name.startswith("attn.keys.") and name.rsplit(".", 1)[1].isdigit()
+                }
+            )
+        )
         if stored != attention_layers:
             owner = "the model has" if model is not None else "its recorded config has"
             raise ValueError(
                 f"{path} holds attention keys for model layers {list(stored)}, {owner} attention layers {list(attention_layers)}; "
-                + ("the state belongs to another model: re-encode the context with this model" if model is not None
-                   else "the file was altered: re-encode the context")
+                + (
+                    "the state belongs to another model: re-encode the context with this model"
+                    if model is not None
+                    else "the file was altered: re-encode the context"
+                )
             )
     _check_tensor_names(tensors, num_layers, path, meta["architecture"], attention_layers)
     if model is not None:

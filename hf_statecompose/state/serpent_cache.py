@@ -38,8 +38,8 @@ choice makes 80-90% of CASO's small gap to ``concat`` (KL 0.0004 nats); the bran
 rest. ``concat`` re-encodes the tokens and is exact; ``piconcat_r`` takes the resampling state of its
 list-order concatenation (the rotation that ends with the last state, i.e. what ``concat`` gives).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 
@@ -61,10 +61,24 @@ class ComposableSeRpEntCache(ComposableMambaCache):
 
     _layer_class = SeRpEntSSMLayer
 
-    def __init__(self, config, *, architecture: str = "serpent_mamba", fingerprint: str = "",
-                 model_dtype: torch.dtype = torch.float32, model_info=None, **kwargs):
-        super().__init__(config, architecture=architecture, fingerprint=fingerprint, model_dtype=model_dtype,
-                         model_info=model_info, **kwargs)
+    def __init__(
+        self,
+        config,
+        *,
+        architecture: str = "serpent_mamba",
+        fingerprint: str = "",
+        model_dtype: torch.dtype = torch.float32,
+        model_info=None,
+        **kwargs,
+    ):
+        super().__init__(
+            config,
+            architecture=architecture,
+            fingerprint=fingerprint,
+            model_dtype=model_dtype,
+            model_info=model_info,
+            **kwargs,
+        )
         self.num_branches = len(config.branch_compressions)
         self.resample_window = config.resample_window
 
@@ -76,15 +90,17 @@ class ComposableSeRpEntCache(ComposableMambaCache):
     last_outputs = layer_attribute("last_outputs", "Per virtual layer: the branch output at the latest grid point.")
 
     @classmethod
-    def empty_for(cls, model) -> "ComposableSeRpEntCache":
+    def empty_for(cls, model) -> ComposableSeRpEntCache:
         """A cache with no state yet, for a SeRpEnt ``model``: the model's forward fills it."""
         architecture = architecture_of(model)
         if architecture != "serpent_mamba":
             raise TypeError(f"ComposableSeRpEntCache is the state of SeRpEnt models, got a {architecture!r} model")
-        return cls._for_config(model.config, next(base_model_of(model).parameters()).dtype, new_state_fingerprint(model))
+        return cls._for_config(
+            model.config, next(base_model_of(model).parameters()).dtype, new_state_fingerprint(model)
+        )
 
     @classmethod
-    def _for_config(cls, config, dtype: torch.dtype, fingerprint: str = "") -> "ComposableSeRpEntCache":
+    def _for_config(cls, config, dtype: torch.dtype, fingerprint: str = "") -> ComposableSeRpEntCache:
         info = {
             "model_type": config.model_type,
             "num_hidden_layers": config.num_hidden_layers,
@@ -110,7 +126,7 @@ class ComposableSeRpEntCache(ComposableMambaCache):
         for name in _EXTRAS:
             setattr(self, name, [copy(t) if t is not None else None for t in getattr(last, name)])
 
-    def to(self, device=None, dtype=None) -> "ComposableSeRpEntCache":
+    def to(self, device=None, dtype=None) -> ComposableSeRpEntCache:
         """As :meth:`ComposableMambaCache.to`; ``dtype`` also converts the last outputs (model dtype) and the
         window inputs (float32, float64 for a float64 model), as a model in that dtype keeps them."""
         out = super().to(device, dtype)
@@ -120,9 +136,19 @@ class ComposableSeRpEntCache(ComposableMambaCache):
             out.window_inputs = [t.to(inputs_dtype) if t is not None else None for t in out.window_inputs]
         return out
 
-    def ensure_layer(self, layer_idx: int, *, batch: int, hidden_size: int, branch_hidden: int,
-                     ssm_shape: tuple, conv_shape: tuple, A: torch.Tensor, dtype: torch.dtype,
-                     device: torch.device) -> None:
+    def ensure_layer(
+        self,
+        layer_idx: int,
+        *,
+        batch: int,
+        hidden_size: int,
+        branch_hidden: int,
+        ssm_shape: tuple,
+        conv_shape: tuple,
+        A: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         """Give virtual layer ``layer_idx`` its empty state if it has none: what a first forward starts from
         (zero SSM state and conv window, clock 0, no inputs seen, zero last output)."""
         if self.layers[layer_idx].filled:

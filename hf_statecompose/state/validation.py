@@ -1,4 +1,5 @@
 """Checks that turn bad input into a clear error naming the problem and the fix."""
+
 from __future__ import annotations
 
 import functools
@@ -38,7 +39,9 @@ def _finite_flag(tensor: torch.Tensor) -> torch.Tensor:
     may also mean a sum that overflowed: :func:`all_finite` then decides)."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return torch.ones((), dtype=torch.bool, device=tensor.device)
-    total = tensor.sum(dtype=torch.float32) if tensor.element_size() < 4 and tensor.is_floating_point() else tensor.sum()
+    total = (
+        tensor.sum(dtype=torch.float32) if tensor.element_size() < 4 and tensor.is_floating_point() else tensor.sum()
+    )
     return torch.isfinite(total)
 
 
@@ -61,16 +64,46 @@ def _check_layer_values(state, where: str) -> None:
         for i, layer in enumerate(state.state_layers):
             delta_sum, A = layer.delta_sum, layer.A
             for name, tensor in (("SSM state", layer.ssm_state), ("conv window", layer.conv_state), ("ΣΔ", delta_sum)):
-                checks.append((_finite_flag(tensor), functools.partial(all_finite, tensor),
-                               functools.partial(_raise, f"{where}: layer {i} {name} {_CORRUPTED}")))
-            checks.append(((delta_sum >= 0).all(), functools.partial(lambda d: bool((d >= 0).all()), delta_sum),
-                           functools.partial(lambda i, d: _refuse(where, (
-                               f"layer {i} ΣΔ has negative entries (min {float(d.min()):.3g}): the context's "
-                               "decay exp(A·ΣΔ) would exceed 1")), i, delta_sum)))
-            checks.append((_finite_flag(A) & (A < 0).all(),
-                           functools.partial(lambda a: all_finite(a) and bool((a < 0).all()), A),
-                           functools.partial(lambda i, a: _refuse(where, (
-                               f"layer {i} A must be finite and negative (it is -exp(A_log)), got max {float(a.max()):.3g}")), i, A)))
+                checks.append(
+                    (
+                        _finite_flag(tensor),
+                        functools.partial(all_finite, tensor),
+                        functools.partial(_raise, f"{where}: layer {i} {name} {_CORRUPTED}"),
+                    )
+                )
+            checks.append(
+                (
+                    (delta_sum >= 0).all(),
+                    functools.partial(lambda d: bool((d >= 0).all()), delta_sum),
+                    functools.partial(
+                        lambda i, d: _refuse(
+                            where,
+                            (
+                                f"layer {i} ΣΔ has negative entries (min {float(d.min()):.3g}): the context's "
+                                "decay exp(A·ΣΔ) would exceed 1"
+                            ),
+                        ),
+                        i,
+                        delta_sum,
+                    ),
+                )
+            )
+            checks.append(
+                (
+                    _finite_flag(A) & (A < 0).all(),
+                    functools.partial(lambda a: all_finite(a) and bool((a < 0).all()), A),
+                    functools.partial(
+                        lambda i, a: _refuse(
+                            where,
+                            (
+                                f"layer {i} A must be finite and negative (it is -exp(A_log)), got max {float(a.max()):.3g}"
+                            ),
+                        ),
+                        i,
+                        A,
+                    ),
+                )
+            )
         if not checks or bool(torch.stack([flag.to(checks[0][0].device) for flag, _, _ in checks]).all()):
             return
         for _, exact, problem in checks:
@@ -150,12 +183,16 @@ def _check_keys_compatible(state, first, where: str, first_where: str) -> None:
         if not (a.has_keys and b.has_keys):
             continue
         if a.keys.shape[1] != b.keys.shape[1] or a.keys.shape[3] != b.keys.shape[3]:
-            raise ValueError(f"{where} attention layer {i} keys have shape {tuple(a.keys.shape)}, {first_where} "
-                             f"{tuple(b.keys.shape)} (heads and head dim must agree)")
+            raise ValueError(
+                f"{where} attention layer {i} keys have shape {tuple(a.keys.shape)}, {first_where} "
+                f"{tuple(b.keys.shape)} (heads and head dim must agree)"
+            )
         if a.keys.dtype != b.keys.dtype:
             raise ValueError(f"{where} attention layer {i} keys are {a.keys.dtype}, {first_where} {b.keys.dtype}")
         if a.keys.device != b.keys.device:
-            raise ValueError(f"{where} is on {a.keys.device}, {first_where} on {b.keys.device}; move them with .to(device)")
+            raise ValueError(
+                f"{where} is on {a.keys.device}, {first_where} on {b.keys.device}; move them with .to(device)"
+            )
 
 
 def check_attention_layers(state, where: str = "state", *, batch: int | None = None, device=None) -> None:
@@ -174,24 +211,40 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
         keys, values, positions = layer.keys, layer.values, layer.positions
         for name, tensor in (("keys", keys), ("values", values)):
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-                _refuse(where, f"layer {i} (attention) {name} must be a [B, heads, L, head dim] tensor, got "
-                               f"{tuple(getattr(tensor, 'shape', ())) or type(tensor).__name__}")
+                _refuse(
+                    where,
+                    f"layer {i} (attention) {name} must be a [B, heads, L, head dim] tensor, got "
+                    f"{tuple(getattr(tensor, 'shape', ())) or type(tensor).__name__}",
+                )
             if tensor.dtype not in (state.model_dtype, torch.bfloat16, torch.float16):
-                _refuse(where, f"layer {i} (attention) {name} are {tensor.dtype}, expected {state.model_dtype} (the model dtype)")
+                _refuse(
+                    where,
+                    f"layer {i} (attention) {name} are {tensor.dtype}, expected {state.model_dtype} (the model dtype)",
+                )
             length = tensor.shape[2] if length is None else length
             if tuple(tensor.shape) != (batch, heads, length, head_dim):
-                _refuse(where, f"layer {i} (attention) {name} have shape {tuple(tensor.shape)}, expected "
-                               f"{(batch, heads, length, head_dim)} (batch {batch}, {heads} key/value heads of {head_dim} "
-                               f"from the {state.architecture} config, the same length in every attention layer)")
+                _refuse(
+                    where,
+                    f"layer {i} (attention) {name} have shape {tuple(tensor.shape)}, expected "
+                    f"{(batch, heads, length, head_dim)} (batch {batch}, {heads} key/value heads of {head_dim} "
+                    f"from the {state.architecture} config, the same length in every attention layer)",
+                )
             if tensor.device != device:
                 _refuse(where, f"layer {i} (attention) {name} are on {tensor.device}, the states on {device}")
             if not all_finite(tensor):
                 _raise(f"{where}: layer {i} (attention) {name} {_CORRUPTED}")
         if keys.dtype != values.dtype:
             _refuse(where, f"layer {i} (attention) keys are {keys.dtype}, values {values.dtype}")
-        if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or tuple(positions.shape) != (batch, length):
-            _refuse(where, f"layer {i} (attention) positions must be an int64 tensor of shape {(batch, length)}, got "
-                           f"{getattr(positions, 'dtype', type(positions).__name__)} {tuple(getattr(positions, 'shape', ()))}")
+        if (
+            not isinstance(positions, torch.Tensor)
+            or positions.dtype != torch.int64
+            or tuple(positions.shape) != (batch, length)
+        ):
+            _refuse(
+                where,
+                f"layer {i} (attention) positions must be an int64 tensor of shape {(batch, length)}, got "
+                f"{getattr(positions, 'dtype', type(positions).__name__)} {tuple(getattr(positions, 'shape', ()))}",
+            )
         if positions.device != device:
             _refuse(where, f"layer {i} (attention) positions are on {positions.device}, the states on {device}")
         if first_positions is None:
@@ -203,10 +256,14 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
                 raise ValueError(
                     f"{where}: layer {i} (attention) keys are not left padded (a padding slot after a real key): a cache "
                     "continued from a left-padded query holds that padding between its keys and cannot be a state; "
-                    "encode the contexts (hsc.encode) and compose those, or continue with unpadded queries")
+                    "encode the contexts (hsc.encode) and compose those, or continue with unpadded queries"
+                )
         elif not torch.equal(positions, first_positions):
-            _refuse(where, f"layer {i} (attention) positions differ from layer {state.attention_layer_indices[0]}'s: every "
-                           "attention layer caches the same tokens")
+            _refuse(
+                where,
+                f"layer {i} (attention) positions differ from layer {state.attention_layer_indices[0]}'s: every "
+                "attention layer caches the same tokens",
+            )
 
 
 def expected_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -272,8 +329,11 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
     config = state.config
     architecture = state.architecture
     if architecture not in ARCHITECTURES or getattr(config, "model_type", None) != architecture:
-        _refuse(where, f"architecture {architecture!r} does not match its config's model_type "
-                       f"{getattr(config, 'model_type', None)!r} (expected one of {', '.join(map(repr, ARCHITECTURES))} for both)")
+        _refuse(
+            where,
+            f"architecture {architecture!r} does not match its config's model_type "
+            f"{getattr(config, 'model_type', None)!r} (expected one of {', '.join(map(repr, ARCHITECTURES))} for both)",
+        )
     layout = ARCHITECTURES[architecture]
     if state.num_layers != layout.num_state_layers(config):
         _refuse(where, f"it holds {state.num_layers} layers, its config {layout.num_state_layers(config)}")
@@ -295,11 +355,17 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
             if not isinstance(tensor, torch.Tensor):
                 _refuse(where, f"layer {i} {name} is {type(tensor).__name__}, not a tensor")
             if tensor.dtype != dtype:
-                _refuse(where, f"layer {i} {name} is {tensor.dtype}, expected {dtype}"
-                               + (" (the recorded model dtype)" if name == "conv window" else ""))
+                _refuse(
+                    where,
+                    f"layer {i} {name} is {tensor.dtype}, expected {dtype}"
+                    + (" (the recorded model dtype)" if name == "conv window" else ""),
+                )
             if tuple(tensor.shape) != shape:
                 origin = "from the" if name == "A" else f"batch {batch} as in layer 0, the rest from the"
-                _refuse(where, f"layer {i} {name} has shape {tuple(tensor.shape)}, expected {shape} ({origin} {architecture} config)")
+                _refuse(
+                    where,
+                    f"layer {i} {name} has shape {tuple(tensor.shape)}, expected {shape} ({origin} {architecture} config)",
+                )
             if tensor.device != device:
                 _refuse(where, f"layer {i} {name} is on {tensor.device}, layer 0 on {device}")
     _check_layer_values(state, where)
@@ -331,10 +397,21 @@ def check_extras(state, where: str = "state", *, batch: int | None = None, devic
         extras = {}
         for extra in layout.extras:
             tensors = getattr(state, extra.attribute, None)
-            extras[extra.attribute] = tensors[v] if isinstance(tensors, Sequence) and len(tensors) == state.num_layers else None
-        check_extra_tensors(layout, extras, v, config=state.config, model_dtype=state.model_dtype, batch=batch,
-                            device=device, refuse=refuse, num_tokens=state.num_tokens,
-                            encoded=state.token_ids is not None)
+            extras[extra.attribute] = (
+                tensors[v] if isinstance(tensors, Sequence) and len(tensors) == state.num_layers else None
+            )
+        check_extra_tensors(
+            layout,
+            extras,
+            v,
+            config=state.config,
+            model_dtype=state.model_dtype,
+            batch=batch,
+            device=device,
+            refuse=refuse,
+            num_tokens=state.num_tokens,
+            encoded=state.token_ids is not None,
+        )
         layers.append(extras)
     if layout.check_extras_across_layers is not None:
         with torch.no_grad():
@@ -344,18 +421,33 @@ def check_extras(state, where: str = "state", *, batch: int | None = None, devic
 def _check_token_counts(state, batch: int, device, where: str) -> None:
     num_tokens, token_ids = state.num_tokens, state.token_ids
     if num_tokens is not None:
-        if not isinstance(num_tokens, torch.Tensor) or num_tokens.dtype != torch.int64 or tuple(num_tokens.shape) != (batch,):
-            _refuse(where, f"num_tokens must be an int64 tensor of shape ({batch},), got "
-                           f"{getattr(num_tokens, 'dtype', type(num_tokens).__name__)} {tuple(getattr(num_tokens, 'shape', ()))}")
+        if (
+            not isinstance(num_tokens, torch.Tensor)
+            or num_tokens.dtype != torch.int64
+            or tuple(num_tokens.shape) != (batch,)
+        ):
+            _refuse(
+                where,
+                f"num_tokens must be an int64 tensor of shape ({batch},), got "
+                f"{getattr(num_tokens, 'dtype', type(num_tokens).__name__)} {tuple(getattr(num_tokens, 'shape', ()))}",
+            )
         if num_tokens.device != device:
             _refuse(where, f"num_tokens is on {num_tokens.device}, the states on {device}")
         if (num_tokens < 0).any():
             _refuse(where, f"num_tokens has negative counts {num_tokens.tolist()}")
     if token_ids is None:
         return
-    if not isinstance(token_ids, torch.Tensor) or token_ids.dtype != torch.int64 or token_ids.dim() != 2 or token_ids.shape[0] != batch:
-        _refuse(where, f"token_ids must be an int64 tensor of shape ({batch}, T), got "
-                       f"{getattr(token_ids, 'dtype', type(token_ids).__name__)} {tuple(getattr(token_ids, 'shape', ()))}")
+    if (
+        not isinstance(token_ids, torch.Tensor)
+        or token_ids.dtype != torch.int64
+        or token_ids.dim() != 2
+        or token_ids.shape[0] != batch
+    ):
+        _refuse(
+            where,
+            f"token_ids must be an int64 tensor of shape ({batch}, T), got "
+            f"{getattr(token_ids, 'dtype', type(token_ids).__name__)} {tuple(getattr(token_ids, 'shape', ()))}",
+        )
     if token_ids.device != device:
         _refuse(where, f"token_ids is on {token_ids.device}, the states on {device}")
     vocab_size = getattr(state.config, "vocab_size", None)
@@ -387,20 +479,29 @@ def _check_A_against_model(state, model, where: str, A_rtol: float) -> None:
                 raise TypeError(f"layer {i} of {type(model).__name__} has no mixer.A_log: not a Mamba / Mamba-2 model")
             stored = state.A[i]
             if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != tuple(A_log.shape):
-                _refuse(where, f"layer {i} A has shape {tuple(getattr(stored, 'shape', ()))}, the model's {tuple(A_log.shape)}")
+                _refuse(
+                    where,
+                    f"layer {i} A has shape {tuple(getattr(stored, 'shape', ()))}, the model's {tuple(A_log.shape)}",
+                )
             # the same formula as the mixers (models/mamba.py, models/mamba2.py)
             expected.append(-torch.exp(A_log.detach().float()).to(stored.device))
         # one device sync for all layers; `~(d <= tol)` so that NaN counts as off
         device = expected[0].device
         off = torch.stack(
-            [(~((state.A[i].detach().float() - e).abs() <= A_rtol * e.abs())).any().to(device) for i, e in enumerate(expected)]
+            [
+                (~((state.A[i].detach().float() - e).abs() <= A_rtol * e.abs())).any().to(device)
+                for i, e in enumerate(expected)
+            ]
         )
         if bool(off.any()):
             i = int(off.nonzero()[0, 0])
             stored, e = state.A[i].detach().float(), expected[i]
             worst = float(((stored - e).abs() / e.abs()).max())
-            _refuse(where, f"layer {i} A is not this model's -exp(A_log) (relative difference up to {worst:.3g}, "
-                           f"allowed {A_rtol:g}): the file was altered, or the weights changed since it was encoded")
+            _refuse(
+                where,
+                f"layer {i} A is not this model's -exp(A_log) (relative difference up to {worst:.3g}, "
+                f"allowed {A_rtol:g}): the file was altered, or the weights changed since it was encoded",
+            )
 
 
 # ---------------------------------------------------------------------------------------------- checked once
@@ -410,11 +511,11 @@ def _check_A_against_model(state, model, where: str, A_rtol: float) -> None:
 # bumps them) and storage addresses: an edit after the check, or another tensor put in its place, makes the next
 # use check again. Weak references: the verdict keeps neither the state nor its tensors alive. Inference-mode
 # tensors have no version counter: a state holding one is checked at every use.
-_VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Verdict:
-    __slots__ = ("header", "refs", "versions", "fingerprints")
+    __slots__ = ("fingerprints", "header", "refs", "versions")
 
     def __init__(self, header, tensors, versions):
         self.header, self.versions, self.fingerprints = header, versions, set()
@@ -422,7 +523,9 @@ class _Verdict:
 
     def holds_for(self, header, tensors, versions) -> bool:
         return (
-            header == self.header and versions == self.versions and len(tensors) == len(self.refs)
+            header == self.header
+            and versions == self.versions
+            and len(tensors) == len(self.refs)
             and all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(self.refs, tensors))
         )
 
@@ -432,8 +535,14 @@ def _snapshot(state):
     (a value that is not a tensor, which check_state refuses anyway, or an inference-mode tensor)."""
     tensors = []
     for layer in state.layers:
-        names = ("ssm_state", "conv_state", "keys", "values", *getattr(layer, "_row_tensors", ()),
-                 *getattr(layer, "_fixed_tensors", ()))
+        names = (
+            "ssm_state",
+            "conv_state",
+            "keys",
+            "values",
+            *getattr(layer, "_row_tensors", ()),
+            *getattr(layer, "_fixed_tensors", ()),
+        )
         tensors += (getattr(layer, name, None) for name in names)
     tensors += (state.num_tokens, state.token_ids)
     try:
@@ -505,7 +614,10 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
         )
     ssm_shape, conv_shape = expected_state_shapes(model.config)
     for i in range(state.num_layers):
-        for name, tensor, shape in (("SSM state", state.ssm_states[i], ssm_shape), ("conv window", state.conv_states[i], conv_shape)):
+        for name, tensor, shape in (
+            ("SSM state", state.ssm_states[i], ssm_shape),
+            ("conv window", state.conv_states[i], conv_shape),
+        ):
             if tuple(tensor.shape[1:]) != shape:
                 raise ValueError(
                     f"{where} layer {i} {name} has per-row shape {tuple(tensor.shape[1:])}, this model expects {shape}; "
@@ -580,9 +692,12 @@ def check_unmasked_context_padding(input_ids: torch.Tensor, config) -> None:
         return
     leading, trailing = pad_runs(input_ids, pad)
     shared = int(pad) in _special_ids(getattr(config, "eos_token_id", None)) | _special_ids(
-        getattr(config, "bos_token_id", None))
-    fix = ("pass the tokenizer's attention_mask (hsc.encode(model, **tok(texts, padding=True, return_tensors='pt')) "
-           "or attention_mask=...)")
+        getattr(config, "bos_token_id", None)
+    )
+    fix = (
+        "pass the tokenizer's attention_mask (hsc.encode(model, **tok(texts, padding=True, return_tensors='pt')) "
+        "or attention_mask=...)"
+    )
     if not shared:
         rows = (input_ids == int(pad)).any(1)
         if bool(rows.any()):
@@ -604,4 +719,3 @@ def check_unmasked_context_padding(input_ids: torch.Tensor, config) -> None:
             f"token id {int(pad)}) and no attention_mask was given: padding would be encoded as context; "
             f"hf_statecompose needs left padding (tokenizer.padding_side = 'left') and the mask: {fix}"
         )
-

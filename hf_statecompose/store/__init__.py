@@ -3,6 +3,7 @@
 ``LanceStateStore`` is importable from here but loaded only on first use (it needs the ``[scale]``
 extra: ``lancedb``, ``pylance``); ``migrate`` (folder -> Lance) likewise.
 """
+
 from .base import StateStore
 from .folder import FolderStateStore
 from .format import STORAGE_DTYPES, StoreEntry

@@ -7,11 +7,12 @@ arguments, embedding and tokenizing, and the encoding of one entry's tensors and
 back into a state (dtypes, shapes, finite values, ΣΔ >= 0 against the model). Each backend implements
 the storage: ``add``, ``get``, ``retrieve``, ``delete``, ``compact``, ``entries``, ``ids``, ``stats``.
 """
+
 from __future__ import annotations
 
 import abc
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -75,7 +76,9 @@ class StateStore(abc.ABC):
 
                 cls = FolderStateStore
         elif backend is not None and backend != cls.backend:
-            raise ValueError(f"{cls.__name__} is the {cls.backend!r} backend, got backend={backend!r}; use StateStore(..., backend={backend!r})")
+            raise ValueError(
+                f"{cls.__name__} is the {cls.backend!r} backend, got backend={backend!r}; use StateStore(..., backend={backend!r})"
+            )
         return super().__new__(cls)
 
     def _bind(self, model, tokenizer, retriever, storage_dtype, info):
@@ -105,8 +108,12 @@ class StateStore(abc.ABC):
         template = ComposableMambaCache.empty_for(model)
         self._state_class = type(template)  # ComposableSeRpEntCache for a SeRpEnt model
         self._layout = architecture(template.architecture)  # what else its states carry (SeRpEnt: resampling)
-        self._state_template = {"architecture": template.architecture, "fingerprint": template.fingerprint,
-                                "model_dtype": template.model_dtype, "model_info": dict(template.model_info)}
+        self._state_template = {
+            "architecture": template.architecture,
+            "fingerprint": template.fingerprint,
+            "model_dtype": template.model_dtype,
+            "model_info": dict(template.model_info),
+        }
         # a hybrid model's attention layers (model layer indices): each entry also holds their keys, values and positions
         self._attention_layers = tuple(getattr(template, "attention_layer_indices", ()))
         self._attention_shape = self._layout.attention_shape(model.config) if self._attention_layers else None
@@ -127,7 +134,9 @@ class StateStore(abc.ABC):
     def _check_add(self, texts, metadata, batch_size) -> tuple[list[str], list[dict], int]:
         """``add``'s arguments checked: (texts, one checked-JSON metadata dict per text, batch size)."""
         if isinstance(texts, (str, bytes)):
-            raise TypeError("texts must be a list of strings, got a single string (it would add one entry per character): use add([text])")
+            raise TypeError(
+                "texts must be a list of strings, got a single string (it would add one entry per character): use add([text])"
+            )
         if not isinstance(texts, Iterable):
             raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}")
         texts = list(texts)
@@ -151,7 +160,9 @@ class StateStore(abc.ABC):
         if "://" in path:
             return
         if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"{path} is a file, not a folder: a store is a folder (give a new or an existing store's folder)")
+            raise ValueError(
+                f"{path} is a file, not a folder: a store is a folder (give a new or an existing store's folder)"
+            )
         parent = os.path.dirname(os.path.abspath(path))
         while parent and not os.path.exists(parent):
             parent = os.path.dirname(parent)
@@ -169,7 +180,9 @@ class StateStore(abc.ABC):
         vectors = self.retriever(list(texts))
         vectors = torch.as_tensor(vectors).detach().to("cpu", torch.float32)
         if vectors.dim() != 2 or vectors.shape[0] != len(texts):
-            raise ValueError(f"the retriever returned shape {tuple(vectors.shape)} for {len(texts)} texts; expected [n, E]")
+            raise ValueError(
+                f"the retriever returned shape {tuple(vectors.shape)} for {len(texts)} texts; expected [n, E]"
+            )
         if not torch.isfinite(vectors).all():
             raise ValueError("the retriever returned NaN/inf embeddings")
         return torch.nn.functional.normalize(vectors, dim=-1).contiguous()
@@ -208,9 +221,15 @@ class StateStore(abc.ABC):
 
         out = {}
         for layer in range(state.num_layers):
-            out[f"ssm.{layer}"] = state.ssm_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
-            out[f"conv.{layer}"] = state.conv_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
-            out[f"delta_sum.{layer}"] = state.delta_sums[layer][row : row + 1].detach().to("cpu", torch.float32).contiguous()
+            out[f"ssm.{layer}"] = (
+                state.ssm_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
+            )
+            out[f"conv.{layer}"] = (
+                state.conv_states[layer][row : row + 1].detach().to("cpu", self.storage_dtype).contiguous()
+            )
+            out[f"delta_sum.{layer}"] = (
+                state.delta_sums[layer][row : row + 1].detach().to("cpu", torch.float32).contiguous()
+            )
             for extra in self._layout.extras:  # in their own dtypes (int64 clocks, bool masks): never rounded
                 tensor = getattr(state, extra.attribute)[layer][row : row + 1].detach().to("cpu")
                 out[f"{extra.file_key}.{layer}"] = tensor.new_empty(tensor.shape).copy_(tensor)  # standard strides
@@ -228,7 +247,9 @@ class StateStore(abc.ABC):
 
     # ------------------------------------------------------------------------------------ decode
     def _state(self, tensors: dict, record: dict, A, device) -> ComposableMambaCache:
-        state = self._state_class(self.model.config, **{**self._state_template, "model_info": dict(self._state_template["model_info"])})
+        state = self._state_class(
+            self.model.config, **{**self._state_template, "model_info": dict(self._state_template["model_info"])}
+        )
         model_dtype = state.model_dtype
         for layer in range(len(A)):
             state.set_layer(
@@ -246,8 +267,12 @@ class StateStore(abc.ABC):
             positions = None
             for i in self._attention_layers:
                 keys, values, names = attention_tensor_names(i)
-                positions = tensors[names].to(device) if positions is None else positions  # one tensor, as encode makes it
-                state.layers[i].fill_keys(tensors[keys].to(device, model_dtype), tensors[values].to(device, model_dtype), positions)
+                positions = (
+                    tensors[names].to(device) if positions is None else positions
+                )  # one tensor, as encode makes it
+                state.layers[i].fill_keys(
+                    tensors[keys].to(device, model_dtype), tensors[values].to(device, model_dtype), positions
+                )
         state.num_tokens = torch.tensor([record["num_tokens"]], device=device)
         state.token_ids = tensors["token_ids"].to(device)
         return state
@@ -256,24 +281,45 @@ class StateStore(abc.ABC):
         """The checksum proved the bytes are the ones written; this proves they are a state of this model."""
         ssm_shape, conv_shape = expected_state_shapes(self.model.config)
         for layer in range(num_layers):
-            for name, shape, dtype in (("ssm", ssm_shape, self.storage_dtype), ("conv", conv_shape, self.storage_dtype), ("delta_sum", None, torch.float32)):
+            for name, shape, dtype in (
+                ("ssm", ssm_shape, self.storage_dtype),
+                ("conv", conv_shape, self.storage_dtype),
+                ("delta_sum", None, torch.float32),
+            ):
                 tensor = tensors[f"{name}.{layer}"]
-                if tensor.dtype != dtype or tensor.shape[0] != 1 or (shape is not None and tuple(tensor.shape[1:]) != shape):
-                    raise ValueError(f"{where}: layer {layer} {name} is {tensor.dtype} {tuple(tensor.shape)}, not a {self.header['storage_dtype']} state of this model")
+                if (
+                    tensor.dtype != dtype
+                    or tensor.shape[0] != 1
+                    or (shape is not None and tuple(tensor.shape[1:]) != shape)
+                ):
+                    raise ValueError(
+                        f"{where}: layer {layer} {name} is {tensor.dtype} {tuple(tensor.shape)}, not a {self.header['storage_dtype']} state of this model"
+                    )
                 if not all_finite(tensor):
                     raise ValueError(f"{where}: layer {layer} {name} holds NaN/inf; delete and re-add it")
             if (tensors[f"delta_sum.{layer}"] < 0).any():
-                raise ValueError(f"{where}: layer {layer} ΣΔ is negative (impossible for a real encoding); delete and re-add it")
+                raise ValueError(
+                    f"{where}: layer {layer} ΣΔ is negative (impossible for a real encoding); delete and re-add it"
+                )
             if self._layout.extras:
                 extras = {extra.attribute: tensors[f"{extra.file_key}.{layer}"] for extra in self._layout.extras}
-                check_extra_tensors(self._layout, extras, layer, config=self.model.config,
-                                    model_dtype=self._state_template["model_dtype"], batch=1, device=None,
-                                    refuse=lambda problem: _refuse_entry(where, problem))
+                check_extra_tensors(
+                    self._layout,
+                    extras,
+                    layer,
+                    config=self.model.config,
+                    model_dtype=self._state_template["model_dtype"],
+                    batch=1,
+                    device=None,
+                    refuse=lambda problem: _refuse_entry(where, problem),
+                )
         if self._attention_layers:
             self._check_entry_keys(where, tensors, num_tokens)
         tokens = tensors["token_ids"]
         if tokens.dtype != torch.long or tuple(tokens.shape) != (1, num_tokens):
-            raise ValueError(f"{where}: token_ids {tokens.dtype} {tuple(tokens.shape)} do not match its {num_tokens} tokens")
+            raise ValueError(
+                f"{where}: token_ids {tokens.dtype} {tuple(tokens.shape)} do not match its {num_tokens} tokens"
+            )
 
     def _check_entry_keys(self, where: str, tensors: dict, num_tokens: int) -> None:
         """A hybrid entry's attention layers: keys and values in the store's keys dtype, ``[1, kv heads, num_tokens,
@@ -288,18 +334,28 @@ class StateStore(abc.ABC):
             for name, kind in ((keys, "keys"), (values, "values")):
                 tensor = tensors[name]
                 if tensor.dtype != self._keys_dtype or tuple(tensor.shape) != (1, heads, num_tokens, head_dim):
-                    raise ValueError(f"{where}: layer {i} (attention) {kind} are {tensor.dtype} {tuple(tensor.shape)}, not the "
-                                     f"{self._keys_dtype} {(1, heads, num_tokens, head_dim)} keys of this model for its {num_tokens} tokens")
+                    raise ValueError(
+                        f"{where}: layer {i} (attention) {kind} are {tensor.dtype} {tuple(tensor.shape)}, not the "
+                        f"{self._keys_dtype} {(1, heads, num_tokens, head_dim)} keys of this model for its {num_tokens} tokens"
+                    )
                 if not all_finite(tensor):
                     raise ValueError(f"{where}: layer {i} (attention) {kind} hold NaN/inf; delete and re-add it")
             tensor = tensors[positions]
             if tensor.dtype != torch.long or not torch.equal(tensor, expected_positions):
-                raise ValueError(f"{where}: layer {i} (attention) positions are not 0 .. {num_tokens - 1} (an entry is one "
-                                 "context, encoded alone); delete and re-add it")
+                raise ValueError(
+                    f"{where}: layer {i} (attention) positions are not 0 .. {num_tokens - 1} (an entry is one "
+                    "context, encoded alone); delete and re-add it"
+                )
 
     # ------------------------------------------------------------------------------------ what each backend implements
     @abc.abstractmethod
-    def add(self, texts: Iterable[str], metadata: Sequence[dict] | None = None, batch_size: int = 16, show_progress: bool = True) -> list[str]:
+    def add(
+        self,
+        texts: Iterable[str],
+        metadata: Sequence[dict] | None = None,
+        batch_size: int = 16,
+        show_progress: bool = True,
+    ) -> list[str]:
         """Encode ``texts`` in batches of ``batch_size`` (one forward each) and store them; returns their
         ids, in order. A text already stored with the same metadata is not encoded again: its id is
         returned (ids come from the content, :func:`~hf_statecompose.store.format.content_id`), and
@@ -311,7 +367,9 @@ class StateStore(abc.ABC):
         in place changes no other state and nothing stored)."""
 
     @abc.abstractmethod
-    def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True) -> list[StoreEntry]:
+    def retrieve(
+        self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True
+    ) -> list[StoreEntry]:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states."""
 
     @abc.abstractmethod

@@ -65,6 +65,7 @@ new entries get ids derived from their content (:func:`~hf_statecompose.store.fo
 A read-only store (read-only mount, no write permission) opens and reads (``.lock`` opened read-only,
 nothing created); ``add``, ``delete`` and ``compact`` then raise one ``PermissionError``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,8 @@ import json
 import os
 import threading
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -92,9 +93,9 @@ from .format import (
     all_finite,
     canonical,
     check_id,
-    content_id,
     check_opened_header,
     checksum,
+    content_id,
     is_id,
     seal,
     unseal,
@@ -156,8 +157,16 @@ class FolderStateStore(StateStore):
 
     backend = "folder"
 
-    def __init__(self, path, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None, info: dict | None = None,
-                 backend: str | None = None):
+    def __init__(
+        self,
+        path,
+        model,
+        tokenizer,
+        retriever: Callable | None = None,
+        storage_dtype: str | None = None,
+        info: dict | None = None,
+        backend: str | None = None,
+    ):
         self.path = Path(path)
         self._check_local_path(str(self.path))
         tokenizer_info, info = self._bind(model, tokenizer, retriever, storage_dtype, info)
@@ -199,7 +208,9 @@ class FolderStateStore(StateStore):
                 }
                 _write(header_path, seal(header))
             self.header = self._read_header()
-        check_opened_header(self.header, self.path, self.fingerprint, self.retriever_name, tokenizer_info, storage_dtype)
+        check_opened_header(
+            self.header, self.path, self.fingerprint, self.retriever_name, tokenizer_info, storage_dtype
+        )
         self.storage_dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
         self._manifests: dict[str, dict] = {}  # shard id -> manifest (manifests never change: cached by id)
         self._embeddings: dict[str, torch.Tensor] = {}  # shard id -> verified [n, E]
@@ -219,7 +230,9 @@ class FolderStateStore(StateStore):
         except (OSError, ValueError):
             raw = None
         if isinstance(raw, dict) and raw.get("format_version") == 1:
-            raise ValueError(f"{header_path}: a store of format 1 (an older hf_statecompose, no integrity seals); rebuild it from its passages")
+            raise ValueError(
+                f"{header_path}: a store of format 1 (an older hf_statecompose, no integrity seals); rebuild it from its passages"
+            )
         header = unseal(header_path, "header (store.json)")
         if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "hf_statecompose.store":
             raise ValueError(f"{header_path}: unsupported store format version {header.get('format_version')!r}")
@@ -233,12 +246,16 @@ class FolderStateStore(StateStore):
         folders, and must never reach files outside the store."""
         for name in ("store.json", "shards", "deleted", ".lock"):
             if os.path.islink(self.path / name):
-                raise ValueError(f"{self.path / name} is a symbolic link: a store's files and folders must be its own "
-                                 "(replace the link by the folder or file it points to)")
+                raise ValueError(
+                    f"{self.path / name} is a symbolic link: a store's files and folders must be its own "
+                    "(replace the link by the folder or file it points to)"
+                )
 
     def _read_only(self, error: OSError) -> PermissionError:
-        return PermissionError(f"the store at {self.path} is read-only: {error.strerror or error} "
-                               "(reads work; add, delete and compact need write access: copy the store to a writable place)")
+        return PermissionError(
+            f"the store at {self.path} is read-only: {error.strerror or error} "
+            "(reads work; add, delete and compact need write access: copy the store to a writable place)"
+        )
 
     @contextlib.contextmanager
     def _locked(self, shared: bool = False):
@@ -270,7 +287,9 @@ class FolderStateStore(StateStore):
                     fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
                 except FileNotFoundError:
                     if error.errno != errno.EROFS:
-                        raise PermissionError(f"cannot create {lock_path} to lock the store for reading: {error.strerror or error}") from None
+                        raise PermissionError(
+                            f"cannot create {lock_path} to lock the store for reading: {error.strerror or error}"
+                        ) from None
                     fd = None  # a read-only filesystem without .lock: no writer can exist, nothing to lock against
             try:
                 if fd is not None:
@@ -294,12 +313,16 @@ class FolderStateStore(StateStore):
             return None
 
         def bad(why):
-            return ValueError(f"{path}: {why}; the shard cannot be trusted (restore the file, or move {sid}.json and {sid}.safetensors out of the store to drop its entries)")
+            return ValueError(
+                f"{path}: {why}; the shard cannot be trusted (restore the file, or move {sid}.json and {sid}.safetensors out of the store to drop its entries)"
+            )
 
         if manifest.get("format_version") != FORMAT_VERSION or manifest.get("kind") != "shard":
             raise bad("not a shard manifest of this store format")
         if manifest.get("shard") != sid:
-            raise bad(f"it describes shard {str(manifest.get('shard'))[:40]!r}, not the file's own (copied or renamed by hand)")
+            raise bad(
+                f"it describes shard {str(manifest.get('shard'))[:40]!r}, not the file's own (copied or renamed by hand)"
+            )
         if manifest.get("fingerprint") != self.fingerprint:
             raise bad("it was written for another model (fingerprint differs)")
         supersedes, entries = manifest.get("supersedes"), manifest.get("entries")
@@ -308,10 +331,16 @@ class FolderStateStore(StateStore):
         if not isinstance(entries, list) or not entries:
             raise bad("no entries")
         for record in entries:
-            if not (isinstance(record, dict) and is_id(record.get("id"), "entry") and isinstance(record.get("text"), str)
-                    and isinstance(record.get("metadata"), dict) and isinstance(record.get("num_tokens"), int)
-                    and record["num_tokens"] >= 1 and isinstance(record.get("checksum"), str)
-                    and CHECKSUM_PATTERN.fullmatch(record["checksum"])):
+            if not (
+                isinstance(record, dict)
+                and is_id(record.get("id"), "entry")
+                and isinstance(record.get("text"), str)
+                and isinstance(record.get("metadata"), dict)
+                and isinstance(record.get("num_tokens"), int)
+                and record["num_tokens"] >= 1
+                and isinstance(record.get("checksum"), str)
+                and CHECKSUM_PATTERN.fullmatch(record["checksum"])
+            ):
                 raise bad(f"malformed entry record {str(record)[:80]!r}")
         if len({r["id"] for r in entries}) != len(entries):
             raise bad("an entry id is listed twice")
@@ -365,10 +394,18 @@ class FolderStateStore(StateStore):
             if record is None:  # removed by a compaction meanwhile (another process)
                 continue
             ids = record.get("ids")
-            if (record.get("format_version") != FORMAT_VERSION or record.get("kind") != "tombstones" or record.get("fingerprint") != self.fingerprint
-                    or not isinstance(ids, list) or not ids or not all(is_id(i, "entry") for i in ids)):
-                raise ValueError(f"{path}: not a tombstone of this store (damaged, or copied from another store); restore it from a backup "
-                                 "(removing it would bring its deleted entries back)")
+            if (
+                record.get("format_version") != FORMAT_VERSION
+                or record.get("kind") != "tombstones"
+                or record.get("fingerprint") != self.fingerprint
+                or not isinstance(ids, list)
+                or not ids
+                or not all(is_id(i, "entry") for i in ids)
+            ):
+                raise ValueError(
+                    f"{path}: not a tombstone of this store (damaged, or copied from another store); restore it from a backup "
+                    "(removing it would bring its deleted entries back)"
+                )
             self._tombstones[name] = ids
         for ids in self._tombstones.values():
             deleted.update(ids)
@@ -443,9 +480,17 @@ class FolderStateStore(StateStore):
             raise KeyError(f"no entry {entry_id!r} in the store at {self.path} (deleted, or never added)")
         sid, row = self._entries[entry_id]
         record = self._manifests[sid]["entries"][row]
-        return StoreEntry(entry_id, record["text"], json.loads(json.dumps(record["metadata"])), int(record["num_tokens"]))
+        return StoreEntry(
+            entry_id, record["text"], json.loads(json.dumps(record["metadata"])), int(record["num_tokens"])
+        )
 
-    def add(self, texts: Iterable[str], metadata: Sequence[dict] | None = None, batch_size: int = 16, show_progress: bool = True) -> list[str]:
+    def add(
+        self,
+        texts: Iterable[str],
+        metadata: Sequence[dict] | None = None,
+        batch_size: int = 16,
+        show_progress: bool = True,
+    ) -> list[str]:
         """Encode ``texts`` in batches of ``batch_size`` (one forward each, no logits) and store them.
 
         Each batch is committed as one shard before the next is encoded, so an interruption keeps every
@@ -470,7 +515,12 @@ class FolderStateStore(StateStore):
         try:
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start : start + batch_size]
-                found.update(zip((keys[n] for n in chunk), self._add_batch([texts[n] for n in chunk], [metadata[n] for n in chunk])))
+                found.update(
+                    zip(
+                        (keys[n] for n in chunk),
+                        self._add_batch([texts[n] for n in chunk], [metadata[n] for n in chunk]),
+                    )
+                )
                 progress.update(len(chunk))
         finally:
             progress.close()
@@ -492,7 +542,14 @@ class FolderStateStore(StateStore):
         state = ComposableMambaCache.encode(self.model, input_ids, attention_mask=mask)
         return self._write_shard(state, texts, metadata, token_lists, self._embed(texts))
 
-    def _write_shard(self, state: ComposableMambaCache, texts: list[str], metadata: list[dict], token_lists: list[list[int]], embeddings: torch.Tensor) -> list[str]:
+    def _write_shard(
+        self,
+        state: ComposableMambaCache,
+        texts: list[str],
+        metadata: list[dict],
+        token_lists: list[list[int]],
+        embeddings: torch.Tensor,
+    ) -> list[str]:
         """Commit the rows of ``state`` (one per text) as one new shard; returns their ids. The shard is
         built outside the writers' lock (hashing and serialising take time), then checked again under
         it: rows another process stored meanwhile (same text and metadata) are not written again."""
@@ -516,7 +573,9 @@ class FolderStateStore(StateStore):
                 _write(shard_dir / f"{sid}.json", seal(manifest))  # ... then the commit
         return [entry_id for entry_id, _ in plan]
 
-    def _plan(self, keys: list[bytes], texts: list[str], metadata: list[dict], previous: list | None = None) -> list[tuple[str, bool]]:
+    def _plan(
+        self, keys: list[bytes], texts: list[str], metadata: list[dict], previous: list | None = None
+    ) -> list[tuple[str, bool]]:
         """(id, whether to write it) per row: the id of an equal stored entry, else a new id (the content
         id, or ``previous``'s, unless taken by a live or deleted entry); repeats are removed by ``add``."""
         stored = self._content_index()
@@ -532,8 +591,16 @@ class FolderStateStore(StateStore):
             plan.append((entry_id, True))
         return plan
 
-    def _shard(self, sid: str, plan: list[tuple[str, bool]], state: ComposableMambaCache, texts: list[str], metadata: list[dict],
-               token_lists: list[list[int]], embeddings: torch.Tensor) -> tuple[bytes, dict] | None:
+    def _shard(
+        self,
+        sid: str,
+        plan: list[tuple[str, bool]],
+        state: ComposableMambaCache,
+        texts: list[str],
+        metadata: list[dict],
+        token_lists: list[list[int]],
+        embeddings: torch.Tensor,
+    ) -> tuple[bytes, dict] | None:
         """(shard file bytes, manifest) of the rows ``plan`` writes (``None``: none)."""
         from safetensors.torch import save
 
@@ -541,18 +608,37 @@ class FolderStateStore(StateStore):
         if not rows:
             return None
         tensors: dict[str, torch.Tensor] = {"embeddings": embeddings[rows].contiguous()}
-        shared = {f"A.{layer}": state.A[layer].detach().to("cpu", torch.float32).contiguous() for layer in range(state.num_layers)}
+        shared = {
+            f"A.{layer}": state.A[layer].detach().to("cpu", torch.float32).contiguous()
+            for layer in range(state.num_layers)
+        }
         tensors.update(shared)
         records = []
         for row in rows:
             entry_id, tokens = plan[row][0], token_lists[row]
             entry_tensors = self._entry_tensors(state, row, tokens)
             tensors.update({f"{entry_id}.{name}": t for name, t in entry_tensors.items()})
-            records.append({"id": entry_id, "text": texts[row], "metadata": metadata[row], "num_tokens": len(tokens), "checksum": checksum(entry_tensors)})
+            records.append(
+                {
+                    "id": entry_id,
+                    "text": texts[row],
+                    "metadata": metadata[row],
+                    "num_tokens": len(tokens),
+                    "checksum": checksum(entry_tensors),
+                }
+            )
         payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
-        manifest = {"format_version": FORMAT_VERSION, "kind": "shard", "shard": sid, "fingerprint": self.fingerprint,
-                    "shard_size": len(payload), "supersedes": [], "entries": records,
-                    "embeddings_checksum": checksum({"embeddings": tensors["embeddings"]}), "shared_checksum": checksum(shared)}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "kind": "shard",
+            "shard": sid,
+            "fingerprint": self.fingerprint,
+            "shard_size": len(payload),
+            "supersedes": [],
+            "entries": records,
+            "embeddings_checksum": checksum({"embeddings": tensors["embeddings"]}),
+            "shared_checksum": checksum(shared),
+        }
         return payload, manifest
 
     def _check_embedding_dim(self, dim: int) -> None:
@@ -561,7 +647,9 @@ class FolderStateStore(StateStore):
             header["embedding_dim"] = dim
             _write(self.path / "store.json", seal(header))
         elif header["embedding_dim"] != dim:
-            raise ValueError(f"the retriever returned {dim}-dim vectors; the store holds {header['embedding_dim']}-dim ones")
+            raise ValueError(
+                f"the retriever returned {dim}-dim vectors; the store holds {header['embedding_dim']}-dim ones"
+            )
         self.header = header
 
     # ------------------------------------------------------------------------------------ read
@@ -576,14 +664,20 @@ class FolderStateStore(StateStore):
         try:
             identity = _identity(path)
         except FileNotFoundError:
-            raise ValueError(f"{path} is missing although its manifest exists: the store was damaged (files removed by hand?)") from None
+            raise ValueError(
+                f"{path} is missing although its manifest exists: the store was damaged (files removed by hand?)"
+            ) from None
         expected = self._manifests[sid]["shard_size"]
         if identity[2] != expected:
-            raise ValueError(f"{path} is truncated or corrupted ({identity[2]} bytes, its manifest says {expected}); delete its entries and re-add them")
+            raise ValueError(
+                f"{path} is truncated or corrupted ({identity[2]} bytes, its manifest says {expected}); delete its entries and re-add them"
+            )
         try:
             return safe_open(path, framework="pt", device="cpu"), identity
         except Exception as error:
-            raise ValueError(f"{path} is truncated or corrupted ({error}); delete its entries and re-add them") from None
+            raise ValueError(
+                f"{path} is truncated or corrupted ({error}); delete its entries and re-add them"
+            ) from None
 
     def _shard_embeddings(self, sid: str) -> torch.Tensor:
         if sid not in self._embeddings:
@@ -593,8 +687,13 @@ class FolderStateStore(StateStore):
             manifest = self._manifests[sid]
             if checksum({"embeddings": embeddings}) != manifest["embeddings_checksum"]:
                 raise ValueError(f"shard {sid} of {self.path}: embeddings do not match their checksum (corrupted file)")
-            if tuple(embeddings.shape) != (len(manifest["entries"]), self.header.get("embedding_dim")) or embeddings.dtype != torch.float32:
-                raise ValueError(f"shard {sid} of {self.path}: embeddings of shape {tuple(embeddings.shape)} do not fit its entries")
+            if (
+                tuple(embeddings.shape) != (len(manifest["entries"]), self.header.get("embedding_dim"))
+                or embeddings.dtype != torch.float32
+            ):
+                raise ValueError(
+                    f"shard {sid} of {self.path}: embeddings of shape {tuple(embeddings.shape)} do not fit its entries"
+                )
             self._embeddings[sid] = embeddings
         return self._embeddings[sid]
 
@@ -602,7 +701,9 @@ class FolderStateStore(StateStore):
         try:
             return handle.get_tensor(name)
         except Exception as error:
-            raise ValueError(f"shard {sid} of {self.path}: tensor {name} missing or unreadable ({error}); the file is corrupted") from None
+            raise ValueError(
+                f"shard {sid} of {self.path}: tensor {name} missing or unreadable ({error}); the file is corrupted"
+            ) from None
 
     def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
         """The states of ``ids`` (one id: one state), read lazily; each entry is checked against its
@@ -632,7 +733,9 @@ class FolderStateStore(StateStore):
                 manifest = self._manifests[sid]
                 with handle:  # the tensors map the file: they stay valid once the handle is closed
                     A = self._shard_A(handle, sid, manifest["shared_checksum"])
-                    tensors = {entry_id: self._read_entry_tensors(handle, sid, entry_id, len(A)) for entry_id in shard_ids}
+                    tensors = {
+                        entry_id: self._read_entry_tensors(handle, sid, entry_id, len(A)) for entry_id in shard_ids
+                    }
                 records = {entry_id: manifest["entries"][self._entries[entry_id][1]] for entry_id in shard_ids}
                 jobs += [(sid, records[i], tensors[i], len(A)) for i in shard_ids if i not in verified]
                 reads[sid] = (path, identity, verified, A, tensors, records)
@@ -640,9 +743,11 @@ class FolderStateStore(StateStore):
             if all(_identity(path) == identity for path, identity, *_ in reads.values()):
                 break
         else:
-            raise ValueError(f"shards of {self.path} keep changing while they are read (is another program writing them?)")
+            raise ValueError(
+                f"shards of {self.path} keep changing while they are read (is another program writing them?)"
+            )
         states = {}
-        for sid, (path, identity, verified, A, tensors, records) in reads.items():
+        for _, _, verified, A, tensors, records in reads.values():
             verified.update(tensors)
             for entry_id, entry_tensors in tensors.items():
                 states[entry_id] = self._state(entry_tensors, records[entry_id], A, device)
@@ -654,7 +759,9 @@ class FolderStateStore(StateStore):
             num_layers = expected_num_layers(self.model.config)
             A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(num_layers)]
             if checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != expected:
-                raise ValueError(f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file)")
+                raise ValueError(
+                    f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file)"
+                )
             if not all(all_finite(a) for a in A):
                 raise ValueError(f"shard {sid} of {self.path}: its A tensors hold NaN/inf")
             self._A[expected] = A
@@ -671,7 +778,9 @@ class FolderStateStore(StateStore):
         self._check_entry_tensors(where, tensors, record["num_tokens"], num_layers)
 
     # ------------------------------------------------------------------------------------ retrieve
-    def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True) -> list[StoreEntry]:
+    def retrieve(
+        self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True
+    ) -> list[StoreEntry]:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states."""
         k, exclude_ids = self._check_query(query, k, exclude)
         excluded = set(exclude_ids)
@@ -683,7 +792,9 @@ class FolderStateStore(StateStore):
             if query_vector is None or count == 0:  # k == 0 or nothing left
                 return []
             if matrix.shape[1] != query_vector.shape[0]:
-                raise ValueError(f"the retriever returned a {query_vector.shape[0]}-dim query vector; the store holds {matrix.shape[1]}-dim ones")
+                raise ValueError(
+                    f"the retriever returned a {query_vector.shape[0]}-dim query vector; the store holds {matrix.shape[1]}-dim ones"
+                )
             scores = matrix @ query_vector
             if excluded:
                 scores[[n for n, entry_id in enumerate(ids) if entry_id in excluded]] = float("-inf")
@@ -706,7 +817,11 @@ class FolderStateStore(StateStore):
                 ids, rows = groups.setdefault(sid, ([], []))
                 ids.append(entry_id)
                 rows.append(row)
-            matrix = torch.cat([self._shard_embeddings(sid)[rows] for sid, (_, rows) in groups.items()]) if groups else torch.zeros(0, 0)
+            matrix = (
+                torch.cat([self._shard_embeddings(sid)[rows] for sid, (_, rows) in groups.items()])
+                if groups
+                else torch.zeros(0, 0)
+            )
             self._flat = ([i for ids, _ in groups.values() for i in ids], matrix)
         return self._flat
 
@@ -721,11 +836,18 @@ class FolderStateStore(StateStore):
             self.refresh()
             missing = [i for i in ids if i not in self._entries]
             if missing and not missing_ok:
-                raise KeyError(f"no entries {missing[:5]} in the store at {self.path} (deleted, or never added); "
-                               "pass missing_ok=True to ignore them")
+                raise KeyError(
+                    f"no entries {missing[:5]} in the store at {self.path} (deleted, or never added); "
+                    "pass missing_ok=True to ignore them"
+                )
             todo = sorted({i for i in ids if i in self._entries})
             if todo:
-                record = {"format_version": FORMAT_VERSION, "kind": "tombstones", "fingerprint": self.fingerprint, "ids": todo}
+                record = {
+                    "format_version": FORMAT_VERSION,
+                    "kind": "tombstones",
+                    "fingerprint": self.fingerprint,
+                    "ids": todo,
+                }
                 _write(self.path / "deleted" / f"{uuid.uuid4().hex}.json", seal(record))
                 self.refresh()
 
@@ -759,12 +881,17 @@ class FolderStateStore(StateStore):
                 rewritten += 1
             # 3. orphans: tensors without a manifest, temporary files of killed writes (regular files only:
             # links are never followed, nor removed)
-            committed = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and is_id(name[:-5], "shard")}
+            committed = {
+                name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and is_id(name[:-5], "shard")
+            }
             for folder in (shard_dir, self.path / "deleted", self.path):
                 for name in _own_files(folder):
                     orphan = name.startswith(".tmp-") or (
-                        folder == shard_dir and name.endswith(".safetensors") and is_id(name[: -len(".safetensors")], "shard")
-                        and name[: -len(".safetensors")] not in committed)
+                        folder == shard_dir
+                        and name.endswith(".safetensors")
+                        and is_id(name[: -len(".safetensors")], "shard")
+                        and name[: -len(".safetensors")] not in committed
+                    )
                     if orphan and _remove(folder / name):
                         orphans += 1
             # 4. tombstones of entries no manifest lists any more (per-id files, and tombstone files of
@@ -775,11 +902,16 @@ class FolderStateStore(StateStore):
             listed = {r["id"] for m in self._manifests.values() for r in m["entries"]}
             for name in _own_files(self.path / "deleted"):
                 if (is_id(name, "entry") and name not in listed) or (
-                        name in self._tombstones and not any(i in listed for i in self._tombstones[name])):
+                    name in self._tombstones and not any(i in listed for i in self._tombstones[name])
+                ):
                     _remove(self.path / "deleted" / name)
             self.refresh()
-        return {"removed_entries": removed_entries, "rewritten_shards": rewritten, "orphan_files_removed": orphans,
-                "superseded_shards_removed": superseded_removed}
+        return {
+            "removed_entries": removed_entries,
+            "rewritten_shards": rewritten,
+            "orphan_files_removed": orphans,
+            "superseded_shards_removed": superseded_removed,
+        }
 
     def _rewrite_shard(self, sid: str, manifest: dict, keep: list[dict]) -> str:
         """Write a new shard with the ``keep`` entries of ``sid`` (verified first: corruption is never
@@ -794,7 +926,9 @@ class FolderStateStore(StateStore):
             # this file's own A bytes, verified (not a cached copy from another shard)
             A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(expected_num_layers(self.model.config))]
             if checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != manifest["shared_checksum"]:
-                raise ValueError(f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file); compaction stopped")
+                raise ValueError(
+                    f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file); compaction stopped"
+                )
             tensors: dict[str, torch.Tensor] = {"embeddings": embeddings}
             tensors.update({f"A.{layer}": a for layer, a in enumerate(A)})
             num_layers = len(A)
@@ -804,9 +938,17 @@ class FolderStateStore(StateStore):
                 tensors.update({f"{record['id']}.{name}": t for name, t in entry.items()})
         payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
         new_sid = uuid.uuid4().hex
-        new_manifest = {"format_version": FORMAT_VERSION, "kind": "shard", "shard": new_sid, "fingerprint": self.fingerprint,
-                        "shard_size": len(payload), "supersedes": sorted({sid, *manifest["supersedes"]}), "entries": keep,
-                        "embeddings_checksum": checksum({"embeddings": embeddings}), "shared_checksum": manifest["shared_checksum"]}
+        new_manifest = {
+            "format_version": FORMAT_VERSION,
+            "kind": "shard",
+            "shard": new_sid,
+            "fingerprint": self.fingerprint,
+            "shard_size": len(payload),
+            "supersedes": sorted({sid, *manifest["supersedes"]}),
+            "entries": keep,
+            "embeddings_checksum": checksum({"embeddings": embeddings}),
+            "shared_checksum": manifest["shared_checksum"],
+        }
         shard_dir = self.path / "shards"
         _write(shard_dir / f"{new_sid}.safetensors", payload)
         _write(shard_dir / f"{new_sid}.json", seal(new_manifest))
@@ -823,14 +965,22 @@ class FolderStateStore(StateStore):
             total = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
             names = os.listdir(shard_dir)
             committed = {name[:-5] for name in names if name.endswith(".json") and is_id(name[:-5], "shard")}
-            orphans = [name for name in names if name.endswith(".safetensors") and name[: -len(".safetensors")] not in committed]
+            orphans = [
+                name
+                for name in names
+                if name.endswith(".safetensors") and name[: -len(".safetensors")] not in committed
+            ]
             all_ids = {r["id"] for sid in self._live_shards for r in self._manifests[sid]["entries"]}
             per_entry = None
             if self._entries:
                 entry_id, (sid, _) = next(iter(self._entries.items()))
                 handle, _ = self._open_shard(sid)
                 with handle:
-                    per_entry = sum(_nbytes(handle, name) for name in handle.keys() if name.startswith(entry_id + ".") and not name.endswith("token_ids"))
+                    per_entry = sum(
+                        _nbytes(handle, name)
+                        for name in handle.keys()
+                        if name.startswith(entry_id + ".") and not name.endswith("token_ids")
+                    )
             return {
                 "entries": len(self._entries),
                 "shards": len(self._live_shards),
@@ -844,7 +994,9 @@ class FolderStateStore(StateStore):
             }
 
     def __repr__(self):
-        return f"FolderStateStore({str(self.path)!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
+        return (
+            f"FolderStateStore({str(self.path)!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
+        )
 
 
 def _own_files(folder: Path) -> list[str]:

@@ -1,5 +1,6 @@
 """The on-disk format shared by both store backends: ids, sealed JSON, checksums, the tokenizer record,
 the header checks, :class:`StoreEntry`. No I/O beyond reading one sealed file (:func:`unseal`)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -41,7 +42,9 @@ class StoreEntry:
 def check_id(value, kind: str = "entry") -> str:
     """``value`` if it is a well-formed ``kind`` id (``"entry"`` or ``"shard"``), else a clear error."""
     if not isinstance(value, str):
-        raise TypeError(f"{kind} ids are str (as StateStore.add returns them), got {type(value).__name__}: {value!r:.60}")
+        raise TypeError(
+            f"{kind} ids are str (as StateStore.add returns them), got {type(value).__name__}: {value!r:.60}"
+        )
     if len(value) != _ID_LENGTH[kind] or not _ID_PATTERN.fullmatch(value):
         raise ValueError(
             f"{value!r:.60} is not a store {kind} id: those are {_ID_LENGTH[kind]} lowercase hex digits, as StateStore.add returns them"
@@ -67,7 +70,9 @@ def checked_json(value, what: str):
     try:
         same = json.loads(json.dumps(value, allow_nan=False)) == value
     except (TypeError, ValueError) as error:
-        raise TypeError(f"{what} cannot be stored as JSON ({error}); use str/int/float/bool/None, lists and str-keyed dicts") from None
+        raise TypeError(
+            f"{what} cannot be stored as JSON ({error}); use str/int/float/bool/None, lists and str-keyed dicts"
+        ) from None
     if not same:
         raise TypeError(f"{what} would change when stored as JSON (non-str keys or tuples?); use str keys and lists")
     return value
@@ -111,16 +116,22 @@ def unseal_bytes(data: bytes, path, what: str) -> dict:
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: the store's {what} is corrupted (not JSON: {error}); restore it from a backup") from None
+        raise ValueError(
+            f"{path}: the store's {what} is corrupted (not JSON: {error}); restore it from a backup"
+        ) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("digest"), str):
-        raise ValueError(f"{path}: the store's {what} is corrupted or from an older hf_statecompose (no digest); rebuild the store")
+        raise ValueError(
+            f"{path}: the store's {what} is corrupted or from an older hf_statecompose (no digest); rebuild the store"
+        )
     body = {k: v for k, v in obj.items() if k != "digest"}
     try:
         expected = hashlib.blake2b(canonical(body), digest_size=16).hexdigest()
     except ValueError:  # NaN / inf smuggled into the JSON
         expected = None
     if obj["digest"] != expected:
-        raise ValueError(f"{path}: the store's {what} does not match its digest (corrupted or edited by hand); restore it from a backup")
+        raise ValueError(
+            f"{path}: the store's {what} does not match its digest (corrupted or edited by hand); restore it from a backup"
+        )
     return body
 
 
@@ -128,7 +139,9 @@ def tokenizer_record(tokenizer) -> dict:
     """What identifies a tokenizer for a store: its name, vocabulary size, a hash of its vocabulary
     (where it has ``get_vocab``) and a hash of how it splits a fixed probe text."""
     if not callable(tokenizer):
-        raise TypeError(f"tokenizer must be callable (text -> {{'input_ids': [...]}}, as transformers' are), got {type(tokenizer).__name__}")
+        raise TypeError(
+            f"tokenizer must be callable (text -> {{'input_ids': [...]}}, as transformers' are), got {type(tokenizer).__name__}"
+        )
     probe = [int(i) for i in tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]]
     vocab = tokenizer.get_vocab() if callable(getattr(tokenizer, "get_vocab", None)) else None
     size: int | None
@@ -139,12 +152,16 @@ def tokenizer_record(tokenizer) -> dict:
     return {
         "name_or_path": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
         "vocab_size": int(size) if size is not None else None,
-        "vocab_sha256": hashlib.sha256(canonical(sorted((str(k), int(v)) for k, v in vocab.items()))).hexdigest() if vocab else None,
+        "vocab_sha256": hashlib.sha256(canonical(sorted((str(k), int(v)) for k, v in vocab.items()))).hexdigest()
+        if vocab
+        else None,
         "probe_sha256": hashlib.sha256(canonical(probe)).hexdigest(),
     }
 
 
-def check_opened_header(header: dict, where, fingerprint: str, retriever_name: str, tokenizer_info: dict, storage_dtype: str | None) -> None:
+def check_opened_header(
+    header: dict, where, fingerprint: str, retriever_name: str, tokenizer_info: dict, storage_dtype: str | None
+) -> None:
     """Refuse to open a store (its ``header``) with another model, storage dtype, retriever or tokenizer."""
     if header["fingerprint"] != fingerprint:
         raise ValueError(
@@ -154,14 +171,18 @@ def check_opened_header(header: dict, where, fingerprint: str, retriever_name: s
             "would be silently wrong for this model. Open it with the model that built it, or build a new store."
         )
     if storage_dtype is not None and storage_dtype != header["storage_dtype"]:
-        raise ValueError(f"the store at {where} stores {header['storage_dtype']} states; got storage_dtype={storage_dtype!r}")
+        raise ValueError(
+            f"the store at {where} stores {header['storage_dtype']} states; got storage_dtype={storage_dtype!r}"
+        )
     if header["retriever"] != retriever_name:
         raise ValueError(
             f"the store at {where} was indexed with the retriever {header['retriever']!r}, not "
             f"{retriever_name!r}: their embeddings are not comparable. Pass the same retriever."
         )
     recorded = header["tokenizer"]
-    differs = [key for key in ("vocab_size", "vocab_sha256", "probe_sha256") if recorded.get(key) != tokenizer_info[key]]
+    differs = [
+        key for key in ("vocab_size", "vocab_sha256", "probe_sha256") if recorded.get(key) != tokenizer_info[key]
+    ]
     if differs:
         raise ValueError(
             f"the store at {where} was built with the tokenizer {recorded.get('name_or_path')!r} (vocabulary "

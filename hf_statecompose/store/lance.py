@@ -38,6 +38,7 @@ the row's seal, the state file's metadata and fingerprint, its tensor digest, th
 finite values and ΣΔ >= 0 against the model (as a folder store does).
 No pickle: rows are Arrow columns, states safetensors.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,8 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -94,7 +95,9 @@ def import_lancedb():
 
 
 def row_seal(entry_id: str, text: str, metadata_json: str, num_tokens: int, vector: bytes, tensor_digest: str) -> str:
-    body = canonical([entry_id, text, metadata_json, int(num_tokens), hashlib.sha256(vector).hexdigest(), tensor_digest])
+    body = canonical(
+        [entry_id, text, metadata_json, int(num_tokens), hashlib.sha256(vector).hexdigest(), tensor_digest]
+    )
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
@@ -104,12 +107,16 @@ def _blob_metadata(blob: bytes, where: str) -> dict:
         raise ValueError(f"{where}: the state is not safetensors bytes (corrupted); delete and re-add the entry")
     length = int.from_bytes(blob[:8], "little")
     if 8 + length > len(blob):
-        raise ValueError(f"{where}: the state is truncated ({len(blob)} bytes, its header claims {length}); delete and re-add the entry")
+        raise ValueError(
+            f"{where}: the state is truncated ({len(blob)} bytes, its header claims {length}); delete and re-add the entry"
+        )
     try:
         header = json.loads(blob[8 : 8 + length])
         meta = json.loads(header["__metadata__"]["hf_statecompose"])
     except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{where}: the state's metadata is corrupted ({error!r:.80}); delete and re-add the entry") from None
+        raise ValueError(
+            f"{where}: the state's metadata is corrupted ({error!r:.80}); delete and re-add the entry"
+        ) from None
     _check_metadata(meta, where)
     return meta
 
@@ -130,8 +137,17 @@ def contended(error: BaseException) -> bool:
     return any(mark in text for mark in _CONTENTION) or ("_versions/" in text and "not found" in text)
 
 
-def retry_contended(operation: Callable, what: str, where: str, attempts: int = 10, base_delay: float = 0.05, max_delay: float = 2.0,
-                    budget: float = 120.0, refresh: Callable | None = None, sleep: Callable = time.sleep):
+def retry_contended(
+    operation: Callable,
+    what: str,
+    where: str,
+    attempts: int = 10,
+    base_delay: float = 0.05,
+    max_delay: float = 2.0,
+    budget: float = 120.0,
+    refresh: Callable | None = None,
+    sleep: Callable = time.sleep,
+):
     """``operation()``, retried while Lance reports contention (:func:`contended`): at most ``attempts``
     times and no new attempt after ``budget`` seconds, sleeping a jittered, exponentially growing delay
     between attempts (``base_delay`` doubling up to ``max_delay``; half of it fixed, half random, so that
@@ -174,10 +190,23 @@ class LanceStateStore(StateStore):
     # attempts of a commit under contention (see retry_contended; under 10 s of backoff in all)
     write_attempts = 10
 
-    def __init__(self, uri, model, tokenizer, retriever: Callable | None = None, storage_dtype: str | None = None,
-                 info: dict | None = None, *, storage_options: dict | None = None, index_threshold: int = DEFAULT_INDEX_THRESHOLD,
-                 index_type: str = "IVF_PQ", nprobes: int = 32, refine_factor: int | None = 10,
-                 read_consistency_interval: float = 0.0, backend: str | None = None):
+    def __init__(
+        self,
+        uri,
+        model,
+        tokenizer,
+        retriever: Callable | None = None,
+        storage_dtype: str | None = None,
+        info: dict | None = None,
+        *,
+        storage_options: dict | None = None,
+        index_threshold: int = DEFAULT_INDEX_THRESHOLD,
+        index_type: str = "IVF_PQ",
+        nprobes: int = 32,
+        refine_factor: int | None = 10,
+        read_consistency_interval: float = 0.0,
+        backend: str | None = None,
+    ):
         lancedb, pa = import_lancedb()
         if uri is None or not isinstance(uri, (str, os.PathLike)):
             raise TypeError(f"uri must be a path or a URI string, got {type(uri).__name__}")
@@ -192,10 +221,15 @@ class LanceStateStore(StateStore):
         self.nprobes = check_count(nprobes, "nprobes", 1)
         self.refine_factor = None if refine_factor is None else check_count(refine_factor, "refine_factor", 1)
         if "://" not in self.uri and os.path.isfile(os.path.join(self.uri, "store.json")):
-            raise ValueError(f"{self.uri} holds a folder store: open it without backend='lance' (or copy it: hf-statecompose store migrate)")
+            raise ValueError(
+                f"{self.uri} holds a folder store: open it without backend='lance' (or copy it: hf-statecompose store migrate)"
+            )
         self._pa = pa
-        self._db = lancedb.connect(self.uri, read_consistency_interval=timedelta(seconds=float(read_consistency_interval)),
-                                   storage_options=storage_options)
+        self._db = lancedb.connect(
+            self.uri,
+            read_consistency_interval=timedelta(seconds=float(read_consistency_interval)),
+            storage_options=storage_options,
+        )
         names = set(self._table_names())
         if HEADER_TABLE not in names:
             if STATES_TABLE in names and self._db.open_table(STATES_TABLE).count_rows() > 0:
@@ -210,10 +244,15 @@ class LanceStateStore(StateStore):
         self.embedding_dim = int(self.header["embedding_dim"])
         template = self._state_template
         self._blob_meta = {
-            "format_version": STATE_FORMAT_VERSION, "architecture": template["architecture"], "fingerprint": self.fingerprint,
-            "model_dtype": str(template["model_dtype"]), "model_info": dict(template["model_info"]),
-            "num_layers": expected_num_layers(model.config), "config": model.config.to_dict(),
-            "A": "stored once per store (store_header row 'A')", "storage_dtype": self.header["storage_dtype"],
+            "format_version": STATE_FORMAT_VERSION,
+            "architecture": template["architecture"],
+            "fingerprint": self.fingerprint,
+            "model_dtype": str(template["model_dtype"]),
+            "model_info": dict(template["model_info"]),
+            "num_layers": expected_num_layers(model.config),
+            "config": model.config.to_dict(),
+            "A": "stored once per store (store_header row 'A')",
+            "storage_dtype": self.header["storage_dtype"],
         }
         if self._attention_layers:  # a hybrid's keys and values, as a state file records their dtype
             self._blob_meta["keys_dtype"] = str(self._keys_dtype)
@@ -226,11 +265,18 @@ class LanceStateStore(StateStore):
 
     def _schema(self, dim: int):
         pa = self._pa
-        return pa.schema([
-            pa.field("id", pa.string(), nullable=False, metadata={PRIMARY_KEY: "true"}), ("text", pa.string()), ("metadata", pa.string()), ("num_tokens", pa.int64()),
-            ("vector", pa.list_(pa.float32(), dim)), ("state", pa.large_binary()), ("tensor_digest", pa.string()),
-            ("seal", pa.string()),
-        ])
+        return pa.schema(
+            [
+                pa.field("id", pa.string(), nullable=False, metadata={PRIMARY_KEY: "true"}),
+                ("text", pa.string()),
+                ("metadata", pa.string()),
+                ("num_tokens", pa.int64()),
+                ("vector", pa.list_(pa.float32(), dim)),
+                ("state", pa.large_binary()),
+                ("tensor_digest", pa.string()),
+                ("seal", pa.string()),
+            ]
+        )
 
     def _create(self, model, tokenizer_info: dict, storage_dtype: str, info: dict) -> None:
         from safetensors.torch import save
@@ -240,11 +286,20 @@ class LanceStateStore(StateStore):
         probe = ComposableMambaCache.encode(model, ids)
         A = {f"A.{layer}": _dense(a).to(torch.float32) for layer, a in enumerate(probe.A)}
         header = {
-            "format_version": FORMAT_VERSION, "kind": "hf_statecompose.store", "backend": "lance",
-            "fingerprint": self.fingerprint, "architecture": architecture_of(model), "model_type": model.config.model_type,
-            "num_hidden_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size,
-            "storage_dtype": storage_dtype, "retriever": self.retriever_name, "embedding_dim": dim,
-            "tokenizer": tokenizer_info, "info": info, "A_checksum": checksum(A),
+            "format_version": FORMAT_VERSION,
+            "kind": "hf_statecompose.store",
+            "backend": "lance",
+            "fingerprint": self.fingerprint,
+            "architecture": architecture_of(model),
+            "model_type": model.config.model_type,
+            "num_hidden_layers": model.config.num_hidden_layers,
+            "hidden_size": model.config.hidden_size,
+            "storage_dtype": storage_dtype,
+            "retriever": self.retriever_name,
+            "embedding_dim": dim,
+            "tokenizer": tokenizer_info,
+            "info": info,
+            "A_checksum": checksum(A),
         }
         pa = self._pa
         # the states table first, the header last: the header's commit is the store's
@@ -253,8 +308,13 @@ class LanceStateStore(StateStore):
         except Exception:  # noqa: BLE001 - two processes creating the store at once (Ray actors): one wins
             if STATES_TABLE not in self._table_names():
                 raise
-        rows = pa.table({"name": ["header", "A"], "json": [seal(header).decode(), ""],
-                         "blob": pa.array([b"", save(A)], pa.large_binary())})
+        rows = pa.table(
+            {
+                "name": ["header", "A"],
+                "json": [seal(header).decode(), ""],
+                "blob": pa.array([b"", save(A)], pa.large_binary()),
+            }
+        )
         try:
             self._db.create_table(HEADER_TABLE, data=rows, mode="create")
         except (ValueError, OSError, RuntimeError) as error:  # another process created it first: use theirs
@@ -268,21 +328,38 @@ class LanceStateStore(StateStore):
         try:
             rows = {r["name"]: r for r in self._db.open_table(HEADER_TABLE).to_arrow().to_pylist()}
         except Exception as error:  # noqa: BLE001 - any failure to read the table is a damaged store
-            raise ValueError(f"{where}: the store's header table is unreadable ({error!r:.120}); restore it from a backup") from None
+            raise ValueError(
+                f"{where}: the store's header table is unreadable ({error!r:.120}); restore it from a backup"
+            ) from None
         if set(rows) != {"header", "A"}:
-            raise ValueError(f"{where}: the store's header table is damaged (rows {sorted(rows)}); restore it from a backup")
+            raise ValueError(
+                f"{where}: the store's header table is damaged (rows {sorted(rows)}); restore it from a backup"
+            )
         header = unseal_bytes(rows["header"]["json"].encode(), where, "header")
-        if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "hf_statecompose.store" or header.get("backend") != "lance":
-            raise ValueError(f"{where}: not an hf_statecompose Lance store header (format {header.get('format_version')!r})")
-        if header.get("storage_dtype") not in STORAGE_DTYPES or not isinstance(header.get("tokenizer"), dict) \
-                or not isinstance(header.get("embedding_dim"), int):
+        if (
+            header.get("format_version") != FORMAT_VERSION
+            or header.get("kind") != "hf_statecompose.store"
+            or header.get("backend") != "lance"
+        ):
+            raise ValueError(
+                f"{where}: not an hf_statecompose Lance store header (format {header.get('format_version')!r})"
+            )
+        if (
+            header.get("storage_dtype") not in STORAGE_DTYPES
+            or not isinstance(header.get("tokenizer"), dict)
+            or not isinstance(header.get("embedding_dim"), int)
+        ):
             raise ValueError(f"{where}: malformed store header; restore it from a backup")
         try:
             A = load(rows["A"]["blob"])
         except Exception as error:  # noqa: BLE001
-            raise ValueError(f"{where}: the stored A tensors are unreadable ({error!r:.80}); restore the store from a backup") from None
+            raise ValueError(
+                f"{where}: the stored A tensors are unreadable ({error!r:.80}); restore the store from a backup"
+            ) from None
         if checksum(A) != header.get("A_checksum"):
-            raise ValueError(f"{where}: the stored A tensors do not match their checksum (corrupted); restore the store from a backup")
+            raise ValueError(
+                f"{where}: the stored A tensors do not match their checksum (corrupted); restore the store from a backup"
+            )
         num_layers = expected_num_layers(self.model.config)
         if set(A) != {f"A.{layer}" for layer in range(num_layers)}:
             raise ValueError(f"{where}: the stored A tensors are not those of a {num_layers}-layer model")
@@ -303,11 +380,17 @@ class LanceStateStore(StateStore):
             return read()
         except Exception as error:  # noqa: BLE001 - whatever Lance raises on a damaged table
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise ValueError(f"the Lance store at {self.uri} cannot be read ({first[:120]}): its files are damaged; "
-                             "restore the store from a backup (or re-encode its passages)") from None
+            raise ValueError(
+                f"the Lance store at {self.uri} cannot be read ({first[:120]}): its files are damaged; "
+                "restore the store from a backup (or re-encode its passages)"
+            ) from None
 
     def ids(self) -> list[str]:
-        return list(dict.fromkeys(self._read(lambda: self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist())))
+        return list(
+            dict.fromkeys(
+                self._read(lambda: self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist())
+            )
+        )
 
     def __contains__(self, entry_id) -> bool:
         try:
@@ -348,14 +431,16 @@ class LanceStateStore(StateStore):
         for start in range(0, len(wanted), 1024):  # filters of bounded length
             chunk = wanted[start : start + 1024]
             query = self.table.search().where(f"id IN {self._in(chunk)}").select(columns).limit(None)
-            rows.update(self._one_copy_each(self._read(lambda: query.to_arrow().to_pylist())))
+            rows.update(self._one_copy_each(self._read(lambda: query.to_arrow().to_pylist())))  # noqa: B023 - _read calls it at once
         return rows
 
     def entries(self, ids: Sequence[str] | None = None) -> list[StoreEntry]:
         """Text and metadata of entries (no state read), each row's seal checked."""
         columns = ["id", "text", "metadata", "num_tokens", "vector", "tensor_digest", "seal"]
         if ids is None:
-            rows = self._one_copy_each(self._read(lambda: self.table.search().select(columns).limit(None).to_arrow().to_pylist()))
+            rows = self._one_copy_each(
+                self._read(lambda: self.table.search().select(columns).limit(None).to_arrow().to_pylist())
+            )
             return [self._entry(row) for row in rows.values()]
         ids = self._check_ids(ids, "ids")
         found = self._rows(ids, columns)
@@ -373,18 +458,30 @@ class LanceStateStore(StateStore):
             raise ValueError(f"{self.uri}: a row holds a malformed id {str(entry_id)[:40]!r} (corrupted)")
         vector = row["vector"]
         if vector is None or len(vector) != self.embedding_dim:
-            raise ValueError(f"entry {entry_id} of {self.uri}: its vector is malformed (corrupted); delete and re-add it")
-        seal = row_seal(entry_id, row["text"], row["metadata"], row["num_tokens"], self._vector_bytes(vector), row["tensor_digest"])
+            raise ValueError(
+                f"entry {entry_id} of {self.uri}: its vector is malformed (corrupted); delete and re-add it"
+            )
+        seal = row_seal(
+            entry_id, row["text"], row["metadata"], row["num_tokens"], self._vector_bytes(vector), row["tensor_digest"]
+        )
         if seal != row["seal"]:
-            raise ValueError(f"entry {entry_id} of {self.uri}: the row does not match its seal (corrupted or edited); delete and re-add it")
+            raise ValueError(
+                f"entry {entry_id} of {self.uri}: the row does not match its seal (corrupted or edited); delete and re-add it"
+            )
 
     def _entry(self, row: dict, score: float | None = None) -> StoreEntry:
         self._check_row(row)
         return StoreEntry(row["id"], row["text"], json.loads(row["metadata"]), int(row["num_tokens"]), score=score)
 
     # ------------------------------------------------------------------------------------ add
-    def add(self, texts: Iterable[str], metadata: Sequence[dict] | None = None, batch_size: int = 16, show_progress: bool = True,
-            ids: Sequence[str] | None = None) -> list[str]:
+    def add(
+        self,
+        texts: Iterable[str],
+        metadata: Sequence[dict] | None = None,
+        batch_size: int = 16,
+        show_progress: bool = True,
+        ids: Sequence[str] | None = None,
+    ) -> list[str]:
         """Encode ``texts`` in batches of ``batch_size`` and store them; each batch is one Lance commit.
 
         ``ids`` (optional, 16 lowercase hex digits each): the entries' ids. Without them, ids come from
@@ -411,7 +508,9 @@ class LanceStateStore(StateStore):
         try:
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start : start + batch_size]
-                rows = self.encode_rows([texts[n] for n in chunk], [metadata[n] for n in chunk], [ids[n] for n in chunk])
+                rows = self.encode_rows(
+                    [texts[n] for n in chunk], [metadata[n] for n in chunk], [ids[n] for n in chunk]
+                )
                 self.write_rows(rows, skip_existing=True)
                 progress.update(len(chunk))
         finally:
@@ -428,7 +527,9 @@ class LanceStateStore(StateStore):
         check_finite(state, "the encoded batch")
         vectors = self._embed(texts)
         if vectors.shape[1] != self.embedding_dim:
-            raise ValueError(f"the retriever returned {vectors.shape[1]}-dim vectors; the store holds {self.embedding_dim}-dim ones")
+            raise ValueError(
+                f"the retriever returned {vectors.shape[1]}-dim vectors; the store holds {self.embedding_dim}-dim ones"
+            )
         from safetensors.torch import save
 
         columns: dict[str, list] = {name: [] for name in self._schema(self.embedding_dim).names}
@@ -436,7 +537,10 @@ class LanceStateStore(StateStore):
             tensors = self._entry_tensors(state, row, tokens)
             tensors["num_tokens"] = torch.tensor([len(tokens)], dtype=torch.long)
             digest = _digest(tensors)
-            blob = save(tensors, metadata={"hf_statecompose": json.dumps({**self._blob_meta, "tensor_digest": digest}, default=repr)})
+            blob = save(
+                tensors,
+                metadata={"hf_statecompose": json.dumps({**self._blob_meta, "tensor_digest": digest}, default=repr)},
+            )
             vector = vectors[row].contiguous()
             meta_json = canonical(meta).decode()
             columns["id"].append(entry_id)
@@ -459,13 +563,17 @@ class LanceStateStore(StateStore):
         self._keyed()
         rows = rows.cast(self._schema(self.embedding_dim))
         if skip_existing:
-            self._retrying("writing entries", lambda: self.table.merge_insert("id").when_not_matched_insert_all().execute(rows))
+            self._retrying(
+                "writing entries", lambda: self.table.merge_insert("id").when_not_matched_insert_all().execute(rows)
+            )
         else:
             self._retrying("adding entries", lambda: self.table.add(rows))
 
     def _retrying(self, what: str, operation: Callable):
         """``operation()`` (one Lance commit), retried while other writers' commits conflict with it."""
-        return retry_contended(operation, what, f"the Lance store at {self.uri}", attempts=self.write_attempts, refresh=self.refresh)
+        return retry_contended(
+            operation, what, f"the Lance store at {self.uri}", attempts=self.write_attempts, refresh=self.refresh
+        )
 
     def _keyed(self) -> None:
         """Make ``id`` the table's primary key (:data:`PRIMARY_KEY`) before this store first writes, if
@@ -478,7 +586,9 @@ class LanceStateStore(StateStore):
             return (self.table.schema.field("id").metadata or {}).get(PRIMARY_KEY.encode()) == b"true"
 
         def declare():
-            if self.table.schema.field("id").nullable:  # a primary key is not nullable; no row holds a null id (writes check ids)
+            if self.table.schema.field(
+                "id"
+            ).nullable:  # a primary key is not nullable; no row holds a null id (writes check ids)
                 self.table.alter_columns({"path": "id", "nullable": False})
             if not declared():
                 try:
@@ -512,19 +622,27 @@ class LanceStateStore(StateStore):
         blob = row["state"]
         meta = _blob_metadata(blob, where)
         if meta["fingerprint"] != self.fingerprint:
-            raise ValueError(f"{where}: the state was encoded by another model (fingerprint differs); delete and re-add it")
+            raise ValueError(
+                f"{where}: the state was encoded by another model (fingerprint differs); delete and re-add it"
+            )
         if meta["tensor_digest"] != row["tensor_digest"]:
             raise ValueError(f"{where}: the state's digest does not match its row (corrupted); delete and re-add it")
         try:
             tensors = load(bytes(blob))
         except Exception as error:  # noqa: BLE001
-            raise ValueError(f"{where}: the state is truncated or corrupted ({error!r:.80}); delete and re-add it") from None
+            raise ValueError(
+                f"{where}: the state is truncated or corrupted ({error!r:.80}); delete and re-add it"
+            ) from None
         if _digest(tensors) != meta["tensor_digest"]:
-            raise ValueError(f"{where}: the state's tensor data does not match its digest (corrupted); delete and re-add it")
+            raise ValueError(
+                f"{where}: the state's tensor data does not match its digest (corrupted); delete and re-add it"
+            )
         num_layers = len(self._A)
         expected = set(self._entry_tensor_names(num_layers)) | {"num_tokens"}
         if set(tensors) != expected:
-            raise ValueError(f"{where}: the state holds tensors {sorted(set(tensors) ^ expected)[:4]} it should not (or lacks them)")
+            raise ValueError(
+                f"{where}: the state holds tensors {sorted(set(tensors) ^ expected)[:4]} it should not (or lacks them)"
+            )
         if tensors["num_tokens"].tolist() != [row["num_tokens"]]:
             raise ValueError(f"{where}: the state's num_tokens do not match its row")
         self._check_entry_tensors(where, tensors, row["num_tokens"], num_layers)
@@ -543,7 +661,9 @@ class LanceStateStore(StateStore):
         search = search.nprobes(self.nprobes)
         return search.refine_factor(self.refine_factor) if self.refine_factor else search
 
-    def retrieve(self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True, exact: bool = False) -> list[StoreEntry]:
+    def retrieve(
+        self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True, exact: bool = False
+    ) -> list[StoreEntry]:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states. Through the
         ANN index once :meth:`compact` has built it (plus an exact scan of rows added since), else an
         exact scan; ``exact=True`` always scans."""
@@ -552,12 +672,18 @@ class LanceStateStore(StateStore):
             return []
         vector = self._embed([query])[0]
         if vector.shape[0] != self.embedding_dim:
-            raise ValueError(f"the retriever returned a {vector.shape[0]}-dim query vector; the store holds {self.embedding_dim}-dim ones")
-        columns = ["id", "text", "metadata", "num_tokens", "vector", "tensor_digest", "seal", "_distance"] + (["state"] if load_states else [])
+            raise ValueError(
+                f"the retriever returned a {vector.shape[0]}-dim query vector; the store holds {self.embedding_dim}-dim ones"
+            )
+        columns = ["id", "text", "metadata", "num_tokens", "vector", "tensor_digest", "seal", "_distance"] + (
+            ["state"] if load_states else []
+        )
         # an entry stored more than once (see repair) is one result: ask for more rows until k distinct ids
         limit = k
         while True:
-            rows = self._read(lambda: self._search(vector, excluded, exact).select(columns).limit(limit).to_arrow().to_pylist())
+            rows = self._read(
+                lambda: self._search(vector, excluded, exact).select(columns).limit(limit).to_arrow().to_pylist()  # noqa: B023 - _read calls it at once
+            )
             rows.sort(key=lambda r: r["_distance"])
             distinct = list(self._one_copy_each(rows).values())
             if len(distinct) >= k or len(rows) < limit:
@@ -583,8 +709,10 @@ class LanceStateStore(StateStore):
             found = self._rows(wanted, ["id"])
             missing = [i for i in wanted if i not in found]
             if missing and not missing_ok:
-                raise KeyError(f"no entries {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)} of {len(wanted)}) in the store at "
-                               f"{self.uri}; nothing was deleted (delete(ids, missing_ok=True) deletes the others)")
+                raise KeyError(
+                    f"no entries {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)} of {len(wanted)}) in the store at "
+                    f"{self.uri}; nothing was deleted (delete(ids, missing_ok=True) deletes the others)"
+                )
             if found:
                 self.table.delete(f"id IN {self._in(sorted(found))}")
 
@@ -600,14 +728,20 @@ class LanceStateStore(StateStore):
         """Build (or rebuild) the ANN index on the vectors now, whatever the table's size."""
         rows = len(self)
         if rows < 256:
-            raise ValueError(f"an ANN index needs at least 256 entries to train on; the store holds {rows} (exact search is used)")
+            raise ValueError(
+                f"an ANN index needs at least 256 entries to train on; the store holds {rows} (exact search is used)"
+            )
         from lancedb.index import HnswSq, IvfPq
 
-        num_partitions = num_partitions or max(1, min(4096, int(round(rows ** 0.5))))
+        num_partitions = num_partitions or max(1, min(4096, round(rows**0.5)))
         if self.index_type == "IVF_PQ":
             dim = self.embedding_dim
-            num_sub_vectors = num_sub_vectors or next(d for d in (dim // 8, dim // 4, dim // 2, 1) if d and dim % d == 0)
-            config: IvfPq | HnswSq = IvfPq(distance_type="cosine", num_partitions=num_partitions, num_sub_vectors=num_sub_vectors)
+            num_sub_vectors = num_sub_vectors or next(
+                d for d in (dim // 8, dim // 4, dim // 2, 1) if d and dim % d == 0
+            )
+            config: IvfPq | HnswSq = IvfPq(
+                distance_type="cosine", num_partitions=num_partitions, num_sub_vectors=num_sub_vectors
+            )
         else:
             config = HnswSq(distance_type="cosine", num_partitions=num_partitions)
         self.table.create_index("vector", config=config, replace=True)
@@ -618,7 +752,11 @@ class LanceStateStore(StateStore):
         older than ``keep_versions_for`` (seconds or a timedelta; readers reading an older version at
         that moment would fail: keep a margin on a busy store). Returns what it did."""
         if not isinstance(keep_versions_for, timedelta):
-            if isinstance(keep_versions_for, bool) or not isinstance(keep_versions_for, numbers.Real) or keep_versions_for < 0:
+            if (
+                isinstance(keep_versions_for, bool)
+                or not isinstance(keep_versions_for, numbers.Real)
+                or keep_versions_for < 0
+            ):
                 raise ValueError(f"keep_versions_for must be >= 0 seconds or a timedelta, got {keep_versions_for!r}")
             keep_versions_for = timedelta(seconds=float(keep_versions_for))
         fragments_before, physical_before, rows = self._retrying("compact", self._fragment_counts)
@@ -629,8 +767,13 @@ class LanceStateStore(StateStore):
         # optimize is compaction, index update and cleanup, each its own commit: a retry redoes what is left
         self._retrying("compact", lambda: self.table.optimize(cleanup_older_than=keep_versions_for))
         fragments_after, physical_after, _ = self._retrying("compact", self._fragment_counts)
-        return {"removed_entries": physical_before - physical_after, "fragments_before": fragments_before,
-                "fragments_after": fragments_after, "index_built": built, "indexed": self._has_index()}
+        return {
+            "removed_entries": physical_before - physical_after,
+            "fragments_before": fragments_before,
+            "fragments_after": fragments_after,
+            "index_built": built,
+            "indexed": self._has_index(),
+        }
 
     optimize = compact
 
@@ -646,19 +789,29 @@ class LanceStateStore(StateStore):
         (the last non-empty only if other processes kept moving rows, e.g. compacting, meanwhile)."""
         batch_size = check_count(batch_size, "batch_size", 1)
         self._keyed()
-        counts = self._retrying("repair", lambda: Counter(self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist()))
+        counts = self._retrying(
+            "repair",
+            lambda: Counter(self.table.search().select(["id"]).limit(None).to_arrow().column("id").to_pylist()),
+        )
         duplicated = sorted(entry_id for entry_id, n in counts.items() if n > 1)
         unverifiable: list[str] = []
         todo = duplicated
-        for _ in range(3):  # a compaction between a pass's read and its delete moves rows: their copies stay for the next pass
+        for _ in range(
+            3
+        ):  # a compaction between a pass's read and its delete moves rows: their copies stay for the next pass
             for start in range(0, len(todo), batch_size):
                 unverifiable += self._repair_batch(todo[start : start + batch_size])
             left = Counter(self._rows_of(duplicated, ["id"]).column("id").to_pylist())
             todo = [entry_id for entry_id in duplicated if left[entry_id] > 1 and entry_id not in unverifiable]
             if not todo:
                 break
-        return {"entries": len(counts), "duplicated": len(duplicated), "removed_copies": sum(counts[i] - left[i] for i in duplicated),
-                "unverifiable": sorted(unverifiable), "still_duplicated": todo}
+        return {
+            "entries": len(counts),
+            "duplicated": len(duplicated),
+            "removed_copies": sum(counts[i] - left[i] for i in duplicated),
+            "unverifiable": sorted(unverifiable),
+            "still_duplicated": todo,
+        }
 
     def _rows_of(self, ids: list[str], columns: list[str], row_ids: bool = False):
         """Every row (every copy) of ``ids``, as one Arrow table."""
@@ -708,18 +861,29 @@ class LanceStateStore(StateStore):
             first = self.table.search().select(["state"]).limit(1).to_arrow().column("state")[0].as_py()
             length = int.from_bytes(first[:8], "little")
             header = json.loads(first[8 : 8 + length])
-            per_entry = sum(v["data_offsets"][1] - v["data_offsets"][0] for name, v in header.items()
-                            if name not in ("__metadata__", "token_ids", "num_tokens"))
+            per_entry = sum(
+                v["data_offsets"][1] - v["data_offsets"][0]
+                for name, v in header.items()
+                if name not in ("__metadata__", "token_ids", "num_tokens")
+            )
             blob = len(first)
         local = "://" not in self.uri or self.uri.startswith("file://")
         total = None
         if local:
-            root = self.uri[len("file://"):] if self.uri.startswith("file://") else self.uri
+            root = self.uri[len("file://") :] if self.uri.startswith("file://") else self.uri
             total = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
         return {
-            "backend": "lance", "entries": rows, "deleted_pending": physical - rows, "fragments": fragments, "bytes": total,
-            "state_bytes_per_entry": per_entry, "blob_bytes_per_entry": blob, "storage_dtype": self.header["storage_dtype"],
-            "retriever": self.header["retriever"], "indexed": self._has_index(), "version": self.table.version,
+            "backend": "lance",
+            "entries": rows,
+            "deleted_pending": physical - rows,
+            "fragments": fragments,
+            "bytes": total,
+            "state_bytes_per_entry": per_entry,
+            "blob_bytes_per_entry": blob,
+            "storage_dtype": self.header["storage_dtype"],
+            "retriever": self.header["retriever"],
+            "indexed": self._has_index(),
+            "version": self.table.version,
         }
 
     def __repr__(self):
@@ -733,7 +897,10 @@ def read_lance_header(uri: str, storage_options: dict | None = None) -> dict | N
     listing = db.list_tables() if hasattr(db, "list_tables") else db.table_names()
     if HEADER_TABLE not in set(getattr(listing, "tables", listing)):
         return None
-    rows = {r["name"]: r for r in db.open_table(HEADER_TABLE).search().select(["name", "json"]).limit(None).to_arrow().to_pylist()}
+    rows = {
+        r["name"]: r
+        for r in db.open_table(HEADER_TABLE).search().select(["name", "json"]).limit(None).to_arrow().to_pylist()
+    }
     if "header" not in rows:
         raise ValueError(f"{uri} ({HEADER_TABLE}): the store's header row is missing; restore it from a backup")
     return unseal_bytes(rows["header"]["json"].encode(), f"{uri} ({HEADER_TABLE})", "header")

@@ -1,4 +1,5 @@
 """Passages files: one JSON object per line with a text field (the rest of the object is metadata)."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 stores with kill -9 trials and concurrent writers, CLI user errors) finds no silent result, no lost entry and no
 hang; unclear errors are allowed here but printed. Also checks of the oracle itself: each outcome is reached by a
 case built to reach it, so a clean table cannot come from an oracle that never says "silent"."""
+
 import os
 import subprocess
 
@@ -14,8 +15,11 @@ FORBIDDEN = ("silent", "lost", "hang")
 
 
 def _listing(report, outcomes):
-    return "\n".join(f"{c['id']} {c['case']}: {c['outcome']}: {c['detail']}\n    repro: {c['repro']}"
-                     for c in report["non_clean"] if c["outcome"] in outcomes)
+    return "\n".join(
+        f"{c['id']} {c['case']}: {c['outcome']}: {c['detail']}\n    repro: {c['repro']}"
+        for c in report["non_clean"]
+        if c["outcome"] in outcomes
+    )
 
 
 def test_trial_covers_every_category_and_both_backends(ci_report):
@@ -29,7 +33,9 @@ def test_trial_covers_every_category_and_both_backends(ci_report):
     for backend in ("folder", "lance"):
         for trial in ("kill_add", "kill_delete", "kill_compact", "concurrent_same"):
             assert f"{backend}:{trial}" in names, (backend, trial)
-    assert table["total"]["cases"] == sum(table["total"][o] for o in ("clear", "handled", "unclear", "silent", "hang", "lost"))
+    assert table["total"]["cases"] == sum(
+        table["total"][o] for o in ("clear", "handled", "unclear", "silent", "hang", "lost")
+    )
 
 
 @pytest.mark.parametrize("category", list("abcdef"))
@@ -37,10 +43,14 @@ def test_no_silent_lost_or_hung_case(ci_report, category):
     row = ci_report["table"][category]
     unclear = [c for c in ci_report["non_clean"] if c["category"] == category and c["outcome"] == "unclear"]
     if unclear:
-        print(f"\n{len(unclear)} unclear in category {category} (allowed):\n" + _listing(
-            {"non_clean": unclear}, ("unclear",)))
+        print(
+            f"\n{len(unclear)} unclear in category {category} (allowed):\n"
+            + _listing({"non_clean": unclear}, ("unclear",))
+        )
     bad = [c for c in ci_report["non_clean"] if c["category"] == category and c["outcome"] in FORBIDDEN]
-    assert not bad, f"{len(bad)} {'/'.join(FORBIDDEN)} cases in category {category} ({row}):\n" + _listing({"non_clean": bad}, FORBIDDEN)
+    assert not bad, f"{len(bad)} {'/'.join(FORBIDDEN)} cases in category {category} ({row}):\n" + _listing(
+        {"non_clean": bad}, FORBIDDEN
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the oracle itself
@@ -93,8 +103,23 @@ def test_one_case_reruns_from_its_repro(bench):
     """The repro line of a case (``--case ID``) runs that case alone and prints its outcome."""
     case = next(c for c in bench.generate_cases(0, "ci", ("folder",)) if c["kind"] == "api")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([os.sys.executable, os.path.join(root, "benchmarks", "adversarial.py"), "--scale", "ci", "--backends", "folder",
-                           "--case", case["id"]], check=False, capture_output=True, text=True, timeout=300, cwd=root,
-                          env=dict(os.environ, PYTHONPATH=root))
+    done = subprocess.run(
+        [
+            os.sys.executable,
+            os.path.join(root, "benchmarks", "adversarial.py"),
+            "--scale",
+            "ci",
+            "--backends",
+            "folder",
+            "--case",
+            case["id"],
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert case["id"] in done.stdout and '"outcome"' in done.stdout

@@ -5,6 +5,7 @@ relative to the current directory, not to the YAML, so each task loads its ``.js
 ``custom_dataset: !function utils.load_...`` (``datasets.load_dataset("json", ...)`` on the absolute
 path): the tasks run from any directory.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

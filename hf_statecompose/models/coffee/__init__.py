@@ -9,6 +9,7 @@ imports its Auto classes. The mixer and modeling modules are imported on first u
 transformers' hook imports this package while transformers may be half way through importing its own
 modeling code, so the package must not import them.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -35,6 +35,7 @@ initialised at μ = -4 as COFFEE; B, C, W_D from N(0, 1). Same parameter count a
 -> ``y [B, L, D]`` (or ``(y, final_state)``); ``mask`` [B, L] (1 real, 0 padding): a padding step has Δ = 0,
 which leaves the state exactly as it was (both discretisations give a = 1, b = 0 there).
 """
+
 from __future__ import annotations
 
 import torch
@@ -69,8 +70,14 @@ class _SelectiveBase(nn.Module):
         """(a, b, C-readout) for the scan: a, b [B, L, D, n]; readout [B, L, D, n] or [D, n] (broadcast)."""
         raise NotImplementedError
 
-    def forward(self, u: torch.Tensor, initial_state: torch.Tensor | None = None, return_final_state: bool = False,
-                mask: torch.Tensor | None = None, method: str = "auto"):
+    def forward(
+        self,
+        u: torch.Tensor,
+        initial_state: torch.Tensor | None = None,
+        return_final_state: bool = False,
+        mask: torch.Tensor | None = None,
+        method: str = "auto",
+    ):
         x0, mask = check_mixer_inputs(u, initial_state, mask, method, self.hidden_size, self.state_size)
         if mask is not None:
             mask = mask[:, :, None]
@@ -124,7 +131,7 @@ class S6Mixer(_SelectiveBase):
 
 
 class LinearizedS6Mixer(_SelectiveBase):
-    """"COFFEE as in (4)" (the paper's Table 6): S6 linearised, Δ from the token, no state feedback.
+    """ "COFFEE as in (4)" (the paper's Table 6): S6 linearised, Δ from the token, no state feedback.
 
     Parameters: ``A`` [D, n] (μ, λ = -σ(μ)), ``B``, ``C`` [D, n] (or ``W_B``, ``W_C`` Linear D -> n with
     ``token_bc``), ``W_D`` (Linear D -> D, bias if ``delta_bias``): ``3 n D + D² (+ D)``, as S6.
@@ -132,8 +139,15 @@ class LinearizedS6Mixer(_SelectiveBase):
 
     A_INIT = -4.0
 
-    def __init__(self, hidden_size: int, state_size: int, delta_bias: bool = True, token_bc: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        state_size: int,
+        delta_bias: bool = True,
+        token_bc: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(hidden_size, state_size, delta_bias)
         self.token_bc = token_bc
         self.A = nn.Parameter(torch.empty(hidden_size, state_size))

@@ -97,8 +97,16 @@ class CoffeeConfig(PreTrainedConfig):
         for name, allowed in (("mixer_type", MIXER_TYPES), ("gate", GATES), ("head", HEADS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "state_size", "expand", "intermediate_size",
-                     "image_size", "classifier_hidden_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "state_size",
+            "expand",
+            "intermediate_size",
+            "image_size",
+            "classifier_hidden_size",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -22,6 +22,7 @@ adjoint ``g(k) = ∂ℒ/∂x(k) + J(k+1) g(k+1)`` is one more diagonal linear re
 gradients of λ, w_D, u and the initial state follow from the per-step partials ``∂f/∂λ = Δ x``,
 ``∂f/∂w = (λ x + u) Δ (1 - Δ) x``, ``∂f/∂u = Δ``, ``∂x(0)/∂x(-1) = J(0)``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -142,8 +143,9 @@ def _newton_trajectory(u, x0, lam, w, gate_kind="state", mask=None):
     if mask is not None:
         gate0 = gate0 * mask
     a0 = 1 + lam * gate0
-    x = _solve_linear_recurrence(a0.reshape(B, L, D * n), (gate0 * u_).reshape(B, L, D * n),
-                                 x0.reshape(B, D * n)).view(B, L, D, n)
+    x = _solve_linear_recurrence(a0.reshape(B, L, D * n), (gate0 * u_).reshape(B, L, D * n), x0.reshape(B, D * n)).view(
+        B, L, D, n
+    )
     iterations = 0
     # the residual in float64 for float32 (and half) inputs: iterative refinement with an extended-precision
     # residual, so the iterate converges to the trajectory of the exact step equations, rounded once per
@@ -200,8 +202,8 @@ def _windowed_newton(u, x0, lam, w, gate_kind, mask, window):
         return states, info, ok
     pieces, x, iterations, residual, tolerance, windows, clipped = [], x0, 0, 0.0, 0.0, 0, False
     for start in range(0, L, window):
-        part = None if mask is None else mask[:, start:start + window]
-        states, info, ok = _newton_trajectory(u[:, start:start + window], x, lam, w, gate_kind, part)
+        part = None if mask is None else mask[:, start : start + window]
+        states, info, ok = _newton_trajectory(u[:, start : start + window], x, lam, w, gate_kind, part)
         iterations, windows, clipped = iterations + info.iterations, windows + 1, clipped or info.clipped
         residual, tolerance = max(residual, info.residual), max(tolerance, info.tolerance)
         if not ok:
@@ -226,11 +228,15 @@ class _CoffeeTrajectory(torch.autograd.Function):
                     logger.warning(
                         "COFFEE parallel (Newton) forward did not converge (max residual %s after %d steps, "
                         "tolerance %s); using the sequential loop. Pass method='sequential' to skip the attempt.",
-                        info.residual, info.iterations, info.tolerance)
+                        info.residual,
+                        info.iterations,
+                        info.tolerance,
+                    )
                     mixer._warned_fallback = True
                 states = coffee_states_sequential(u, x0, lam, w, gate_kind, mask)
-                info = CoffeeSolveInfo("sequential (fallback)", info.iterations, info.residual, info.tolerance,
-                                       info.windows, info.clipped)
+                info = CoffeeSolveInfo(
+                    "sequential (fallback)", info.iterations, info.residual, info.tolerance, info.windows, info.clipped
+                )
         mixer.last_solve = info
         ctx.save_for_backward(u, x0, lam, w, states)
         return states
@@ -244,8 +250,11 @@ class _CoffeeTrajectory(torch.autograd.Function):
         gate, _, jacobian, dfdw, dfdu = _step_terms(prev, u_, lam, w, ctx.gate_kind, ctx.mask)
         # adjoint g(k) = G(k) + J(k+1) g(k+1), run forward in time over the flipped sequence
         a_next = torch.cat([jacobian[:, 1:], torch.zeros_like(jacobian[:, :1])], dim=1)
-        adjoint = _solve_linear_recurrence(a_next.flip(1).reshape(B, L, D * n),
-                                           grad_states.flip(1).reshape(B, L, D * n)).view(B, L, D, n).flip(1)
+        adjoint = (
+            _solve_linear_recurrence(a_next.flip(1).reshape(B, L, D * n), grad_states.flip(1).reshape(B, L, D * n))
+            .view(B, L, D, n)
+            .flip(1)
+        )
         grad_u = (adjoint * dfdu).sum(-1) if ctx.needs_input_grad[0] else None
         grad_x0 = jacobian[:, 0] * adjoint[:, 0] if ctx.needs_input_grad[1] else None
         grad_lam = (adjoint * gate * prev).sum((0, 1)) if ctx.needs_input_grad[2] else None
@@ -267,8 +276,10 @@ def check_mixer_inputs(u, initial_state, mask, method, hidden_size, state_size):
     if initial_state is None:
         initial_state = u.new_zeros(u.shape[0], D, n)
     elif tuple(initial_state.shape) != (u.shape[0], D, n):
-        raise ValueError(f"initial_state must be [batch={u.shape[0]}, hidden_size={D}, state_size={n}], "
-                         f"got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state must be [batch={u.shape[0]}, hidden_size={D}, state_size={n}], "
+            f"got {tuple(initial_state.shape)}"
+        )
     if mask is not None:
         if tuple(mask.shape) != tuple(u.shape[:2]):
             raise ValueError(f"mask must be [batch, length] = {tuple(u.shape[:2])}, got {tuple(mask.shape)}")
@@ -331,8 +342,15 @@ class CoffeeMixer(nn.Module):
     # the parallel forward solves consecutive windows of at most this many steps (see `_windowed_newton`)
     newton_window = 1024
 
-    def __init__(self, hidden_size: int, state_size: int, output_filter: bool = False, gate: str = "state",
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        state_size: int,
+        output_filter: bool = False,
+        gate: str = "state",
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if hidden_size < 1 or state_size < 1:
             raise ValueError(f"hidden_size and state_size must be positive, got {hidden_size} and {state_size}")
@@ -371,8 +389,15 @@ class CoffeeMixer(nn.Module):
         gate = "" if self.gate == "state" else f", gate={self.gate!r}"
         return f"hidden_size={self.hidden_size}, state_size={self.state_size}, output_filter={self.output_filter}{gate}"
 
-    def forward(self, u: torch.Tensor, initial_state: torch.Tensor | None = None, return_final_state: bool = False,
-                method: str = "auto", mask: torch.Tensor | None = None, return_log_decay: bool = False):
+    def forward(
+        self,
+        u: torch.Tensor,
+        initial_state: torch.Tensor | None = None,
+        return_final_state: bool = False,
+        method: str = "auto",
+        mask: torch.Tensor | None = None,
+        return_log_decay: bool = False,
+    ):
         """u [B, L, D] -> y [B, L, D] (and the final state [B, D, n] if ``return_final_state``).
 
         ``mask`` ([B, L], 1 for real steps, 0 for padding; optional): a padding step has gate 0, so it leaves

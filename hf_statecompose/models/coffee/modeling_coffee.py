@@ -42,6 +42,7 @@ started from).
 This file is also the modeling file ``save_pretrained`` copies for ``trust_remote_code``: it imports this
 package absolutely (``hf_statecompose.…``) and only its config relatively.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -132,7 +133,9 @@ class CoffeeSequenceMixer(nn.Module):
             # the prompt as the mixer chooses ("auto": Newton / DEER or the loop), a single token as one step of the loop
             method = "sequential" if length == 1 else "auto"
             if cache is not None and self.ssm.gate != "linear_state":
-                y, final, log_decay = self.ssm(x, initial_state=initial, method=method, mask=mask, return_log_decay=True)
+                y, final, log_decay = self.ssm(
+                    x, initial_state=initial, method=method, mask=mask, return_log_decay=True
+                )
             else:
                 y, final = self.ssm(x, initial_state=initial, return_final_state=True, method=method, mask=mask)
         else:  # the baselines: their own mask (a padding step has Δ = 0), no log-decay
@@ -214,7 +217,7 @@ class CoffeePreTrainedModel(PreTrainedModel):
     config_class = CoffeeConfig
     base_model_prefix = "backbone"
     main_input_name = "input_ids"
-    _no_split_modules = ["CoffeeBlock"]
+    _no_split_modules = ["CoffeeBlock"]  # noqa: RUF012 - transformers' PreTrainedModel attribute: declared there without ClassVar, set per instance too
     supports_gradient_checkpointing = False
     _is_stateful = True
 
@@ -270,11 +273,15 @@ class CoffeeModel(CoffeePreTrainedModel):
         """Why this model's states cannot be composed (None when they can): the decays need the COFFEE mixer
         with a gate in (0, 1)."""
         if self.config.mixer_type != "coffee":
-            return (f"states and composition need mixer_type='coffee' (this model's mixer is the "
-                    f"{self.config.mixer_type!r} baseline, which records no per-context decay)")
+            return (
+                f"states and composition need mixer_type='coffee' (this model's mixer is the "
+                f"{self.config.mixer_type!r} baseline, which records no per-context decay)"
+            )
         if self.config.gate == "linear_state":
-            return ("states and composition need gate='state' or 'input': with gate='linear_state' the step "
-                    "multiplier 1 + λΔ can be negative, so a context has no decay to weigh its state with")
+            return (
+                "states and composition need gate='state' or 'input': with gate='linear_state' the step "
+                "multiplier 1 + λΔ can be negative, so a context has no decay to weigh its state with"
+            )
         return None
 
     def forward(
@@ -345,11 +352,13 @@ class CoffeeModel(CoffeePreTrainedModel):
         returned_cache = cache if use_cache else None
         if not return_dict:
             return tuple(v for v in (hidden_states, returned_cache, all_hidden_states) if v is not None)
-        return CoffeeOutput(last_hidden_state=hidden_states, hidden_states=all_hidden_states, **compat.cache_kwargs(returned_cache))
+        return CoffeeOutput(
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **compat.cache_kwargs(returned_cache)
+        )
 
 
 class CoffeeForCausalLM(CoffeePreTrainedModel, StateCacheGenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
+    _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}  # noqa: RUF012 - transformers' PreTrainedModel attribute: declared there without ClassVar, set per instance too
 
     def __init__(self, config: CoffeeConfig):
         super().__init__(config)
@@ -443,7 +452,9 @@ class CoffeeForImageClassification(CoffeePreTrainedModel):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         size = self.config.image_size
         if pixel_values is None:
-            raise ValueError("pixel_values is required: [batch, image_size, image_size] or [batch, 1, image_size, image_size]")
+            raise ValueError(
+                "pixel_values is required: [batch, image_size, image_size] or [batch, 1, image_size, image_size]"
+            )
         if pixel_values.dim() == 4 and pixel_values.shape[1] == 1:
             pixel_values = pixel_values[:, 0]
         if pixel_values.dim() != 3 or tuple(pixel_values.shape[1:]) != (size, size):

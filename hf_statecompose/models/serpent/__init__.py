@@ -7,6 +7,7 @@ imports them as soon as transformers imports its Auto classes (``hf_statecompose
 modeling module is imported on first use (PEP 562): transformers' hook imports this package while
 transformers may be half way through importing its own modeling code, so the package must not import it.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -116,8 +116,13 @@ class SeRpEntMambaConfig(PreTrainedConfig):
                     f"{name} ({value}) must be a positive multiple of the number of branches ({branches}, "
                     "one per entry of branch_compressions): each branch gets an equal share"
                 )
-        for name, symbol in (("num_gaussians", "G"), ("resample_window", "K"), ("state_size", "N"),
-                             ("conv_kernel", "the conv width"), ("num_hidden_layers", "the depth")):
+        for name, symbol in (
+            ("num_gaussians", "G"),
+            ("resample_window", "K"),
+            ("state_size", "N"),
+            ("conv_kernel", "the conv width"),
+            ("num_hidden_layers", "the depth"),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({symbol}) must be an integer >= 1, got {value!r}")

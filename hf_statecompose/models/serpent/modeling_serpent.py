@@ -63,6 +63,7 @@ forward and the incremental one are one code path.
 This file is also the modeling file ``save_pretrained`` copies for ``trust_remote_code``: it imports this
 package absolutely (``hf_statecompose.…``) and only its config relatively.
 """
+
 from __future__ import annotations
 
 import math
@@ -121,7 +122,7 @@ def branch_ssm_forward(mixer, hidden_states: torch.Tensor, cache, count: torch.T
     (SSM state, conv window, ΣΔ) and returns ``[B, T, h]`` (padding positions hold garbage)."""
     layer_idx = mixer.layer_idx
     dtype = hidden_states.dtype
-    batch, length, _ = hidden_states.shape
+    _batch, length, _ = hidden_states.shape
     layer = cache.layers[layer_idx]
     positions = torch.arange(length, device=hidden_states.device)
     mask = (positions[None] < count[:, None]).to(dtype)  # [B, T]
@@ -202,10 +203,15 @@ class SeRpEntBranch(nn.Module):
         ssm = self.ssm
         v = ssm.layer_idx
         cache.ensure_layer(
-            v, batch=batch, hidden_size=width, branch_hidden=out_width,
+            v,
+            batch=batch,
+            hidden_size=width,
+            branch_hidden=out_width,
             ssm_shape=(ssm.intermediate_size, ssm.ssm_state_size),
             conv_shape=(ssm.intermediate_size, ssm.conv_kernel_size),
-            A=-torch.exp(ssm.A_log.float()), dtype=hidden.dtype, device=device,
+            A=-torch.exp(ssm.A_log.float()),
+            dtype=hidden.dtype,
+            device=device,
         )
         clock0 = cache.clocks[v]  # [B] int64
         grid0 = clock0 >> CLOCK_BITS  # latest grid point before this chunk
@@ -247,7 +253,7 @@ class SeRpEntBranch(nn.Module):
         # 4. resampling (eq. 12b): d = Δ̄ (j − u_k), values from the integer clock, gradients through u_k and Δ̄
         gap = ((point_clock[:, :, None] - nb_t).double() / CLOCK_ONE).to(delta.dtype)
         distance = self.log_delta_bar.exp() * (gap - nb_c)  # [B, T, K]
-        basis = torch.exp(-(distance[..., None] - self.gaussian_means) ** 2)  # ε: [B, T, K, G]
+        basis = torch.exp(-((distance[..., None] - self.gaussian_means) ** 2))  # ε: [B, T, K, G]
         features = torch.cat([nb_x, basis], dim=-1) * nb_valid[..., None]  # missing neighbours: zeros
         weight = self.resample_proj.weight
         resampled = self.resample_proj(features.flatten(2).to(weight.dtype))  # x̄: [B, T, h_b]
@@ -340,7 +346,7 @@ class SeRpEntMambaPreTrainedModel(PreTrainedModel):
     config: SeRpEntMambaConfig
     config_class = SeRpEntMambaConfig
     base_model_prefix = "backbone"
-    _no_split_modules = ["SeRpEntMambaBlock"]
+    _no_split_modules = ["SeRpEntMambaBlock"]  # noqa: RUF012 - transformers' PreTrainedModel attribute: declared there without ClassVar, set per instance too
     supports_gradient_checkpointing = False
     _is_stateful = True
 
@@ -454,7 +460,7 @@ class SeRpEntMambaModel(SeRpEntMambaPreTrainedModel):
 
 
 class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, StateCacheGenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
+    _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}  # noqa: RUF012 - transformers' PreTrainedModel attribute: declared there without ClassVar, set per instance too
 
     def __init__(self, config: SeRpEntMambaConfig):
         super().__init__(config)

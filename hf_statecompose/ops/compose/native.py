@@ -29,6 +29,7 @@ be built (no C compiler); the caller then uses the torch path. :func:`compose_na
 many-group entry the composer uses; :func:`exp_floor` times the minimum arithmetic of the decay-based
 methods (one multiply and one exp per state element and state), for the benchmarks.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -44,7 +45,9 @@ from .weights import MODEL_FREE_METHODS, _gauss_legendre_01
 
 NAME = "compose_ssm"
 _METHOD_IDS = {name: i for i, name in enumerate(MODEL_FREE_METHODS)}
-SOURCE = _native.MATH + r"""
+SOURCE = (
+    _native.MATH
+    + r"""
 #include <stdlib.h>
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
@@ -380,6 +383,7 @@ float hsc_exp_floor(long nl, long n, const int64_t* dptrs, const int64_t* aptrs,
     return oom ? NAN : total;
 }
 """
+)
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
@@ -474,8 +478,15 @@ def compose_native(nl, n, groups, method=None, delta=None, A=None, per_element=F
         batch, rows, row_elems = first.shape[0], first.shape[1], first[0, 0].numel()
         at = len(inputs) + len(flat_out)
         decay_args = (
-            _METHOD_IDS[method], base + 8 * at, base + 8 * (at + n * nl), base + 8 * delta_at,
-            base + 8 * (len(tensors) - nl), batch, rows, row_elems, int(per_element),
+            _METHOD_IDS[method],
+            base + 8 * at,
+            base + 8 * (at + n * nl),
+            base + 8 * delta_at,
+            base + 8 * (len(tensors) - nl),
+            batch,
+            rows,
+            row_elems,
+            int(per_element),
         )
         if method == "picaso_s":
             G = math.ceil(n / 2)
@@ -484,8 +495,18 @@ def compose_native(nl, n, groups, method=None, delta=None, A=None, per_element=F
     else:
         decay_args = (-1, 0, 0, 0, 0, 0, 0, 0, 0)
     status = lib.hsc_compose(
-        nl, n, *decay_args, _address(nodes), _address(node_w), G,
-        nflat, base, base + 8 * len(inputs), _address(sizes), _address(weights), torch.get_num_threads(),
+        nl,
+        n,
+        *decay_args,
+        _address(nodes),
+        _address(node_w),
+        G,
+        nflat,
+        base,
+        base + 8 * len(inputs),
+        _address(sizes),
+        _address(weights),
+        torch.get_num_threads(),
     )
     if status == 2:
         raise MemoryError("the native composition kernel could not allocate its buffers")
@@ -503,8 +524,17 @@ def exp_floor(delta, A, n, per_element) -> float:
     base = table.buffer_info()[0]
     first = delta[0]
     row_elems = A[0].shape[-1] if per_element else 1
-    return lib.hsc_exp_floor(nl, n, base, base + 8 * n * nl, first.shape[0], first.shape[1], row_elems,
-                             int(per_element), torch.get_num_threads())
+    return lib.hsc_exp_floor(
+        nl,
+        n,
+        base,
+        base + 8 * n * nl,
+        first.shape[0],
+        first.shape[1],
+        row_elems,
+        int(per_element),
+        torch.get_num_threads(),
+    )
 
 
 @torch.no_grad()
@@ -520,7 +550,12 @@ def compose_ssm_native(ssm_states, delta_sums, A, method, weights=None) -> torch
     else:
         delta = delta_sums.to(torch.float32).contiguous()
         done = compose_native(
-            1, n, [(states, None)], method=method, delta=list(delta.unbind(0)),
-            A=[A.to(torch.float32).contiguous()], per_element=mamba1,
+            1,
+            n,
+            [(states, None)],
+            method=method,
+            delta=list(delta.unbind(0)),
+            A=[A.to(torch.float32).contiguous()],
+            per_element=mamba1,
         )
     return None if done is None else done[0][0][0]

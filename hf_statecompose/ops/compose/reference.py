@@ -4,9 +4,10 @@
 The reference forms the full weight tensor ``W [n, *state]`` from the decays with the functions of
 ``weights.py`` and sums; in float64 for float64 inputs. Memory: n times one state.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

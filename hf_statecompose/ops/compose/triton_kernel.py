@@ -28,6 +28,7 @@ no copy. There is no backward (the torch composer handles training).
 contract, processes blocks of rows (D or H) so that a block's weight tensor stays small, and reads each
 block of each state once.
 """
+
 from __future__ import annotations
 
 import functools
@@ -88,9 +89,14 @@ def _compose_kernel(
     A_ptr,  # float32, Mamba-1 [D, N] contiguous, Mamba-2 [H]
     w_ptr,  # float32 [n]: user weights ("weighted")
     gl_ptr,  # float32 [2, Q_PAD]: Gauss–Legendre nodes then weights ("picaso_s"), zero padded
-    n, M, N,
-    stride_sb, stride_sg,  # of the states and the output (contiguous)
-    stride_dk, stride_db, stride_dg,
+    n,
+    M,
+    N,
+    stride_sb,
+    stride_sg,  # of the states and the output (contiguous)
+    stride_dk,
+    stride_db,
+    stride_dg,
     stride_ag,
     METHOD: tl.constexpr,
     PER_ELEMENT: tl.constexpr,  # True: Mamba-1 (a decay per element), False: Mamba-2 (one per program)
@@ -162,7 +168,7 @@ def _compose_kernel(
     tl.store(out_ptr + row_off + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gauss_legendre_table(n: int, q_pad: int, device: str) -> torch.Tensor:
     """[2, q_pad] float32: the ⌈n/2⌉ nodes then weights of ``_gauss_legendre_01``, zero padded."""
     t, w = _gauss_legendre_01(math.ceil(n / 2))
@@ -216,10 +222,21 @@ def compose_ssm_triton(ssm_states, delta_sums, A, method, weights=None) -> torch
     block = min(cap, triton.next_power_of_2(row_elems))
     grid = (triton.cdiv(row_elems, block), groups, batch)
     _compose_kernel[grid](
-        ptrs, states[0], out, delta, a_coef, user_w, table,
-        n, row_elems, n_state,
-        groups * row_elems, row_elems,
-        delta.stride(0), delta.stride(1), delta.stride(2),
+        ptrs,
+        states[0],
+        out,
+        delta,
+        a_coef,
+        user_w,
+        table,
+        n,
+        row_elems,
+        n_state,
+        groups * row_elems,
+        row_elems,
+        delta.stride(0),
+        delta.stride(1),
+        delta.stride(2),
         0 if mamba1 else a_coef.stride(0),
         METHOD=_METHOD_IDS[method],
         PER_ELEMENT=mamba1,

@@ -14,6 +14,7 @@ The contract shared by :func:`compose_ssm_torch` (here, any device, differentiab
 The torch version works on blocks of D (or H) rows, so that the weights of a block stay small: for
 Mamba-1 no weight tensor the size of the states is ever formed, and each block of each state is read once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import torch
 
 from .reference import _check_inputs
 from .weights import WEIGHT_FUNCTIONS
+
 _TORCH_BLOCK_ELEMENTS = 1 << 18  # elements of one state per block in compose_ssm_torch
 
 

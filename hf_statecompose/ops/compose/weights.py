@@ -6,6 +6,7 @@ a_k = exp(log_a_k) in [0, 1]. A composition is x = Σ_k W_k ⊙ x_k. All functio
 shape. They are differentiable, never divide by a decay and never form a product that can overflow.
 Derivations: ``README.md`` beside this file.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,9 @@ def caso_weights(log_decays: torch.Tensor) -> torch.Tensor:
     """CASO in list order (first = oldest): W_k = Π_{j>k} a_j (PICASO eq. 3), via suffix sums of logs."""
     _check(log_decays)
     # exclusive suffix sum: Σ_{j>k} log a_j
-    suffix = torch.cat([torch.flip(torch.cumsum(torch.flip(log_decays[1:], [0]), 0), [0]),
-                        torch.zeros_like(log_decays[:1])], 0)
+    suffix = torch.cat(
+        [torch.flip(torch.cumsum(torch.flip(log_decays[1:], [0]), 0), [0]), torch.zeros_like(log_decays[:1])], 0
+    )
     return torch.exp(suffix)
 
 
@@ -59,7 +61,7 @@ def picaso_r_weights(log_decays: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums) / n
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gauss_legendre_01(nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Gauss–Legendre nodes and weights on (0, 1), float64, by Golub–Welsch."""
     if nodes == 1:

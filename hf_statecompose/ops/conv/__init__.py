@@ -1,4 +1,5 @@
 """Causal depthwise conv that continues a conv window: reference, torch, Triton."""
+
 from .reference import causal_conv1d_ref
 from .vectorized import causal_conv1d
 

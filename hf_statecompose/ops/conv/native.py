@@ -9,6 +9,7 @@ them; padded positions are written as 0 (the caller masks them anyway).
 
 Same contract as :func:`hf_statecompose.ops.causal_conv1d_ref`, for float32 inputs without autograd.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -19,7 +20,9 @@ from .. import _native
 from .reference import _activation
 
 NAME = "causal_conv1d"
-SOURCE = _native.MATH + r"""
+SOURCE = (
+    _native.MATH
+    + r"""
 #define W 16
 
 static inline float src_at(long s, long p, long K, const float* x, long x_st, const float* win, long c) {
@@ -88,6 +91,7 @@ void hsc_causal_conv1d(long batch, long T, long Cn, long K, const float* x, long
     }
 }
 """
+)
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _NATIVE_ACTIVATIONS = {None: 0, "silu": 1, "swish": 1}
@@ -130,9 +134,20 @@ def causal_conv1d_native(x, weight, bias=None, conv_state=None, mask=None, activ
     out = x.new_empty((batch, length, channels))
     new_window = x.new_empty((batch, channels, kernel))
     lib.hsc_causal_conv1d(
-        batch, length, channels, kernel, x.data_ptr(), x.stride(0), x.stride(2), w_t.data_ptr(),
-        None if bias is None else bias.data_ptr(), None if window is None else window.data_ptr(),
-        None if mask_f is None else mask_f.data_ptr(), _NATIVE_ACTIVATIONS[activation],
-        out.data_ptr(), new_window.data_ptr(), torch.get_num_threads(),
+        batch,
+        length,
+        channels,
+        kernel,
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(2),
+        w_t.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        None if window is None else window.data_ptr(),
+        None if mask_f is None else mask_f.data_ptr(),
+        _NATIVE_ACTIVATIONS[activation],
+        out.data_ptr(),
+        new_window.data_ptr(),
+        torch.get_num_threads(),
     )
     return out.transpose(1, 2), new_window

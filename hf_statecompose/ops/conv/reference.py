@@ -1,11 +1,11 @@
 """Causal depthwise conv continuing a window: the plain reference and shared helpers.
 Shapes: see vectorized.py.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 
 _ACTIVATIONS = {None: lambda t: t, "silu": F.silu, "swish": F.silu}
 
@@ -14,7 +14,9 @@ def _activation(name):
     try:
         return _ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"unsupported conv activation {name!r}; expected one of {sorted(map(str, _ACTIVATIONS))}")
+        raise ValueError(
+            f"unsupported conv activation {name!r}; expected one of {sorted(map(str, _ACTIVATIONS))}"
+        ) from None
 
 
 def causal_conv1d_ref(x, weight, bias=None, conv_state=None, mask=None, activation=None):

@@ -13,17 +13,13 @@ before them, not the padding. We therefore lay out each row as
 per-row gather, run one grouped conv over it and keep the last T outputs. The outputs at padded
 positions are meaningless and must be masked by the caller, exactly as transformers masks padding.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from .reference import _activation
-
-
-
-
-
 
 
 def causal_conv1d(x, weight, bias=None, conv_state=None, mask=None, activation=None):
@@ -39,9 +35,7 @@ def causal_conv1d(x, weight, bias=None, conv_state=None, mask=None, activation=N
     if conv_state is None:
         conv_state = x.new_zeros((batch, channels, kernel))
     if tuple(conv_state.shape) != (batch, channels, kernel):
-        raise ValueError(
-            f"conv window must be [B, C, K] = {(batch, channels, kernel)}, got {tuple(conv_state.shape)}"
-        )
+        raise ValueError(f"conv window must be [B, C, K] = {(batch, channels, kernel)}, got {tuple(conv_state.shape)}")
     full = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # [B, C, K + T]
     if mask is not None:
         pad_count = (mask.shape[1] - mask.sum(-1)).long()  # [B]; padding is on the left

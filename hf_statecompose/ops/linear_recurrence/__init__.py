@@ -2,6 +2,7 @@
 
 The inner solve of the parallel (DEER / Newton) forward of the COFFEE mixer, and its adjoint.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,14 +26,19 @@ def _resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
         # not while torch.compile / torch.export trace (the torch scan traces on every device)
-        usable = device.type == "cuda" and dtype != torch.float64 and not compat.is_tracing() \
+        usable = (
+            device.type == "cuda"
+            and dtype != torch.float64
+            and not compat.is_tracing()
             and _triton_unavailable_reason(device) is None
+        )
         choice = "triton" if usable else "torch"
         key = (device.type, dtype, choice)
         if key not in _logged:
             _logged.add(key)
-            logger.info("hf_statecompose: backend='auto' runs linear_recurrence on %s %s with %r",
-                        device.type, dtype, choice)
+            logger.info(
+                "hf_statecompose: backend='auto' runs linear_recurrence on %s %s with %r", device.type, dtype, choice
+            )
         return choice
     if backend == "triton":
         reason = _triton_unavailable_reason(device)
@@ -57,8 +63,10 @@ def linear_recurrence(a, b, initial_state=None, backend: str = "auto"):
         is the adjoint recurrence g_k = ∂ℓ/∂h_k + a_{k+1} g_{k+1}, run backward in time).
     """
     if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dim() != 3 or a.shape != b.shape:
-        raise ValueError(f"a and b must be [B, L, C] tensors of one shape, got "
-                         f"{tuple(getattr(a, 'shape', ()))} and {tuple(getattr(b, 'shape', ()))}")
+        raise ValueError(
+            f"a and b must be [B, L, C] tensors of one shape, got "
+            f"{tuple(getattr(a, 'shape', ()))} and {tuple(getattr(b, 'shape', ()))}"
+        )
     if not (a.is_floating_point() and b.is_floating_point()):
         raise TypeError(f"a and b must be floating point, got {a.dtype} and {b.dtype}")
     if a.device != b.device:

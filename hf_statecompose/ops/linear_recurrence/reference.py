@@ -5,6 +5,7 @@ Shapes::
     a, b [B, L, C]   initial_state [B, C] | None (zeros)   ->   h [B, L, C]
     h_k = a_k ⊙ h_{k-1} + b_k   (k = 0 .. L-1, h_{-1} = initial_state)
 """
+
 from __future__ import annotations
 
 import torch

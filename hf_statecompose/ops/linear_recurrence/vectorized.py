@@ -23,6 +23,7 @@ The backward calls the same autograd Function, so it is differentiable again (do
 
 float16 / bfloat16 inputs are computed in float32; float64 stays float64; h has the dtype of b.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Mamba-1 selective scan from an initial state: reference, vectorised torch (eager and compiled), Triton."""
+
 from .reference import selective_scan_ref
 from .vectorized import selective_scan
 

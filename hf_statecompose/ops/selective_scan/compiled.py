@@ -17,6 +17,7 @@ autograd, on float32, for inputs of at least ``MIN_TOKENS`` tokens (the eager sc
 (seconds; inductor caches the result on disk); if compiling fails, a warning is logged once and the
 eager scan is used from then on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,9 +53,7 @@ def compile_enabled() -> bool:
 
 def applicable(u, A, initial_state, length: int) -> bool:
     """Whether :func:`selective_scan_compiled` will be used for these inputs (no autograd, float32, long enough)."""
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (u, A, initial_state)
-    )
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (u, A, initial_state))
     return (
         compile_enabled()
         and not needs_grad
@@ -82,6 +81,7 @@ def selective_scan_compiled(
         if initial_state is not None
         else u.new_zeros((batch, channels, A.shape[1]), dtype=torch.float32)
     )
+
     # Work tokens-first ([B, T, X]), the layout the mixers' projections produce: a [B, D, T] argument that
     # is a transposed view (delta, z, B, C in the Mamba-1 mixer) costs nothing here, and every elementwise
     # pass below runs over contiguous rows.

@@ -10,6 +10,7 @@ returned as a ``[B, D, T]`` view of a tokens-first tensor, so the mixer's transp
 
 Same contract as :func:`hf_statecompose.ops.selective_scan_ref`, for float32 inputs without autograd.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,7 +21,9 @@ from .. import _native
 from .reference import _check_shapes
 
 NAME = "selective_scan"
-SOURCE = _native.MATH + r"""
+SOURCE = (
+    _native.MATH
+    + r"""
 #define W 32
 #define W2 16
 
@@ -110,6 +113,7 @@ void hsc_selective_scan(long batch, long T, long D, long N,
     }
 }
 """
+)
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
@@ -118,8 +122,36 @@ def _library():
     lib = _native.load(NAME, SOURCE)
     if lib is not None and not getattr(lib, "_hsc_typed", False):
         lib.hsc_selective_scan.restype = None
-        lib.hsc_selective_scan.argtypes = [_L, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _P, _P, _L, _L, _P, _L, _L,
-                                           _P, _P, _L, _L, _P, _P, _P, _P, _I]
+        lib.hsc_selective_scan.argtypes = [
+            _L,
+            _L,
+            _L,
+            _L,
+            _P,
+            _L,
+            _L,
+            _P,
+            _L,
+            _L,
+            _P,
+            _I,
+            _P,
+            _P,
+            _L,
+            _L,
+            _P,
+            _L,
+            _L,
+            _P,
+            _P,
+            _L,
+            _L,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I,
+        ]
         lib._hsc_typed = True
     return lib
 
@@ -168,12 +200,34 @@ def selective_scan_native(
     delta_sum = u.new_empty((batch, channels), dtype=torch.float32)
     if length > 0:
         lib.hsc_selective_scan(
-            batch, length, channels, state_size,
-            u.data_ptr(), u.stride(0), u.stride(2), delta.data_ptr(), delta.stride(0), delta.stride(2),
-            _ptr(bias), int(bool(delta_softplus)), A_t.data_ptr(),
-            B.data_ptr(), B.stride(0), B.stride(2), C.data_ptr(), C.stride(0), C.stride(2),
-            _ptr(skip), _ptr(z), z.stride(0) if z is not None else 0, z.stride(2) if z is not None else 0, _ptr(mask_f),
-            h.data_ptr(), y.data_ptr(), delta_sum.data_ptr(), torch.get_num_threads(),
+            batch,
+            length,
+            channels,
+            state_size,
+            u.data_ptr(),
+            u.stride(0),
+            u.stride(2),
+            delta.data_ptr(),
+            delta.stride(0),
+            delta.stride(2),
+            _ptr(bias),
+            int(bool(delta_softplus)),
+            A_t.data_ptr(),
+            B.data_ptr(),
+            B.stride(0),
+            B.stride(2),
+            C.data_ptr(),
+            C.stride(0),
+            C.stride(2),
+            _ptr(skip),
+            _ptr(z),
+            z.stride(0) if z is not None else 0,
+            z.stride(2) if z is not None else 0,
+            _ptr(mask_f),
+            h.data_ptr(),
+            y.data_ptr(),
+            delta_sum.data_ptr(),
+            torch.get_num_threads(),
         )
     else:
         delta_sum.zero_()

@@ -1,6 +1,7 @@
 """Mamba-1 selective scan: the plain per-token reference (the oracle of every fast path) and the
 argument checks and discretisation every path shares. Shapes and recurrence: see vectorized.py.
 """
+
 from __future__ import annotations
 
 import torch

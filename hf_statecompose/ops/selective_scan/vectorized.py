@@ -20,6 +20,7 @@ chunk), the chunk-end states are then chained (a loop over chunks), and each pos
 carried-in state times its within-chunk decay. Python steps: chunk_size + T/chunk_size instead of T.
 All decays are products of factors in [0, 1]: nothing is divided, nothing overflows.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,14 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from .reference import _check_shapes, _discretize_delta, _finish
-
-
-
-
-
-
-
-
 
 
 def selective_scan(
@@ -91,7 +84,7 @@ def _scan_block(u, dt, A, B, C, h0, chunk_size):
     batch, channels, length = u.shape
     if chunk_size is None:
         # chunk_size + length / chunk_size Python steps is smallest at sqrt(length)
-        chunk_size = max(1, int(math.ceil(math.sqrt(length))))
+        chunk_size = max(1, math.ceil(math.sqrt(length)))
     n_chunks = -(-length // chunk_size)
     pad = n_chunks * chunk_size - length
 

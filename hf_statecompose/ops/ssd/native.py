@@ -12,6 +12,7 @@ at 130M shapes it does fewer flops than the chunked matmul form. Inputs are read
 
 Same contract as :func:`hf_statecompose.ops.ssd_scan_ref`, for float32 inputs without autograd.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,7 +25,9 @@ from .. import _native
 from .reference import _check_shapes
 
 NAME = "ssd_scan"
-SOURCE = _native.MATH + r"""
+SOURCE = (
+    _native.MATH
+    + r"""
 #define W 64
 #define W2 16
 
@@ -154,6 +157,7 @@ void hsc_gated_rms_norm(long rows, long width, long group_size, const float* y, 
     }
 }
 """
+)
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -162,8 +166,36 @@ def _library():
     lib = _native.load(NAME, SOURCE)
     if lib is not None and not getattr(lib, "_hsc_typed", False):
         lib.hsc_ssd_scan.restype = None
-        lib.hsc_ssd_scan.argtypes = [_L] * 6 + [_P, _L, _L, _L, _P, _L, _L, _L, _P, _P, _L, _L, _L, _P, _L, _L, _L,
-                                               _P, _P, _I, _I, _F, _F, _P, _P, _P, _P, _I]
+        lib.hsc_ssd_scan.argtypes = [_L] * 6 + [
+            _P,
+            _L,
+            _L,
+            _L,
+            _P,
+            _L,
+            _L,
+            _L,
+            _P,
+            _P,
+            _L,
+            _L,
+            _L,
+            _P,
+            _L,
+            _L,
+            _L,
+            _P,
+            _P,
+            _I,
+            _I,
+            _F,
+            _F,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I,
+        ]
         lib.hsc_gated_rms_norm.restype = None
         lib.hsc_gated_rms_norm.argtypes = [_L, _L, _L, _P, _P, _L, _P, _F, _P, _I]
         lib._hsc_typed = True
@@ -180,7 +212,17 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_scan_native(
-    x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, dt_limit=None, initial_state=None, mask=None,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    dt_bias=None,
+    dt_softplus=False,
+    dt_limit=None,
+    initial_state=None,
+    mask=None,
     chunk_size: int = 64,
 ):
     """Same contract as :func:`hf_statecompose.ops.ssd_scan_ref` (``chunk_size`` is accepted and unused:
@@ -205,12 +247,40 @@ def ssd_scan_native(
     delta_sum = x.new_zeros((batch, heads))
     if length > 0:
         lib.hsc_ssd_scan(
-            batch, length, heads, head_dim, groups, state_size,
-            x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), dt.data_ptr(), dt.stride(0), dt.stride(1), dt.stride(2),
-            A.data_ptr(), B.data_ptr(), B.stride(0), B.stride(1), B.stride(2), C.data_ptr(), C.stride(0), C.stride(1), C.stride(2),
-            None if skip is None else skip.data_ptr(), None if bias is None else bias.data_ptr(), int(bool(dt_softplus)),
-            int(dt_limit is not None), lo, hi, None if mask_f is None else mask_f.data_ptr(),
-            h.data_ptr(), y.data_ptr(), delta_sum.data_ptr(), torch.get_num_threads(),
+            batch,
+            length,
+            heads,
+            head_dim,
+            groups,
+            state_size,
+            x.data_ptr(),
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            dt.data_ptr(),
+            dt.stride(0),
+            dt.stride(1),
+            dt.stride(2),
+            A.data_ptr(),
+            B.data_ptr(),
+            B.stride(0),
+            B.stride(1),
+            B.stride(2),
+            C.data_ptr(),
+            C.stride(0),
+            C.stride(1),
+            C.stride(2),
+            None if skip is None else skip.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            int(bool(dt_softplus)),
+            int(dt_limit is not None),
+            lo,
+            hi,
+            None if mask_f is None else mask_f.data_ptr(),
+            h.data_ptr(),
+            y.data_ptr(),
+            delta_sum.data_ptr(),
+            torch.get_num_threads(),
         )
     return y, h, delta_sum
 
@@ -243,6 +313,16 @@ def gated_rms_norm_native(norm, hidden_states, gate):
         z = z.contiguous()
     weight = weight.contiguous()
     out = torch.empty_like(y)
-    lib.hsc_gated_rms_norm(y.shape[0], width, group_size, y.data_ptr(), z.data_ptr(), z.stride(0), weight.data_ptr(),
-                           float(eps), out.data_ptr(), torch.get_num_threads())
+    lib.hsc_gated_rms_norm(
+        y.shape[0],
+        width,
+        group_size,
+        y.data_ptr(),
+        z.data_ptr(),
+        z.stride(0),
+        weight.data_ptr(),
+        float(eps),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out.view(hidden_states.shape)

@@ -1,6 +1,7 @@
 """Mamba-2 SSD scan: the plain per-token reference (the oracle of every fast path) and the argument
 checks and discretisation every path shares. Shapes and recurrence: see vectorized.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,9 +40,7 @@ def _check_shapes(x, dt, A, B, C, initial_state, mask):
         raise ValueError(f"mask must be [B, T] = {(batch, length)}, got {tuple(mask.shape)}")
 
 
-def ssd_scan_ref(
-    x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, dt_limit=None, initial_state=None, mask=None
-):
+def ssd_scan_ref(x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, dt_limit=None, initial_state=None, mask=None):
     """Plain per-token recurrence. Returns ``(y [B, T, H, P], final_state [B, H, P, N], delta_sum [B, H])``."""
     _check_shapes(x, dt, A, B, C, initial_state, mask)
     compute_dtype = torch.promote_types(torch.promote_types(x.dtype, A.dtype), torch.float32)

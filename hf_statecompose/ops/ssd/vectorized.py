@@ -18,18 +18,13 @@ Recurrence (Mamba-2 paper, SSD with scalar decay per head):
 ``ssd_minimal_discrete`` listing (intra-chunk quadratic form, inter-chunk recurrence) extended with
 the initial state, the padding mask and ΣΔ.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from .reference import _check_shapes, discretize_dt
-
-
-
-
-
-
 
 
 def _segment_sums(log_a):
