@@ -507,7 +507,9 @@ def _make_generation_mixin():
             if cache is not None:
                 model_kwargs.update(cache_kwargs(cache))
 
-        def prepare_inputs_for_generation(
+        # transformers 5.23 types GenerationMixin's method (its own signature, self a GenerativePreTrainedModel);
+        # 5.24 does not: the ignores cover 5.23 and are allowed to be unused on 5.24
+        def prepare_inputs_for_generation(  # type: ignore[override, unused-ignore]
             self,
             input_ids,
             inputs_embeds=None,
@@ -520,7 +522,7 @@ def _make_generation_mixin():
         ):
             # both names in the signature: generate() validates its model kwargs against it
             cache = pop_cache({"cache": cache, "cache_params": cache_params})
-            model_inputs = super().prepare_inputs_for_generation(
+            model_inputs = super().prepare_inputs_for_generation(  # type: ignore[misc, unused-ignore]
                 input_ids,
                 inputs_embeds=inputs_embeds,
                 use_cache=use_cache,
