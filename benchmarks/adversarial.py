@@ -1605,6 +1605,7 @@ def main(argv=None) -> int:
     parser.add_argument("--case", default=None, help="run one case id in this process and print its outcome and traceback")
     parser.add_argument("--backends", default="folder,lance", help="store backends (default: folder,lance)")
     parser.add_argument("--categories", default="abcdef", help="categories to run (default: all)")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one thread: forking after torch's thread pool started would be unsafe, and cases are tiny
     warnings.filterwarnings("ignore")
@@ -1658,6 +1659,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=1, default=str)
         print(f"wrote {args.json}")
+        if args.plot:
+            from _plot import plot_docs
+            plot_docs(args.json, "adversarial.json")
         return 0
     finally:
         for root, dirs, _ in os.walk(workdir):  # the read-only cases left read-only folders (a non-root user cannot remove them)

@@ -25,6 +25,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="runs per row (median)")
     parser.add_argument("--out", default=str(HERE / "results" / "cli_startup.json"), help="JSON result path")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         corrupt = Path(tmp) / "corrupt"
@@ -58,6 +59,9 @@ def main(argv=None):
         print(f"| {r['what']} | {r['s'] * 1e3:.0f} ms | {r['ratio']:.3f} |")
     write_result({"rows": rows, "baseline": rows[0]["what"], "python": sys.version.split()[0], "commit": git_commit(),
                   "note": "shared machine: absolute times are noisy"}, args.out)
+    if args.plot:
+        from _plot import plot_docs
+        plot_docs(args.out, "cli_startup.json")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def main(argv=None):
     parser.add_argument("--window", type=int, default=None,
                         help="CoffeeMixer.newton_window (default: the class's, 1024)")
     parser.add_argument("--out", default=str(HERE / "results" / "coffee_parallel.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -124,6 +125,9 @@ def main(argv=None):
     write_result({"rows": rows, "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
                   "commit": git_commit(), "note": "shared machine: absolute times are noisy; ratios are same-run"},
                  args.out)
+    if args.plot:
+        from _plot import plot_docs
+        plot_docs(args.out, "coffee_parallel.json")
 
 
 if __name__ == "__main__":

@@ -187,6 +187,7 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (the native kernel uses as many)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/compose_floor.json")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args()
 
     if args.threads:
@@ -228,6 +229,9 @@ def main():
         stream_bandwidth_bytes_per_s=bandwidth, floors=floors, rows=rows, large_n=large,
         note="machine shared with other jobs while measured: ratios within this run only",
     ), args.out)
+    if args.plot:
+        from _plot import plot_docs
+        plot_docs(args.out, "compose_floor.json")
 
 
 if __name__ == "__main__":

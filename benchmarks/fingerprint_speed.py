@@ -67,6 +67,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)")
     parser.add_argument("--out", default=str(HERE / "results" / "fingerprint_speed.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -106,6 +107,9 @@ def main(argv=None):
         print(f"| {r['what']} | {r['s'] * 1e3:.1f} ms | {r['baseline']} | {r['baseline_s'] * 1e3:.1f} ms | {r['ratio']:.4f} |")
     write_result({"rows": rows, "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
                   "commit": git_commit(), "note": "shared machine: absolute times are noisy"}, args.out)
+    if args.plot:
+        from _plot import plot_docs
+        plot_docs(args.out, "fingerprint_speed.json")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=256, help="context tokens (default 256)")
     parser.add_argument("--query", type=int, default=16, help="query tokens (default 16)")
     parser.add_argument("--out", default=str(HERE / "results" / "hybrid_keys_dtype.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE.parent / "tests"))
     import hf_statecompose as hsc
@@ -53,6 +54,9 @@ def main(argv=None):
                 rows.append(row)
                 print(f"| {arch} | {row['keys_dtype']} | {row['max_abs_dlogit']:.2e} | {row['max_abs_logit']:.2f} | {row['greedy_same']} | {row['file_bytes']} |")
     write_result({"benchmark": "hybrid_keys_dtype", "commit": git_commit(), "context": args.context, "query": args.query, "rows": rows}, args.out)
+    if args.plot:
+        from _plot import plot_docs
+        plot_docs(args.out, "hybrid_keys_dtype.json")
 
 
 if __name__ == "__main__":

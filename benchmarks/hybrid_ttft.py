@@ -160,6 +160,7 @@ def main(argv=None):
     parser.add_argument("--composition", default="picaso_r", help="the SSM layers' composition method")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1: a shared machine)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/hybrid_ttft.json; --quick: a temp file)")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     size, repeats, baseline_repeats = ("tiny", 1, 1) if args.quick else (args.size, args.repeats, args.baseline_repeats)
     ks = sorted(int(k) for k in args.ks.split(",") if k.strip())
@@ -186,6 +187,9 @@ def main(argv=None):
                   "baseline_repeats": baseline_repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
                   "commit": git_commit(), "note": "shared 2-core machine (other processes running): the ratios within "
                                                   "one run are the figure to read"}, out)
+    if args.plot:
+        from _plot import plot_docs
+        plot_docs(out, "hybrid_ttft.json")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "results" / "training_scan.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     result = {"scan": scan_case(args.repeats), "step": {a: step_case(a, args.repeats) for a in ("mamba2", "mamba")},
               "threads": torch.get_num_threads(), "torch": torch.__version__}
@@ -84,6 +85,9 @@ def main(argv=None):
     for arch, r in result["step"].items():
         print(f"| {arch} | {r['ours_s']:.2f} | {r['transformers_s']:.2f} | {r['speedup']:.1f}x | {r['tokens_per_s_ours']:.0f} |")
     write_result(result, args.out)
+    if args.plot:
+        from _plot import plot_docs
+        plot_docs(args.out, "training_scan.json")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ttft.json; tiny: a temp file)")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
@@ -184,6 +185,9 @@ def main(argv=None):
                   "baseline_repeats": args.baseline_repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
                   "commit": git_commit(), "note": "shared machine (other processes running): ratios within one run are the figure to read"},
                  out)
+    if args.plot:
+        from _plot import plot_docs
+        plot_docs(out, "ttft.json")
 
 
 if __name__ == "__main__":
