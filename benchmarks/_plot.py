@@ -121,12 +121,24 @@ def _state_checks(d, plt):
 
 def _ttft(d, plt):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
-    for result in d["results"]:
-        rows = result["rows"]
-        axes[0].plot([r["k"] for r in rows], [r["speedup"] for r in rows], "-o", markersize=3, label=result["size"])
-        axes[1].plot(
-            [r["k"] for r in rows], [r["ttft_over_k1"] for r in rows], "-o", markersize=3, label=result["size"]
-        )
+    runs = [("", d["results"], "-o")]
+    if "before_issue_21" in d:
+        runs.append((" (before)", d["before_issue_21"]["results"], "--s"))
+    for suffix, results, style in runs:
+        for i, result in enumerate(results):
+            rows = result["rows"]
+            label = result["size"] + suffix
+            axes[0].plot(
+                [r["k"] for r in rows], [r["speedup"] for r in rows], style, color=f"C{i}", markersize=3, label=label
+            )
+            axes[1].plot(
+                [r["k"] for r in rows],
+                [r["ttft_over_k1"] for r in rows],
+                style,
+                color=f"C{i}",
+                markersize=3,
+                label=label,
+            )
     axes[0].set(xlabel="stored contexts k (256 tokens each)", ylabel="speed-up vs transformers' prefill", yscale="log")
     axes[1].set(xlabel="stored contexts k", ylabel="TTFT(k) / TTFT(1)")
     for ax in axes:
@@ -356,7 +368,8 @@ def _hybrid_demo(d, plt):
 FIGURES = {
     "compose_floor.json": ("compose_floor.png", _compose_floor),
     "compose_vs_concat.json": ("compose_vs_concat.png", _compose_vs_concat),
-    "kernels.json": ("ops_speed.png", _kernels),
+    "encode_wall.json": ("ops_speed.png", _kernels),
+    "kernels.json": ("ops_speed_before_native.png", _kernels),
     "store_read.json": ("store_read.png", _store_read),
     "scale_store.json": ("scale_store.png", _scale_store),
     "cli_startup.json": (

@@ -297,7 +297,7 @@ def main():
     write_result(result, args.out)
     if args.plot:
         from _plot import plot_docs
-        plot_docs(args.out, "kernels.json")
+        plot_docs(args.out, "encode_wall.json")
 
 
 if __name__ == "__main__":
