@@ -431,6 +431,10 @@ def plot(json_path, out_png, figure: str | None = None) -> Path:
 def plot_docs(json_path, figure: str) -> Path:
     """What a script's ``--plot`` calls: draw the JSON it just wrote as ``figure`` into the PNG the docs show
     (``docs/img/<name>.png``)."""
+    if figure not in FIGURES:
+        raise KeyError(
+            f"no docs figure for {figure}: the figures are drawn from {sorted(FIGURES)} (add one to benchmarks/_plot.py)"
+        )
     out = plot(json_path, DOCS_IMG / FIGURES[figure][0], figure)
     print(f"wrote {out}")
     return out

@@ -44,6 +44,8 @@ def test_plot_refuses_an_unknown_result_clearly(tmp_path):
     (tmp_path / "nope.json").write_text("{}")
     with pytest.raises(KeyError, match="no figure for .*nope.json"):
         plot.plot(tmp_path / "nope.json", tmp_path / "nope.png")
+    with pytest.raises(KeyError, match="no docs figure for nope.json"):
+        plot.plot_docs(tmp_path / "nope.json", "nope.json")
 
 
 def test_docs_show_only_figures_that_exist_and_every_figure_is_shown():
