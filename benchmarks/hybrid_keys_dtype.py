@@ -28,6 +28,7 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=256, help="context tokens (default 256)")
     parser.add_argument("--query", type=int, default=16, help="query tokens (default 16)")
     parser.add_argument("--out", default=str(HERE / "results" / "hybrid_keys_dtype.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE.parent / "tests"))
     import hf_statecompose as hsc
@@ -71,6 +72,10 @@ def main(argv=None):
         },
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "hybrid_keys_dtype.json")
 
 
 if __name__ == "__main__":

@@ -303,6 +303,7 @@ def main(argv=None):
     )
     parser.add_argument("--embed-only", action="store_true", help="only compute --embeddings-cache, then stop")
     parser.add_argument("--out", default=str(HERE / "results" / "scale_store.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
     import torch
@@ -353,6 +354,10 @@ def main(argv=None):
             f"64 layers on paper: {c['seconds_per_token_64_layers_on_paper'] * 1e3:.1f} ms per token"
         )
     write_result(result, args.out)
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "scale_store.json")
 
 
 if __name__ == "__main__":
