@@ -29,10 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# ``--composition`` choices: hf_statecompose.composition.METHODS, written out because importing it
-# would import torch before the arguments are even parsed (tests check that both agree)
-COMPOSITIONS = ("soup", "weighted", "caso", "picaso_s", "picaso_r", "concat", "piconcat_r")
-# ``--attention`` choices (hybrid models): hf_statecompose.composition.attention.ATTENTION_POLICIES, written out likewise
+from .ops.compose.methods import METHODS
+
+# ``--composition`` choices: the composition-method registry (torch-free, so ``--help`` stays instant)
+COMPOSITIONS = tuple(METHODS)
+# ``--attention`` choices (hybrid models): hf_statecompose.composition.attention.ATTENTION_POLICIES, written out
+# because importing it would import torch before the arguments are even parsed (tests check that both agree)
 ATTENTION_POLICIES = ("concat", "shared", "none")
 STORAGE_DTYPES = ("fp32", "bf16")
 PROG = "hf-statecompose"

@@ -39,11 +39,11 @@ import torch
 
 from ... import compat
 from .. import _native
+from .methods import METHODS
 from .reference import _check_inputs
-from .weights import MODEL_FREE_METHODS, _gauss_legendre_01
+from .weights import _gauss_legendre_01
 
 NAME = "compose_ssm"
-_METHOD_IDS = {name: i for i, name in enumerate(MODEL_FREE_METHODS)}
 SOURCE = _native.MATH + r"""
 #include <stdlib.h>
 #if defined(__SSE__) || defined(__x86_64__)
@@ -436,8 +436,9 @@ def compose_native(nl, n, groups, method=None, delta=None, A=None, per_element=F
     ``delta`` the ``n * nl`` ΣΔ ``[B, R]`` (state-major; may be another group's inputs), ``A`` the ``nl``
     per-layer A (``[R, M]`` if ``per_element`` (Mamba-1), else ``[R]``). Trusts its caller (no checks: the
     composer validated the states). Returns (per group, its ``nl`` outputs; all finite), or None if the
-    kernel cannot be built."""
-    lib = _library()
+    kernel cannot be built or ``method`` has no ``kernel_id`` (:mod:`.methods`)."""
+    kernel_id = -1 if method is None else METHODS[method].kernel_id
+    lib = _library() if kernel_id is not None else None  # a method without a kernel: the caller's torch path
     if lib is None:
         return None
     outputs, inputs, flat_out, numels, flat_w = [], [], [], [], []
@@ -474,7 +475,7 @@ def compose_native(nl, n, groups, method=None, delta=None, A=None, per_element=F
         batch, rows, row_elems = first.shape[0], first.shape[1], first[0, 0].numel()
         at = len(inputs) + len(flat_out)
         decay_args = (
-            _METHOD_IDS[method], base + 8 * at, base + 8 * (at + n * nl), base + 8 * delta_at,
+            kernel_id, base + 8 * at, base + 8 * (at + n * nl), base + 8 * delta_at,
             base + 8 * (len(tensors) - nl), batch, rows, row_elems, int(per_element),
         )
         if method == "picaso_s":
@@ -510,12 +511,13 @@ def exp_floor(delta, A, n, per_element) -> float:
 @torch.no_grad()
 def compose_ssm_native(ssm_states, delta_sums, A, method, weights=None) -> torch.Tensor | None:
     """Same contract as :func:`.vectorized.compose_ssm_torch` (float32, CPU, no autograd); None if the
-    kernel cannot be built."""
+    kernel cannot be built or ``method`` has none."""
     states, n, mamba1 = _check_inputs(ssm_states, delta_sums, A, method, weights)
     # no copy for the usual contiguous states; the ΣΔ and A conversions are a few KB
     states = [s.contiguous() for s in states]
-    if method in ("soup", "weighted"):
-        w = [1.0 / n] * n if method == "soup" else weights.to(torch.float32).tolist()
+    spec = METHODS[method]
+    if spec.fixed_weights is not None:  # one scalar per state: a plain weighted sum
+        w = spec.state_weights(n, weights.to(torch.float32).tolist() if spec.user_weights else None)
         done = compose_native(1, n, [(states, w)])
     else:
         delta = delta_sums.to(torch.float32).contiguous()
