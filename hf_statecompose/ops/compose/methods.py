@@ -7,8 +7,8 @@ default conv policy), the CLI's ``--composition`` choices and lm-eval's ``compos
 one :class:`CompositionMethod` here (or :func:`register` at run time) plus its kernels: a method without a
 ``kernel_id`` runs on the reference weights through the torch path (the native and Triton kernels are skipped).
 
-This module imports no torch (the CLI reads it before parsing its arguments): weight functions are named
-``"module:function"`` and imported on first use (:meth:`CompositionMethod.weight_function`).
+This module imports no torch (the CLI loads it from its file before parsing its arguments): weight functions
+are named ``"module:function"`` and imported on first use (:meth:`CompositionMethod.weight_function`).
 """
 
 from __future__ import annotations
