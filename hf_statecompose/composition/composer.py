@@ -5,6 +5,8 @@ Model-free methods (per layer, elementwise on the SSM states, weights from the d
 (re-encode tokens, need ``model=`` and states made by ``encode``): ``concat``, ``piconcat_r``.
 
 The list order is the context order (first = oldest) for the order-dependent ``caso`` and ``concat``.
+What a method decides here (whether it re-encodes, its default conv policy, how its ΣΔ is composed) is its
+entry in the registry :mod:`hf_statecompose.ops.compose.methods`, read by both composition paths below.
 
 Conv windows (the last K inputs of the short causal conv) are not states of the SSM, so they are
 composed by a policy:
