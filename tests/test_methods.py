@@ -59,7 +59,7 @@ def test_the_c_enum_and_the_triton_ids_are_the_registrys():
     c_ids = {key.strip().lower(): int(value) for key, value in (item.split("=") for item in enum.split(","))}
     assert c_ids == ids
     # the Triton kernel (here, or moved to the top-level kernels/ folder): its METHOD branches name their method
-    candidates = [ROOT / "kernels" / "torch-ext" / "hf_statecompose_kernels" / "compose.py"]
+    candidates = sorted((ROOT / "kernels" / "torch-ext").glob("*/*compose.py"))
     candidates.append(ROOT / "hf_statecompose" / "ops" / "compose" / "triton_kernel.py")
     triton = next(path for path in candidates if path.exists()).read_text(encoding="utf-8")
     branches = {name: int(k) for k, name in re.findall(r"METHOD == (\d+):\s*#\s*(\w+)", triton)}
