@@ -38,6 +38,8 @@ def _composition_methods() -> tuple[str, ...]:
     name = "hf_statecompose._cli_methods"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "ops" / "compose" / "methods.py")
+        if spec is None or spec.loader is None:  # only if the package's files are missing
+            raise ImportError("hf_statecompose/ops/compose/methods.py is missing; reinstall hf_statecompose")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up
         spec.loader.exec_module(module)

@@ -107,10 +107,14 @@ class CompositionMethod:
 
     def state_weights(self, n: int, weights: Sequence[float] | None = None) -> list[float]:
         """The n per-state weights of a method with ``fixed_weights`` (``weights``: the user's)."""
+        if self.fixed_weights is None:
+            raise ValueError(f"method {self.name!r} has no per-state weights (its weights depend on the decays)")
         return rule_weights(self.fixed_weights, n, weights)
 
     def delta_sum_weights(self, n: int, weights: Sequence[float] | None = None) -> list[float]:
         """The n coefficients of the composed ΣΔ, ``Σ_k c_k ΣΔ_k`` (``weights``: the user's)."""
+        if self.delta_sum is None:
+            raise ValueError(f"method {self.name!r} re-encodes: its ΣΔ comes from the model")
         return rule_weights(self.delta_sum, n, weights)
 
 
