@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -30,10 +31,26 @@ import tempfile
 import time
 from pathlib import Path
 
-# ``--composition`` choices: hf_statecompose.composition.METHODS, written out because importing it
-# would import torch before the arguments are even parsed (tests check that both agree)
-COMPOSITIONS = ("soup", "weighted", "caso", "picaso_s", "picaso_r", "concat", "piconcat_r")
-# ``--attention`` choices (hybrid models): hf_statecompose.composition.attention.ATTENTION_POLICIES, written out likewise
+
+def _composition_methods() -> tuple[str, ...]:
+    """The names in the composition-method registry, ``hf_statecompose/ops/compose/methods.py`` (torch-free),
+    loaded from its file: importing it as ``hf_statecompose.ops.compose.methods`` would first run
+    ``hf_statecompose.ops``' ``__init__``, which imports torch before the arguments are even parsed."""
+    name = "hf_statecompose._cli_methods"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "ops" / "compose" / "methods.py")
+        if spec is None or spec.loader is None:  # only if the package's files are missing
+            raise ImportError("hf_statecompose/ops/compose/methods.py is missing; reinstall hf_statecompose")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return tuple(sys.modules[name].METHODS)
+
+
+# ``--composition`` choices: the registry's methods (tests check they are hf_statecompose.composition.METHODS)
+COMPOSITIONS = _composition_methods()
+# ``--attention`` choices (hybrid models): hf_statecompose.composition.attention.ATTENTION_POLICIES, written out
+# because importing it would import torch before the arguments are even parsed (tests check that both agree)
 ATTENTION_POLICIES = ("concat", "shared", "none")
 STORAGE_DTYPES = ("fp32", "bf16")
 PROG = "hf-statecompose"

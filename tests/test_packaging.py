@@ -41,6 +41,9 @@ def test_wheel_contains_every_package_file(tmp_path):
     for kernel in ("selective_scan", "ssd", "conv", "compose"):
         assert f"hf_statecompose/ops/{kernel}/triton_kernel.py" in names
     assert "hf_statecompose/py.typed" in names
+    # the CPU kernels' C sources (package data, compiled at run time)
+    for source in ("statecompose_math.h", "compose_ssm.c", "causal_conv1d.c", "selective_scan.c", "ssd_scan.c"):
+        assert f"hf_statecompose/ops/csrc/{source}" in names, source
 
 
 def test_sdist_contains_tests_and_license(tmp_path):

@@ -25,6 +25,7 @@ import torch
 from .. import compat
 from ._triton import triton_unavailable_reason
 from .compose import native as _compose_native
+from .compose.methods import get_model_free
 from .compose.vectorized import compose_ssm_torch
 from .conv import native as _conv_native
 from .conv.vectorized import causal_conv1d as _conv_eager
@@ -178,6 +179,10 @@ def compose_ssm(ssm_states, delta_sums, A, method, weights=None, backend: str = 
     if choice == "triton" and needs_grad:
         if backend == "triton":
             raise RuntimeError("backend='triton' composes without autograd; use backend='torch' to backpropagate")
+        choice = "torch"
+    if choice == "triton" and get_model_free(method).kernel_id is None:  # a registered method without kernels
+        if backend == "triton":
+            raise ValueError(f"method {method!r} has no Triton kernel (no kernel_id); use backend='torch'")
         choice = "torch"
     if choice == "triton":
         return _triton_op("compose_ssm")(ssm_states, delta_sums, A, method, weights=weights)

@@ -39,12 +39,12 @@ import triton
 import triton.language as tl
 
 from .._triton import check_runnable
+from .methods import METHODS
 from .reference import _check_inputs
-from .weights import MODEL_FREE_METHODS, _gauss_legendre_01
+from .weights import _gauss_legendre_01
 
 __all__ = ["compose_ssm_triton"]
 
-_METHOD_IDS = {name: i for i, name in enumerate(MODEL_FREE_METHODS)}
 _SOUP, _WEIGHTED, _CASO, _PICASO_S, _PICASO_R = range(5)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -238,7 +238,7 @@ def compose_ssm_triton(ssm_states, delta_sums, A, method, weights=None) -> torch
         delta.stride(1),
         delta.stride(2),
         0 if mamba1 else a_coef.stride(0),
-        METHOD=_METHOD_IDS[method],
+        METHOD=METHODS[method].kernel_id,
         PER_ELEMENT=mamba1,
         BLOCK=block,
         Q_PAD=q_pad,

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .methods import METHODS
 from .reference import _check_inputs
-from .weights import WEIGHT_FUNCTIONS
 
 _TORCH_BLOCK_ELEMENTS = 1 << 18  # elements of one state per block in compose_ssm_torch
 
@@ -40,12 +40,13 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (*states, delta_sums, A, *([weights] if torch.is_tensor(weights) else []))
     )
+    spec = METHODS[method]
     for r0 in range(0, rows, block):
         r1 = min(rows, r0 + block)
         blocks = [s[:, r0:r1] for s in states]
-        if method == "soup":
+        if spec.fixed_weights == "uniform":
             W = [1.0 / n] * n
-        elif method == "weighted":
+        elif spec.user_weights:
             W = weights.to(device=first.device, dtype=compute).unbind(0)
             W = W if needs_grad else [float(w) for w in W]
         else:
@@ -54,7 +55,7 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
                 log_decay = delta[..., None] * A[r0:r1].to(compute)  # [n, B, rows, N]
             else:
                 log_decay = (delta * A[r0:r1].to(compute))[..., None, None]  # [n, B, rows, 1, 1]
-            W = WEIGHT_FUNCTIONS[method](log_decay).unbind(0)
+            W = spec.weight_function()(log_decay).unbind(0)
         if needs_grad:  # out of place, so that autograd sees every step
             acc = blocks[0].to(compute) * W[0]
             for k in range(1, n):
