@@ -38,7 +38,7 @@ def migrate(source, destination, model, tokenizer, retriever: Callable | None = 
         copied = verified = 0
         from safetensors.torch import save
 
-        progress = progress_bar(2 * len(ids), show_progress)
+        progress = progress_bar(len(ids), show_progress, desc="copying entries", unit="entry")
         try:
             for start in range(0, len(ids), batch_size):
                 chunk = ids[start : start + batch_size]
@@ -63,6 +63,8 @@ def migrate(source, destination, model, tokenizer, retriever: Callable | None = 
                     lance.write_rows(lance._pa.table(columns, schema=lance._schema(lance.embedding_dim)), skip_existing=True)
                     copied += len(todo)
                 progress.update(len(chunk))
+            progress.close()
+            progress = progress_bar(len(ids), show_progress, desc="verifying entries", unit="entry")
             for start in range(0, len(ids), batch_size):
                 chunk = ids[start : start + batch_size]
                 ours, theirs = folder.get(chunk, device="cpu"), lance.get(chunk, device="cpu")
