@@ -216,3 +216,27 @@ def test_the_finetune_smoke_recipe_writes_under_the_working_directory_and_its_ca
     elsewhere.mkdir()
     write_adapter_card(elsewhere, results)
     assert f'PeftModel.from_pretrained(base, "{elsewhere.as_posix()}")' in (elsewhere / "README.md").read_text()
+
+
+def test_encode_corpus_actors_load_without_bars(tmp_path):
+    pytest.importorskip("lancedb")
+    from transformers.utils import logging as hf_logging
+
+    from hf_statecompose.distributed import _EncodeActor
+
+    from store_helpers import BagOfWords, tiny_mamba2
+
+    bars = []
+
+    def model():  # what a Ray actor loads (a checkpoint folder's from_pretrained would draw its bar here)
+        bars.append(hf_logging.is_progress_bar_enabled())
+        return tiny_mamba2()
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        _EncodeActor(model, str(tmp_path / "store"), retriever=BagOfWords)
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+    assert bars == [False]
