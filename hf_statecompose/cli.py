@@ -106,19 +106,12 @@ def _model_spec(spec: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the heavy parts
-@contextlib.contextmanager
 def _quiet_loading():
     """Without transformers' "Loading weights" bars (the model's, the retriever's): noise before a
     one-line error, and the checkpoints load in seconds. Our own progress (encoding) still shows."""
-    from transformers.utils import logging as hf_logging
+    from .compat import quiet_loading
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+    return quiet_loading()
 
 
 def load_model(spec: str):
@@ -628,8 +621,11 @@ def main(argv=None) -> int:
     run = {"build": _build, "query": _query, "store": _store_command, "encode-corpus": _encode_corpus}.get(
         args.command, _maintain
     )
+    from .compat import quiet_kernel_fallbacks  # standard library only: the checks before a model stay light
+
     try:
-        run(args)
+        with quiet_kernel_fallbacks():  # transformers' advice to install CUDA kernels, noise on the CPU
+            run(args)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

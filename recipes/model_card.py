@@ -210,11 +210,15 @@ Same tokenizer as the Mamba-2 demo. {start} Trained with transformers' stock for
 """
 
 
+# the repository's own checkpoints and adapters: their cards are also kept in model_cards/
+SHIPPED = (ROOT / "adapters", ROOT / "checkpoints", ROOT / "hf_statecompose" / "demo" / "models")
+
+
 def _write(out: Path, card: str, text: str) -> None:
-    """The card as the checkpoint's README.md (what the Hub shows) and, for a folder inside the
-    repository, as ``model_cards/<card>.md``."""
+    """The card as the checkpoint's README.md (what the Hub shows) and, for a folder the repository ships
+    (:data:`SHIPPED`), as ``model_cards/<card>.md``."""
     (Path(out) / "README.md").write_text(text)
-    if Path(out).resolve().is_relative_to(ROOT):
+    if any(Path(out).resolve().is_relative_to(folder) for folder in SHIPPED):
         cards = ROOT / "model_cards"
         cards.mkdir(exist_ok=True)
         (cards / f"{card}.md").write_text(text)
@@ -224,8 +228,18 @@ def write_model_card(out: Path, summary: dict) -> None:
     _write(out, f"demo-{summary['arch']}", render(summary))
 
 
-def render_adapter(results: dict) -> str:
-    """The card of a LoRA adapter trained by ``recipes/finetune.py``, from its ``results.json``."""
+def shown(folder) -> str:
+    """How a card names ``folder``: relative to the working directory when under it (``adapters/bptc-mamba2``
+    from the repository's root), else its absolute path."""
+    folder = Path(folder).resolve()
+    return (
+        folder.relative_to(Path.cwd().resolve()) if folder.is_relative_to(Path.cwd().resolve()) else folder
+    ).as_posix()
+
+
+def render_adapter(results: dict, folder: str) -> str:
+    """The card of a LoRA adapter trained by ``recipes/finetune.py``, from its ``results.json``, naming the
+    ``folder`` it is written to (where ``PeftModel.from_pretrained`` and lm-eval find the adapter)."""
     cfg, tr = results["config"], results["training"]
     name, arch = cfg["name"], cfg["arch"]
     objective = {
@@ -270,12 +284,12 @@ import hf_statecompose as hsc
 from peft import PeftModel
 
 base, tok = {base}
-model = PeftModel.from_pretrained(base, "adapters/{name}")       # this folder
+model = PeftModel.from_pretrained(base, "{folder}")       # this folder
 # states must be encoded by the adapted model (its fingerprint includes the adapter)
 states = [hsc.ComposableMambaCache.encode(model, tok(c, return_tensors="pt").input_ids) for c in contexts]
 out = model.generate(tok(query, return_tensors="pt").input_ids, past_states=states, composition="{cfg["composition"]}", max_new_tokens=8)
 ```
-With lm-eval: `hf-statecompose lm-eval run --model statecompose --model_args pretrained=demo{"" if arch == "mamba2" else "-mamba"},peft=adapters/{name},passages=bundled,k=5 --tasks statecompose_recall_mc`.
+With lm-eval: `hf-statecompose lm-eval run --model statecompose --model_args pretrained=demo{"" if arch == "mamba2" else "-mamba"},peft={folder},passages=bundled,k=5 --tasks statecompose_recall_mc`.
 
 ## Training
 `accelerate launch recipes/finetune.py --experiment {name}` (config: `recipes/configs/finetune.json`):
@@ -285,7 +299,7 @@ from training segments) and {cfg["recall_fraction"]:.0%} synthetic recall rows; 
 {tr["train_seconds"] / 60:.1f} min on {results["device"]} ({tr["seconds_per_step_mean"]:.2f} s/step);
 training loss {tr["loss_first_10"]:.3f} (first 10 steps) → {tr["loss_last_10"]:.3f} (last 10).
 
-## Evaluation (lm-eval, bundled tasks; `python recipes/finetune.py --evaluate adapters/{name}`)
+## Evaluation (lm-eval, bundled tasks; `python recipes/finetune.py --evaluate {folder}`)
 {table}
 {_adapter_composition(arch, name)}
 Licence: the demo models' (CC BY-SA 4.0, trained on Wikipedia text).
@@ -293,4 +307,4 @@ Licence: the demo models' (CC BY-SA 4.0, trained on Wikipedia text).
 
 
 def write_adapter_card(out: Path, results: dict) -> None:
-    _write(out, results["config"]["name"], render_adapter(results))
+    _write(out, results["config"]["name"], render_adapter(results, shown(out)))
