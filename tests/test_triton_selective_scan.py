@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from hf_statecompose.ops.selective_scan.triton_kernel import _selective_scan, selective_scan_triton  # noqa: E402
+from hf_statecompose.ops.selective_scan.triton_wrapper import _selective_scan, selective_scan_triton  # noqa: E402
 from hf_statecompose.ops.selective_scan import selective_scan_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,7 +207,9 @@ import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
-from hf_statecompose.ops.selective_scan import triton_kernel as ss
+from hf_statecompose.ops._triton import bundled_kernels
+bundled_kernels()  # registers hf_statecompose._kernels (loaded by path in a source checkout)
+import hf_statecompose._kernels._selective_scan as ss
 
 launches = {}
 
