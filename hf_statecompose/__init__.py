@@ -53,6 +53,7 @@ _EXPORTS = {
     "composition_loss": "training",
     "load_demo": "demo",
     "encode_corpus": "distributed",
+    "use_kernel": "ops",
 }
 _SUBPACKAGES = (
     "attribution", "benchmarking", "cli", "compat", "composition", "demo", "distributed", "generation", "lmeval", "models", "ops",
@@ -92,6 +93,7 @@ __all__ = [
     "model_fingerprint",
     "refresh_fingerprint",
     "set_backend",
+    "use_kernel",
 ]
 
 

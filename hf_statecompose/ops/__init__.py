@@ -1,6 +1,7 @@
 """Ops, one folder each (``selective_scan``, ``ssd``, ``conv``, ``compose``, ``linear_recurrence``): a plain
 reference, a vectorised torch path and a Triton kernel with the same signature, side by side; ``backends``
 picks one."""
+from ._triton import use_kernel
 from .compose import compose_ssm_ref, compose_ssm_torch
 from .conv import causal_conv1d, causal_conv1d_ref
 from .linear_recurrence import linear_recurrence, linear_recurrence_reference
@@ -19,4 +20,5 @@ __all__ = [
     "selective_scan_ref",
     "ssd_scan",
     "ssd_scan_ref",
+    "use_kernel",
 ]

@@ -66,14 +66,15 @@ _module: ModuleType | None = None  # the loaded kernel module, once a Triton op 
 
 
 def bundled_kernels() -> ModuleType:
-    """The Triton kernels shipped with the package, ``hf_statecompose._kernels``: installed by the wheel or mapped
-    by an editable install; in a plain source checkout (the repository on ``sys.path``) loaded from
-    ``kernels/torch-ext/hf_statecompose_kernels`` by path under that name. Imports Triton."""
-    try:
+    """The Triton kernels shipped with the package, ``hf_statecompose._kernels``. In a source checkout (the
+    repository's ``kernels/`` beside the package: on ``sys.path`` or installed editable) they are loaded from
+    ``kernels/torch-ext/hf_statecompose_kernels`` by path under that name, so the checkout's own kernels run
+    whatever else is installed; from a wheel they are imported. Imports Triton."""
+    module = sys.modules.get(_BUNDLED)
+    if module is not None:
+        return module
+    if not (_SOURCE_DIR / "__init__.py").is_file():
         return importlib.import_module(_BUNDLED)
-    except ModuleNotFoundError as error:
-        if error.name != _BUNDLED or not (_SOURCE_DIR / "__init__.py").is_file():
-            raise
     with _lock:
         if _BUNDLED in sys.modules:
             return sys.modules[_BUNDLED]
@@ -87,6 +88,7 @@ def bundled_kernels() -> ModuleType:
         except BaseException:
             sys.modules.pop(_BUNDLED, None)
             raise
+        sys.modules[__package__.rpartition(".")[0]]._kernels = module  # as an import would set it
         return module
 
 
@@ -109,10 +111,11 @@ def _parse(repo_or_path: str) -> tuple[str, str, str | None]:
 def use_kernel(repo_or_path: str | os.PathLike | None = None) -> None:
     """Run the Triton backend with the Hugging Face kernel ``repo_or_path`` instead of the bundled one.
 
-    ``repo_or_path``: a Hub repo id ``"org/name"`` or ``"org/name@revision"`` (``main`` when none is given),
-    loaded with ``kernels.get_kernel``, or a local kernel folder (a kernel repository with a ``build/`` variant,
-    e.g. the one ``python kernels/build_universal.py`` writes), loaded with ``kernels.get_local_kernel``; None
-    returns to the bundled kernels. Without a call the environment variable ``HSC_KERNEL`` names the kernel.
+    ``repo_or_path``: a Hub repo id ``"org/name"`` (the kernel's version 1) or ``"org/name@revision"`` (a branch,
+    tag or commit), loaded with ``kernels.get_kernel`` (trusting that one repository), or a local kernel folder (a
+    kernel repository with a ``build/`` variant, e.g. the one ``python kernels/build_universal.py`` writes), loaded
+    with ``kernels.get_local_kernel``; None returns to the bundled kernels. Without a call the environment variable
+    ``HSC_KERNEL`` names the kernel.
 
     The kernel is loaded when a Triton op first runs (on CUDA; on CPU only under ``TRITON_INTERPRET=1``). Where the
     ``kernels`` package is missing (``pip install 'hf_statecompose[hub-kernels]'``), the kernel cannot be loaded or
@@ -131,13 +134,15 @@ def _load(repo_or_path) -> ModuleType:
     try:
         hub_kernels = importlib.import_module("kernels")
     except ImportError:
-        raise ImportError(
-            "the `kernels` package is not installed (pip install 'hf_statecompose[hub-kernels]')"
-        ) from None
+        hub_kernels = None
+    if getattr(hub_kernels, "get_kernel", None) is None:  # (a bare namespace package is some folder named kernels/)
+        raise ImportError("the `kernels` package is not installed (pip install 'hf_statecompose[hub-kernels]')")
     if kind == "local":
         module = hub_kernels.get_local_kernel(Path(where))
+    elif revision is None:  # the kernel's API version 1 (its branch v1), as build.toml declares
+        module = hub_kernels.get_kernel(where, version=1, trust_remote_code=[where])
     else:
-        module = hub_kernels.get_kernel(where, revision=revision or "main", trust_remote_code=[where])
+        module = hub_kernels.get_kernel(where, revision=revision, trust_remote_code=[where])
     missing = [name for name in KERNEL_FUNCTIONS if not callable(getattr(module, name, None))]
     if missing:
         raise AttributeError(f"it has no {', '.join(missing)}")
