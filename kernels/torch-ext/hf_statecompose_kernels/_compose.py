@@ -27,6 +27,7 @@ block of x_k once and accumulates W_k ⊙ x_k in float32 registers; the weights 
 n states are passed as an int64 tensor of their data pointers, cast to pointers in the kernel: no stack,
 no copy. There is no backward (the torch composer handles training).
 """
+
 from __future__ import annotations
 
 import torch
@@ -79,9 +80,14 @@ def _compose_kernel(
     A_ptr,  # float32, Mamba-1 [D, N] contiguous, Mamba-2 [H]
     w_ptr,  # float32 [n]: user weights ("weighted")
     gl_ptr,  # float32 [2, Q_PAD]: Gauss–Legendre nodes then weights ("picaso_s"), zero padded
-    n, M, N,
-    stride_sb, stride_sg,  # of the states and the output (contiguous)
-    stride_dk, stride_db, stride_dg,
+    n,
+    M,
+    N,
+    stride_sb,
+    stride_sg,  # of the states and the output (contiguous)
+    stride_dk,
+    stride_db,
+    stride_dg,
     stride_ag,
     METHOD: tl.constexpr,
     PER_ELEMENT: tl.constexpr,  # True: Mamba-1 (a decay per element), False: Mamba-2 (one per program)
@@ -191,10 +197,21 @@ def compose(ssm_states, delta_sums, A, method_id: int, weights=None, quadrature=
     block = min(cap, triton.next_power_of_2(row_elems))
     grid = (triton.cdiv(row_elems, block), groups, batch)
     _compose_kernel[grid](
-        ptrs, first, out, delta, a_coef, user_w, table,
-        n, row_elems, n_state,
-        groups * row_elems, row_elems,
-        delta.stride(0), delta.stride(1), delta.stride(2),
+        ptrs,
+        first,
+        out,
+        delta,
+        a_coef,
+        user_w,
+        table,
+        n,
+        row_elems,
+        n_state,
+        groups * row_elems,
+        row_elems,
+        delta.stride(0),
+        delta.stride(1),
+        delta.stride(2),
         0 if mamba1 else a_coef.stride(0),
         METHOD=int(method_id),
         PER_ELEMENT=mamba1,

@@ -25,6 +25,7 @@ and, in the pid_t = 0 programs, dconv_state (taps that read the window, + dwindo
 copies the old one). Extra memory of the backward: dy (float32, the size of x) and the partials
 ((K + 1) / BLOCK_T of that).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,28 +37,50 @@ __all__ = ["causal_conv1d"]
 
 # --------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _tap(x_ptr, win_ptr, x_row, win_row, c, cm, s, tm, p, T,
-         s_x_c, s_x_t, s_w_c, s_w_k, K: tl.constexpr):
+def _tap(x_ptr, win_ptr, x_row, win_row, c, cm, s, tm, p, T, s_x_c, s_x_t, s_w_c, s_w_k, K: tl.constexpr):
     """seq value at x position s ([BLOCK_T]) for channels c ([BLOCK_C]): x if s >= p, else the window."""
     from_x = tm & (s >= p) & (s < T)
     u = s - p + K  # window index of position s
     from_w = tm & (s < p) & (u >= 0)
     # one load per tap: x and the window have the same element type, so the address is a select
-    ptr = tl.where(from_x[None, :], x_row + c[:, None] * s_x_c + s[None, :] * s_x_t,
-                   win_row + c[:, None] * s_w_c + u[None, :] * s_w_k)
+    ptr = tl.where(
+        from_x[None, :],
+        x_row + c[:, None] * s_x_c + s[None, :] * s_x_t,
+        win_row + c[:, None] * s_w_c + u[None, :] * s_w_k,
+    )
     return tl.load(ptr, mask=cm[:, None] & (from_x | from_w)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _conv_tile(x_ptr, w_ptr, b_ptr, win_ptr, x_row, win_row, c, cm, t, tm, p, T,
-               s_x_c, s_x_t, s_wt_c, s_wt_k, s_w_c, s_w_k,
-               K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+def _conv_tile(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    win_ptr,
+    x_row,
+    win_row,
+    c,
+    cm,
+    t,
+    tm,
+    p,
+    T,
+    s_x_c,
+    s_x_t,
+    s_wt_c,
+    s_wt_k,
+    s_w_c,
+    s_w_k,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """Pre-activation y on the [BLOCK_C, BLOCK_T] tile (float32)."""
     acc = tl.zeros([BLOCK_C, BLOCK_T], dtype=tl.float32)
     for j in tl.static_range(K):
         w_j = tl.load(w_ptr + c * s_wt_c + j * s_wt_k, mask=cm, other=0.0).to(tl.float32)
-        seq = _tap(x_ptr, win_ptr, x_row, win_row, c, cm, t - (K - 1) + j, tm, p, T,
-                   s_x_c, s_x_t, s_w_c, s_w_k, K)
+        seq = _tap(x_ptr, win_ptr, x_row, win_row, c, cm, t - (K - 1) + j, tm, p, T, s_x_c, s_x_t, s_w_c, s_w_k, K)
         acc += w_j[:, None] * seq
     if HAS_BIAS:
         acc += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[:, None]
@@ -66,14 +89,29 @@ def _conv_tile(x_ptr, w_ptr, b_ptr, win_ptr, x_row, win_row, c, cm, t, tm, p, T,
 
 @triton.jit
 def _conv_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, win_ptr, pad_ptr,  # inputs (pad: int32 [B] left-padding counts)
-    out_ptr, new_win_ptr,  # outputs: out [B, C, T], new window [B, C, K] (contiguous)
-    C, T,
-    s_x_b, s_x_c, s_x_t,
-    s_wt_c, s_wt_k,
-    s_w_b, s_w_c, s_w_k,
-    K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    win_ptr,
+    pad_ptr,  # inputs (pad: int32 [B] left-padding counts)
+    out_ptr,
+    new_win_ptr,  # outputs: out [B, C, T], new window [B, C, K] (contiguous)
+    C,
+    T,
+    s_x_b,
+    s_x_c,
+    s_x_t,
+    s_wt_c,
+    s_wt_k,
+    s_w_b,
+    s_w_c,
+    s_w_k,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -86,35 +124,81 @@ def _conv_fwd_kernel(
     x_row = x_ptr + b * s_x_b
     win_row = win_ptr + b * s_w_b
 
-    y = _conv_tile(x_ptr, w_ptr, b_ptr, win_ptr, x_row, win_row, c, cm, t, tm, p, T,
-                   s_x_c, s_x_t, s_wt_c, s_wt_k, s_w_c, s_w_k, K, HAS_BIAS, BLOCK_C, BLOCK_T)
+    y = _conv_tile(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        win_ptr,
+        x_row,
+        win_row,
+        c,
+        cm,
+        t,
+        tm,
+        p,
+        T,
+        s_x_c,
+        s_x_t,
+        s_wt_c,
+        s_wt_k,
+        s_w_c,
+        s_w_k,
+        K,
+        HAS_BIAS,
+        BLOCK_C,
+        BLOCK_T,
+    )
     if SILU:
         y = y * tl.sigmoid(y)
     real = tm & (t >= p)
     y = tl.where(real[None, :], y, 0.0)
-    tl.store(out_ptr + b * C * T + c[:, None] * T + t[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=cm[:, None] & tm[None, :])
+    tl.store(
+        out_ptr + b * C * T + c[:, None] * T + t[None, :],
+        y.to(out_ptr.dtype.element_ty),
+        mask=cm[:, None] & tm[None, :],
+    )
 
     if pid_t == 0:  # the new window: last K entries of [window, real tokens]
         i = tl.arange(0, KP)
         im = i < K
-        seq = _tap(x_ptr, win_ptr, x_row, win_row, c, cm, T - K + i, im, p, T,
-                   s_x_c, s_x_t, s_w_c, s_w_k, K)
-        tl.store(new_win_ptr + b * C * K + c[:, None] * K + i[None, :], seq.to(new_win_ptr.dtype.element_ty),
-                 mask=cm[:, None] & im[None, :])
+        seq = _tap(x_ptr, win_ptr, x_row, win_row, c, cm, T - K + i, im, p, T, s_x_c, s_x_t, s_w_c, s_w_k, K)
+        tl.store(
+            new_win_ptr + b * C * K + c[:, None] * K + i[None, :],
+            seq.to(new_win_ptr.dtype.element_ty),
+            mask=cm[:, None] & im[None, :],
+        )
 
 
 @triton.jit
 def _conv_bwd_dy_kernel(
-    x_ptr, w_ptr, b_ptr, win_ptr, pad_ptr, gout_ptr,
-    dy_ptr, dw_part_ptr, db_part_ptr,  # dy [B, C, T] f32; partials [B, n_T, C, K], [B, n_T, C] f32
-    C, T, n_t,
-    s_x_b, s_x_c, s_x_t,
-    s_wt_c, s_wt_k,
-    s_w_b, s_w_c, s_w_k,
-    s_g_b, s_g_c, s_g_t,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    win_ptr,
+    pad_ptr,
+    gout_ptr,
+    dy_ptr,
+    dw_part_ptr,
+    db_part_ptr,  # dy [B, C, T] f32; partials [B, n_T, C, K], [B, n_T, C] f32
+    C,
+    T,
+    n_t,
+    s_x_b,
+    s_x_c,
+    s_x_t,
+    s_wt_c,
+    s_wt_k,
+    s_w_b,
+    s_w_c,
+    s_w_k,
+    s_g_b,
+    s_g_c,
+    s_g_t,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -132,8 +216,30 @@ def _conv_bwd_dy_kernel(
     g = tl.load(gout_ptr + b * s_g_b + c[:, None] * s_g_c + t[None, :] * s_g_t, mask=ctm, other=0.0)
     dy = g.to(tl.float32)
     if SILU:
-        y = _conv_tile(x_ptr, w_ptr, b_ptr, win_ptr, x_row, win_row, c, cm, t, tm, p, T,
-                       s_x_c, s_x_t, s_wt_c, s_wt_k, s_w_c, s_w_k, K, HAS_BIAS, BLOCK_C, BLOCK_T)
+        y = _conv_tile(
+            x_ptr,
+            w_ptr,
+            b_ptr,
+            win_ptr,
+            x_row,
+            win_row,
+            c,
+            cm,
+            t,
+            tm,
+            p,
+            T,
+            s_x_c,
+            s_x_t,
+            s_wt_c,
+            s_wt_k,
+            s_w_c,
+            s_w_k,
+            K,
+            HAS_BIAS,
+            BLOCK_C,
+            BLOCK_T,
+        )
         sig = tl.sigmoid(y)
         dy = dy * sig * (1.0 + y * (1.0 - sig))
     dy = tl.where(cm[:, None] & real[None, :], dy, 0.0)
@@ -143,19 +249,29 @@ def _conv_bwd_dy_kernel(
     if HAS_BIAS:
         tl.store(db_part_ptr + part, tl.sum(dy, axis=1), mask=cm)
     for j in tl.static_range(K):
-        seq = _tap(x_ptr, win_ptr, x_row, win_row, c, cm, t - (K - 1) + j, tm, p, T,
-                   s_x_c, s_x_t, s_w_c, s_w_k, K)
+        seq = _tap(x_ptr, win_ptr, x_row, win_row, c, cm, t - (K - 1) + j, tm, p, T, s_x_c, s_x_t, s_w_c, s_w_k, K)
         tl.store(dw_part_ptr + part * K + j, tl.sum(dy * seq, axis=1), mask=cm)
 
 
 @triton.jit
 def _conv_bwd_dx_kernel(
-    w_ptr, pad_ptr, dy_ptr, gwin_ptr,  # gwin: grad of the new window [B, C, K]
-    dx_ptr, dwin_ptr,  # outputs: dx [B, C, T], d conv_state [B, C, K] (contiguous)
-    C, T,
-    s_wt_c, s_wt_k,
-    s_gw_b, s_gw_c, s_gw_k,
-    K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+    w_ptr,
+    pad_ptr,
+    dy_ptr,
+    gwin_ptr,  # gwin: grad of the new window [B, C, K]
+    dx_ptr,
+    dwin_ptr,  # outputs: dx [B, C, T], d conv_state [B, C, K] (contiguous)
+    C,
+    T,
+    s_wt_c,
+    s_wt_k,
+    s_gw_b,
+    s_gw_c,
+    s_gw_k,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -178,11 +294,13 @@ def _conv_bwd_dx_kernel(
     # the last K positions are also copied into the new window (if they are real tokens)
     i = s - (T - K)
     in_win = sm & (i >= 0)
-    dx += tl.load(gwin_row + c[:, None] * s_gw_c + i[None, :] * s_gw_k,
-                  mask=cm[:, None] & in_win[None, :], other=0.0).to(tl.float32)
+    dx += tl.load(
+        gwin_row + c[:, None] * s_gw_c + i[None, :] * s_gw_k, mask=cm[:, None] & in_win[None, :], other=0.0
+    ).to(tl.float32)
     dx = tl.where((s >= p)[None, :], dx, 0.0)  # padding is never read
-    tl.store(dx_ptr + b * C * T + c[:, None] * T + s[None, :], dx.to(dx_ptr.dtype.element_ty),
-             mask=cm[:, None] & sm[None, :])
+    tl.store(
+        dx_ptr + b * C * T + c[:, None] * T + s[None, :], dx.to(dx_ptr.dtype.element_ty), mask=cm[:, None] & sm[None, :]
+    )
 
     if pid_t == 0:  # window entry u plays x position p - K + u
         u = tl.arange(0, KP)
@@ -198,10 +316,14 @@ def _conv_bwd_dx_kernel(
         # new window[i] = old window[L + i] when fewer than K - i real tokens came: u = L + i
         i_new = u - (T - p)
         ok_new = um & (i_new >= 0)
-        dwin += tl.load(gwin_row + c[:, None] * s_gw_c + i_new[None, :] * s_gw_k,
-                        mask=cm[:, None] & ok_new[None, :], other=0.0).to(tl.float32)
-        tl.store(dwin_ptr + b * C * K + c[:, None] * K + u[None, :], dwin.to(dwin_ptr.dtype.element_ty),
-                 mask=cm[:, None] & um[None, :])
+        dwin += tl.load(
+            gwin_row + c[:, None] * s_gw_c + i_new[None, :] * s_gw_k, mask=cm[:, None] & ok_new[None, :], other=0.0
+        ).to(tl.float32)
+        tl.store(
+            dwin_ptr + b * C * K + c[:, None] * K + u[None, :],
+            dwin.to(dwin_ptr.dtype.element_ty),
+            mask=cm[:, None] & um[None, :],
+        )
 
 
 # --------------------------------------------------------------------------------------------- launch
@@ -223,11 +345,25 @@ class _CausalConv1d(torch.autograd.Function):
         out = torch.empty((batch, channels, length), device=x.device, dtype=x.dtype)
         new_window = torch.empty((batch, channels, kernel), device=x.device, dtype=x.dtype)
         _conv_fwd_kernel[grid](
-            x, weight, bias if bias is not None else weight, window, pad, out, new_window,
-            channels, length,
-            *x.stride(), *weight.stride(), *window.stride(),
-            K=kernel, KP=triton.next_power_of_2(kernel), HAS_BIAS=bias is not None, SILU=silu,
-            BLOCK_C=block_c, BLOCK_T=block_t, num_warps=warps,
+            x,
+            weight,
+            bias if bias is not None else weight,
+            window,
+            pad,
+            out,
+            new_window,
+            channels,
+            length,
+            *x.stride(),
+            *weight.stride(),
+            *window.stride(),
+            K=kernel,
+            KP=triton.next_power_of_2(kernel),
+            HAS_BIAS=bias is not None,
+            SILU=silu,
+            BLOCK_C=block_c,
+            BLOCK_T=block_t,
+            num_warps=warps,
         )
         ctx.save_for_backward(x, weight, bias, window, pad)
         ctx.silu = silu
@@ -246,20 +382,47 @@ class _CausalConv1d(torch.autograd.Function):
         dw_part = torch.empty((batch, n_t, channels, kernel), **f32)
         db_part = torch.empty((batch, n_t, channels), **f32) if bias is not None else dw_part
         _conv_bwd_dy_kernel[grid](
-            x, weight, bias if bias is not None else weight, window, pad, grad_out,
-            dy, dw_part, db_part,
-            channels, length, n_t,
-            *x.stride(), *weight.stride(), *window.stride(), *grad_out.stride(),
-            K=kernel, HAS_BIAS=bias is not None, SILU=ctx.silu,
-            BLOCK_C=block_c, BLOCK_T=block_t, num_warps=warps,
+            x,
+            weight,
+            bias if bias is not None else weight,
+            window,
+            pad,
+            grad_out,
+            dy,
+            dw_part,
+            db_part,
+            channels,
+            length,
+            n_t,
+            *x.stride(),
+            *weight.stride(),
+            *window.stride(),
+            *grad_out.stride(),
+            K=kernel,
+            HAS_BIAS=bias is not None,
+            SILU=ctx.silu,
+            BLOCK_C=block_c,
+            BLOCK_T=block_t,
+            num_warps=warps,
         )
         dx = torch.empty((batch, channels, length), device=x.device, dtype=x.dtype)
         dwindow = torch.empty((batch, channels, kernel), device=x.device, dtype=window.dtype)
         _conv_bwd_dx_kernel[grid](
-            weight, pad, dy, grad_window, dx, dwindow,
-            channels, length,
-            *weight.stride(), *grad_window.stride(),
-            K=kernel, KP=triton.next_power_of_2(kernel), BLOCK_C=block_c, BLOCK_T=block_t, num_warps=warps,
+            weight,
+            pad,
+            dy,
+            grad_window,
+            dx,
+            dwindow,
+            channels,
+            length,
+            *weight.stride(),
+            *grad_window.stride(),
+            K=kernel,
+            KP=triton.next_power_of_2(kernel),
+            BLOCK_C=block_c,
+            BLOCK_T=block_t,
+            num_warps=warps,
         )
         dweight = dw_part.sum((0, 1)).to(weight.dtype)
         dbias = db_part.sum((0, 1)).to(bias.dtype) if bias is not None else None

@@ -15,6 +15,7 @@ down to 0 with the adjoint g_k = ∂ℓ/∂h_k + a_{k+1} g_{k+1} in registers, w
 ∂ℓ/∂a_k = g_k h_{k-1} (h_{k-1} read back from the forward's output, h_{-1} = initial_state) and, at the
 end, ∂ℓ/∂h_{-1} = a_0 g_0. No extra memory beyond the gradients.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,12 @@ __all__ = ["linear_recurrence"]
 # --------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _recurrence_fwd_kernel(
-    a_ptr, b_ptr, h0_ptr, h_ptr,  # a, b, h [B, L, C] contiguous; h0 [B, C] float32 contiguous
-    L, C,
+    a_ptr,
+    b_ptr,
+    h0_ptr,
+    h_ptr,  # a, b, h [B, L, C] contiguous; h0 [B, C] float32 contiguous
+    L,
+    C,
     BLOCK_C: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
@@ -55,9 +60,15 @@ def _adjoint_step(a_ptr, dh_ptr, da_ptr, db_ptr, offs, cm, g, a_next, h_prev):
 
 @triton.jit
 def _recurrence_bwd_kernel(
-    a_ptr, h_ptr, h0_ptr, dh_ptr,  # a, h, dh [B, L, C] contiguous; h0 [B, C] float32
-    da_ptr, db_ptr, dh0_ptr,  # outputs: da, db [B, L, C] (dtypes of a, b); dh0 [B, C] float32
-    L, C,
+    a_ptr,
+    h_ptr,
+    h0_ptr,
+    dh_ptr,  # a, h, dh [B, L, C] contiguous; h0 [B, C] float32
+    da_ptr,
+    db_ptr,
+    dh0_ptr,  # outputs: da, db [B, L, C] (dtypes of a, b); dh0 [B, C] float32
+    L,
+    C,
     BLOCK_C: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)

@@ -41,6 +41,7 @@ sequential chain over chunks, forwards and backwards) and ``_chunk_scan_kernel``
 causal, decayed "attention" plus a state term, forwards or time-reversed, with the da pieces as
 epilogues).
 """
+
 from __future__ import annotations
 
 import torch
@@ -77,15 +78,43 @@ def _add_exclusive(a1, b1, a2, b2):
 
 @triton.jit
 def _chunk_state_kernel(
-    U, V, DELTA, EXPO, OUT,
-    T, L, nheads, K1, K2, ratio_u, ratio_v,
-    s_ub, s_ut, s_uh, s_uk,
-    s_vb, s_vt, s_vh, s_vk,
-    s_db, s_dt, s_dh,
-    s_cb, s_ch, s_ct,
-    s_ob, s_oh, s_oc, s_o1, s_o2,
-    FROM_START: tl.constexpr, SCALE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_K2: tl.constexpr, DOT_PREC: tl.constexpr,
+    U,
+    V,
+    DELTA,
+    EXPO,
+    OUT,
+    T,
+    L,
+    nheads,
+    K1,
+    K2,
+    ratio_u,
+    ratio_v,
+    s_ub,
+    s_ut,
+    s_uh,
+    s_uk,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_vk,
+    s_db,
+    s_dt,
+    s_dh,
+    s_cb,
+    s_ch,
+    s_ct,
+    s_ob,
+    s_oh,
+    s_oc,
+    s_o1,
+    s_o2,
+    FROM_START: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K1: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """OUT[b, h, c] = Σ_{t in chunk c} w_t (Δ_t if SCALE) U_t ⊗ V_t, a [K1, K2] tile per program.
 
@@ -126,15 +155,34 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _state_passing_kernel(
-    X, CUM, START, FINAL, FWD_STATES, DDEC,
-    nc, L, PN, nheads,
-    s_xb, s_xh, s_xc,
-    s_cb, s_ch, s_ct,
-    s_sb, s_sh,
-    s_fb, s_fh,
-    s_gb, s_gh, s_gc,
-    s_dk, s_dbh,
-    HAS_START: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+    X,
+    CUM,
+    START,
+    FINAL,
+    FWD_STATES,
+    DDEC,
+    nc,
+    L,
+    PN,
+    nheads,
+    s_xb,
+    s_xh,
+    s_xc,
+    s_cb,
+    s_ch,
+    s_ct,
+    s_sb,
+    s_sh,
+    s_fb,
+    s_fh,
+    s_gb,
+    s_gh,
+    s_gc,
+    s_dk,
+    s_dbh,
+    HAS_START: tl.constexpr,
+    REVERSE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """The sequential chain over chunks, for a BLOCK of the flattened [P·N] state of one (b, h).
 
@@ -178,21 +226,73 @@ def _state_passing_kernel(
 
 @triton.jit
 def _chunk_scan_kernel(
-    U, V, W, S, DELTA, EXPO, LOGA, OUT,
-    Z, SDOT, RSUM, INTRA,
-    T, L, nheads, K1, K2, ratio_u, ratio_v, ratio_w, ratio_z,
-    s_ub, s_ut, s_uh, s_uk,
-    s_vb, s_vt, s_vh, s_vk,
-    s_wb, s_wt, s_wh, s_wk,
-    s_sb, s_sh, s_sc, s_s1, s_s2,
-    s_db, s_dt, s_dh,
-    s_cb, s_ch, s_ct,
-    s_ob, s_ot, s_oh, s_ok,
-    s_zb, s_zt, s_zh, s_zk,
-    s_qb, s_qt, s_qh,
-    s_im, s_ib, s_ih, s_it,
-    REVERSE: tl.constexpr, ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr, EPI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_K2: tl.constexpr, DOT_PREC: tl.constexpr,
+    U,
+    V,
+    W,
+    S,
+    DELTA,
+    EXPO,
+    LOGA,
+    OUT,
+    Z,
+    SDOT,
+    RSUM,
+    INTRA,
+    T,
+    L,
+    nheads,
+    K1,
+    K2,
+    ratio_u,
+    ratio_v,
+    ratio_w,
+    ratio_z,
+    s_ub,
+    s_ut,
+    s_uh,
+    s_uk,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_vk,
+    s_wb,
+    s_wt,
+    s_wh,
+    s_wk,
+    s_sb,
+    s_sh,
+    s_sc,
+    s_s1,
+    s_s2,
+    s_db,
+    s_dt,
+    s_dh,
+    s_cb,
+    s_ch,
+    s_ct,
+    s_ob,
+    s_ot,
+    s_oh,
+    s_ok,
+    s_zb,
+    s_zt,
+    s_zh,
+    s_zk,
+    s_qb,
+    s_qt,
+    s_qh,
+    s_im,
+    s_ib,
+    s_ih,
+    s_it,
+    REVERSE: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    COL_SCALE: tl.constexpr,
+    EPI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K1: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """For the rows r of one BLOCK_M tile of chunk c (all K2 output columns at once):
 
@@ -282,8 +382,9 @@ def _chunk_scan_kernel(
         for k1_0 in range(0, K1, BLOCK_K1):
             k1 = k1_0 + tl.arange(0, BLOCK_K1)
             u = tl.load(U + t[:, None] * s_ut + k1[None, :] * s_uk, mask=r_ok[:, None] & (k1 < K1)[None, :], other=0.0)
-            vt = tl.load(V + (t0 + k)[None, :] * s_vt + k1[:, None] * s_vk,
-                         mask=k_ok[None, :] & (k1 < K1)[:, None], other=0.0)
+            vt = tl.load(
+                V + (t0 + k)[None, :] * s_vt + k1[:, None] * s_vk, mask=k_ok[None, :] & (k1 < K1)[:, None], other=0.0
+            )
             uv += tl.dot(u.to(tl.float32), vt.to(tl.float32), input_precision=DOT_PREC)
         if k0 == r0:
             # diagonal block: dec_rk = Σ_j a_j over r < j <= k (REVERSE) or k < j <= r, a cumulative sum of
@@ -327,10 +428,12 @@ def _chunk_scan_kernel(
             cb = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
             for n0 in range(0, K2, BLOCK_K1):
                 n = n0 + tl.arange(0, BLOCK_K1)
-                zc = tl.load(Z + t[:, None] * s_zt + n[None, :] * s_zk, mask=r_ok[:, None] & (n < K2)[None, :],
-                             other=0.0)
-                wc = tl.load(W + (t0 + k)[None, :] * s_wt + n[:, None] * s_wk, mask=k_ok[None, :] & (n < K2)[:, None],
-                             other=0.0)
+                zc = tl.load(
+                    Z + t[:, None] * s_zt + n[None, :] * s_zk, mask=r_ok[:, None] & (n < K2)[None, :], other=0.0
+                )
+                wc = tl.load(
+                    W + (t0 + k)[None, :] * s_wt + n[:, None] * s_wk, mask=k_ok[None, :] & (n < K2)[:, None], other=0.0
+                )
                 cb += tl.dot(zc.to(tl.float32), wc.to(tl.float32), input_precision=DOT_PREC)
             wls = uv * cb
             # prefix_lt = Σ_{s < t} W_ls (carry: the earlier key blocks; the strict prefix inside the block as
@@ -367,12 +470,31 @@ def _chunk_state(u, v, delta, expo, L, nc, ratio_u, ratio_v, from_start, scale):
     block_t, block_k1, block_k2 = _pow2(L, hi=32), _pow2(k1, hi=64), _pow2(k2, hi=64)
     grid = (triton.cdiv(k1, block_k1) * triton.cdiv(k2, block_k2) * nc, batch * heads)
     _chunk_state_kernel[grid](
-        u, v, delta, expo, out,
-        length, L, heads, k1, k2, ratio_u, ratio_v,
-        *u.stride(), *v.stride(), *delta.stride(), *expo.stride(), *out.stride(),
-        FROM_START=from_start, SCALE=scale,
-        BLOCK_T=block_t, BLOCK_K1=block_k1, BLOCK_K2=block_k2, DOT_PREC=_DOT_PRECISION,
-        num_warps=4, num_stages=2,
+        u,
+        v,
+        delta,
+        expo,
+        out,
+        length,
+        L,
+        heads,
+        k1,
+        k2,
+        ratio_u,
+        ratio_v,
+        *u.stride(),
+        *v.stride(),
+        *delta.stride(),
+        *expo.stride(),
+        *out.stride(),
+        FROM_START=from_start,
+        SCALE=scale,
+        BLOCK_T=block_t,
+        BLOCK_K1=block_k1,
+        BLOCK_K2=block_k2,
+        DOT_PREC=_DOT_PRECISION,
+        num_warps=4,
+        num_stages=2,
     )
     return out
 
@@ -391,22 +513,56 @@ def _state_passing(chunk, cum, L, start, reverse, fwd_states=None):
     else:
         ddec, fwd_states = final, chunk  # unused
     _state_passing_kernel[(n_blocks, batch * heads)](
-        chunk, cum, start, final, fwd_states, ddec,
-        nc, L, pn, heads,
-        chunk.stride(0), chunk.stride(1), chunk.stride(2),
+        chunk,
+        cum,
+        start,
+        final,
+        fwd_states,
+        ddec,
+        nc,
+        L,
+        pn,
+        heads,
+        chunk.stride(0),
+        chunk.stride(1),
+        chunk.stride(2),
         *cum.stride(),
-        start.stride(0), start.stride(1),
-        final.stride(0), final.stride(1),
-        fwd_states.stride(0), fwd_states.stride(1), fwd_states.stride(2),
-        ddec.stride(0), ddec.stride(1),
-        HAS_START=has_start, REVERSE=reverse, BLOCK=block,
+        start.stride(0),
+        start.stride(1),
+        final.stride(0),
+        final.stride(1),
+        fwd_states.stride(0),
+        fwd_states.stride(1),
+        fwd_states.stride(2),
+        ddec.stride(0),
+        ddec.stride(1),
+        HAS_START=has_start,
+        REVERSE=reverse,
+        BLOCK=block,
         num_warps=4,
     )
     return final, (ddec.sum(0).view(batch, heads, nc) if reverse else None)
 
 
-def _chunk_scan(u, v, w, s, delta, expo, log_a, L, nc, ratios, reverse, row_scale=False, col_scale=False,
-                s_transposed=False, epi=0, z=None, ratio_z=1):
+def _chunk_scan(
+    u,
+    v,
+    w,
+    s,
+    delta,
+    expo,
+    log_a,
+    L,
+    nc,
+    ratios,
+    reverse,
+    row_scale=False,
+    col_scale=False,
+    s_transposed=False,
+    epi=0,
+    z=None,
+    ratio_z=1,
+):
     """OUT [B, T, H, K2] float32 (see _chunk_scan_kernel); expo: cum forward, the suffix sums if reverse.
 
     epi=1 returns (dx, rsum [B, T, H], sdot [B, T, H]); epi=2 returns (OUT, sdot, intra [B, H, nc·L]).
@@ -426,7 +582,8 @@ def _chunk_scan(u, v, w, s, delta, expo, log_a, L, nc, ratios, reverse, row_scal
     n_m = triton.cdiv(L, block_m)
     # S[b, h, c] read as [K1, K2]: the stored [P, N] state, or its transpose [N, P]
     s_strides = (s.stride(0), s.stride(1), s.stride(2)) + (
-        (s.stride(4), s.stride(3)) if s_transposed else (s.stride(3), s.stride(4)))
+        (s.stride(4), s.stride(3)) if s_transposed else (s.stride(3), s.stride(4))
+    )
     sdot = torch.empty((batch, length, heads), device=dev, dtype=f32) if epi else out
     rsum = torch.empty((batch, length, heads), device=dev, dtype=f32) if epi == 1 else sdot
     intra = torch.zeros((n_m,) + tuple(expo.shape), device=dev, dtype=f32) if epi == 2 else out.view(1, -1, 1, 1)
@@ -435,14 +592,45 @@ def _chunk_scan(u, v, w, s, delta, expo, log_a, L, nc, ratios, reverse, row_scal
     q_strides = sdot.stride() if epi else (0, 0, 0)
     grid = (n_m * nc, batch * heads)
     _chunk_scan_kernel[grid](
-        u, v, w, s, delta, expo, log_a, out,
-        z, sdot, rsum, intra,
-        length, L, heads, k1, k2, *ratios, ratio_z,
-        *u.stride(), *v.stride(), *w.stride(), *s_strides, *delta.stride(), *expo.stride(), *out.stride(),
-        *z.stride(), *q_strides, *intra.stride(),
-        REVERSE=reverse, ROW_SCALE=row_scale, COL_SCALE=col_scale, EPI=epi,
-        BLOCK_M=block_m, BLOCK_K1=block_k1, BLOCK_K2=block_k2, DOT_PREC=_DOT_PRECISION,
-        num_warps=num_warps, num_stages=2,
+        u,
+        v,
+        w,
+        s,
+        delta,
+        expo,
+        log_a,
+        out,
+        z,
+        sdot,
+        rsum,
+        intra,
+        length,
+        L,
+        heads,
+        k1,
+        k2,
+        *ratios,
+        ratio_z,
+        *u.stride(),
+        *v.stride(),
+        *w.stride(),
+        *s_strides,
+        *delta.stride(),
+        *expo.stride(),
+        *out.stride(),
+        *z.stride(),
+        *q_strides,
+        *intra.stride(),
+        REVERSE=reverse,
+        ROW_SCALE=row_scale,
+        COL_SCALE=col_scale,
+        EPI=epi,
+        BLOCK_M=block_m,
+        BLOCK_K1=block_k1,
+        BLOCK_K2=block_k2,
+        DOT_PREC=_DOT_PRECISION,
+        num_warps=num_warps,
+        num_stages=2,
     )
     if epi == 1:
         return out, rsum, sdot
@@ -477,8 +665,21 @@ class _SSDChunkScan(torch.autograd.Function):
         suffix = F.pad(chunks[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1)).reshape(batch, heads, nc * L)
         states = _chunk_state(x, B, delta, suffix, L, nc, 1, ratio, from_start=False, scale=True)
         final, _ = _state_passing(states, cum, L, h0, reverse=False)  # states: now the entering S_c
-        y = _chunk_scan(C, B, x, states, delta, cum, log_a, L, nc, (ratio, ratio, 1), reverse=False,
-                        col_scale=True, s_transposed=True)
+        y = _chunk_scan(
+            C,
+            B,
+            x,
+            states,
+            delta,
+            cum,
+            log_a,
+            L,
+            nc,
+            (ratio, ratio, 1),
+            reverse=False,
+            col_scale=True,
+            s_transposed=True,
+        )
         ctx.save_for_backward(x, delta, log_a, cum, suffix, B, C, states)
         ctx.L, ctx.has_h0 = L, h0 is not None
         return y, final
@@ -495,12 +696,40 @@ class _SSDChunkScan(torch.autograd.Function):
         # Q_c, then the backward chain: dstates[c] = dS_{c+1}, dh0 = dS_0
         dstates = _chunk_state(dy, C, delta, cum, L, nc, 1, ratio, from_start=True, scale=False)
         dh0, ddec = _state_passing(dstates, cum, L, dfinal, reverse=True, fwd_states=states)
-        dx, ddelta, v = _chunk_scan(B, C, dy, dstates, delta, suffix, log_a, L, nc, (ratio, ratio, 1), reverse=True,
-                                    s_transposed=True, epi=1, z=x)
-        dC, alpha, intra = _chunk_scan(dy, x, B, states, delta, cum, log_a, L, nc, (1, 1, ratio), reverse=False,
-                                       col_scale=True, epi=2, z=C, ratio_z=ratio)
-        dB = _chunk_scan(x, dy, C, dstates, delta, suffix, log_a, L, nc, (1, 1, ratio), reverse=True,
-                         row_scale=True)
+        dx, ddelta, v = _chunk_scan(
+            B,
+            C,
+            dy,
+            dstates,
+            delta,
+            suffix,
+            log_a,
+            L,
+            nc,
+            (ratio, ratio, 1),
+            reverse=True,
+            s_transposed=True,
+            epi=1,
+            z=x,
+        )
+        dC, alpha, intra = _chunk_scan(
+            dy,
+            x,
+            B,
+            states,
+            delta,
+            cum,
+            log_a,
+            L,
+            nc,
+            (1, 1, ratio),
+            reverse=False,
+            col_scale=True,
+            epi=2,
+            z=C,
+            ratio_z=ratio,
+        )
+        dB = _chunk_scan(x, dy, C, dstates, delta, suffix, log_a, L, nc, (1, 1, ratio), reverse=True, row_scale=True)
         # da_t (module docstring): read-outs of the entering state at l >= t, chunk-state inputs at s < t,
         # the whole-chunk decay, and the intra-chunk pairs s < t <= l (from the dC pass)
         pad = nc * L - length
@@ -512,8 +741,7 @@ class _SSDChunkScan(torch.autograd.Function):
         if ratio > 1:  # the heads of a group share B and C
             dB = dB.view(batch, length, groups, ratio, n).sum(3)
             dC = dC.view(batch, length, groups, ratio, n).sum(3)
-        return (dx.to(x.dtype), ddelta, dlog_a, dB.to(B.dtype), dC.to(C.dtype),
-                dh0 if ctx.has_h0 else None, None)
+        return (dx.to(x.dtype), ddelta, dlog_a, dB.to(B.dtype), dC.to(C.dtype), dh0 if ctx.has_h0 else None, None)
 
 
 # --------------------------------------------------------------------------------------------------
