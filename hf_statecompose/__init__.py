@@ -54,6 +54,7 @@ _EXPORTS = {
     "composition_loss": "training",
     "load_demo": "demo",
     "encode_corpus": "distributed",
+    "use_kernel": "ops",
 }
 _SUBPACKAGES = (
     "attribution",
@@ -107,6 +108,7 @@ __all__ = [
     "model_fingerprint",
     "refresh_fingerprint",
     "set_backend",
+    "use_kernel",
 ]
 
 

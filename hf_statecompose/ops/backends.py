@@ -5,9 +5,10 @@
 * ``"torch"``: vectorised torch, runs everywhere, supports autograd. The Mamba-1 scan is fused by
   ``torch.compile`` for inference on long inputs (see ``compiled.py``), else chunked; the SSD scan is
   chunked (matmuls); the conv is one grouped conv; the composition works block by block.
-* ``"triton"``: the Triton kernels (``<op>/triton_kernel.py`` beside this file), forward
-  and backward. They need CUDA tensors (or, for tests, ``TRITON_INTERPRET=1`` set before they are
-  imported, which runs them slowly on CPU).
+* ``"triton"``: the Triton kernels (``kernels/torch-ext/hf_statecompose_kernels`` in the repository,
+  ``hf_statecompose._kernels`` installed, or a Hub kernel: ``_triton.use_kernel``), called through
+  ``<op>/triton_wrapper.py``, forward and backward. They need CUDA tensors (or, for tests,
+  ``TRITON_INTERPRET=1`` set before they are imported, which runs them slowly on CPU).
 * ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton is importable, ``"torch"`` otherwise.
   The choice is logged once per operation and device type.
 
@@ -41,11 +42,11 @@ logger = logging.getLogger("hf_statecompose")
 
 BACKENDS = ("auto", "torch", "triton")
 _TRITON_MODULES = {  # op -> (module beside this file, function); imported only when Triton runs
-    "selective_scan": ("selective_scan.triton_kernel", "selective_scan_triton"),
-    "ssd_scan": ("ssd.triton_kernel", "ssd_scan_triton"),
-    "causal_conv1d": ("conv.triton_kernel", "causal_conv1d_triton"),
-    "compose_ssm": ("compose.triton_kernel", "compose_ssm_triton"),
-    "linear_recurrence": ("linear_recurrence.triton_kernel", "linear_recurrence_triton"),
+    "selective_scan": ("selective_scan.triton_wrapper", "selective_scan_triton"),
+    "ssd_scan": ("ssd.triton_wrapper", "ssd_scan_triton"),
+    "causal_conv1d": ("conv.triton_wrapper", "causal_conv1d_triton"),
+    "compose_ssm": ("compose.triton_wrapper", "compose_ssm_triton"),
+    "linear_recurrence": ("linear_recurrence.triton_wrapper", "linear_recurrence_triton"),
 }
 _logged: set = set()
 

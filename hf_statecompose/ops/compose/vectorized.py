@@ -1,8 +1,8 @@
 """Fused composition x = Σ_k W_k ⊙ x_k of n SSM states, the weights computed from the states' decays.
 
 The contract shared by :func:`compose_ssm_torch` (here, any device, differentiable) and
-``compose_ssm_triton`` (``triton_kernel.py``, CUDA, inference) and checked by ``compose_ssm_ref``
-(``reference.py``):
+``compose_ssm_triton`` (``triton_wrapper.py``, around the kernel ``compose`` in
+``kernels/torch-ext/hf_statecompose_kernels``; CUDA, inference) and checked by ``compose_ssm_ref`` (``reference.py``):
 
 * ``ssm_states``: list of n tensors, each ``[B, D, N]`` (Mamba-1) or ``[B, H, P, N]`` (Mamba-2);
 * ``delta_sums``: ``[n, B, D]`` / ``[n, B, H]``, each state's ΣΔ;
