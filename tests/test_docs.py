@@ -22,6 +22,13 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 PROMISED_OUTPUT = {
     "getting-started/quickstart.md": ["' tea.'", "' Iron.' ['Tari'"],
     "getting-started/concepts.md": ["ComposableMambaCache(architecture='mamba2', layers=6, batch=1, tokens=[5]"],
+    "guides/composition.md": ["('soup', 'weighted', 'caso', 'picaso_s', 'picaso_r', 'concat', 'piconcat_r')"],
+    "guides/stores.md": ["Tari river Iron. {'source': 'b'}", "' Iron.' ['Tari'", "2"],
+    "guides/scale-out.md": ["['Tari']"],
+    "guides/hybrids.md": ["' tea.' ' tea.'"],
+    "guides/coffee.md": ["384", "(1, 512, 1)", "512 3385"],
+    "reference/state-files.md": ["1 mamba2 torch.float32 6"],
+    "reference/bad-input.md": ["TypeError: input_ids must be a tensor", "ValueError: input_ids must have shape"],
 }
 
 
