@@ -9,13 +9,15 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
+# a fenced python block, also indented (inside a list item): group 2 is its code, still indented
+PYTHON_BLOCK = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", flags=re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 # what a page's text promises its code prints (lines of stdout, in order, each a prefix of a printed line)
@@ -55,7 +57,8 @@ def test_page_code_runs_as_written(page, tmp_path):
     needs = PAGE_NEEDS.get(page)
     if needs and importlib.util.find_spec(needs) is None:
         pytest.skip(f"{page} needs {needs} (an optional extra)")
-    code = "\n\n".join(PYTHON_BLOCK.findall((DOCS / page).read_text(encoding="utf-8")))
+    blocks = PYTHON_BLOCK.findall((DOCS / page).read_text(encoding="utf-8"))
+    code = "\n\n".join(textwrap.dedent(block) for _, block in blocks)
     env = {**_env(), "HF_STATECOMPOSE_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-c", code], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
