@@ -117,3 +117,13 @@ def test_site_builds_strict(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-5000:]
     assert (tmp_path / "site" / "reference" / "api" / "index.html").exists()
+
+
+def test_api_reference_covers_the_public_api():
+    """Every name of hf_statecompose.__all__ has its entry on the API page (`::: module.Name`; METHODS in text)."""
+    import hf_statecompose
+
+    page = (DOCS / "reference" / "api.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^::: [\w.]+\.(\w+)$", page, flags=re.MULTILINE))
+    missing = [name for name in hf_statecompose.__all__ if name not in documented and f"`hsc.{name}`" not in page]
+    assert not missing, f"docs/reference/api.md lacks {missing}"
