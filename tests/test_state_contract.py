@@ -1,0 +1,284 @@
+"""The contract every architecture's state meets, written once and run for each architecture of
+:mod:`architectures` (Mamba, Mamba-2, FalconMamba, SeRpEnt, COFFEE and the six hybrids).
+
+A state of a context, passed as ``past_states=[state]`` with a query, gives what the model gives on context +
+query (forward logits within the architecture's tolerance, greedy and beam tokens identical), after showing that
+the context changes that output; one state composes to itself; the rows of a left-padded batch are the rows
+encoded alone; a file round trip (safetensors + JSON) and deepcopy / pickle / torch.save give the same tensors bit
+for bit; states of another model or architecture, crafted shapes, NaN and wrong dtypes are refused with a
+ValueError naming the problem. Architecture-specific behaviour (mixer maths, SeRpEnt resampling, COFFEE gates,
+hybrid attention placement) stays in the per-architecture test files."""
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import hf_statecompose as hsc
+from hf_statecompose import ComposableMambaCache, StateComposer
+from hf_statecompose.composition.composer import MODEL_FREE_METHODS
+from hf_statecompose.state.validation import check_state
+
+from architectures import ARCHITECTURES
+from helpers import load_saved, pickle_round_trip, relative_error, tiny_model
+from hybrid_helpers import craft
+
+NEW = 6  # generated tokens
+MATTERS = 1e-3  # the context moves the next-token logits by more than this (relative): >= 10x every tolerance
+SAME_MODEL_METHODS = ("picaso_r", "picaso_s", "soup", "caso", "concat")  # one state composes to itself under each
+
+
+def ids(arch, length, batch=1, seed=0):
+    """Random ids in [3, vocab): no pad, eos or bos."""
+    return torch.randint(3, arch.vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def state_tensors(state) -> dict:
+    """Every tensor a state holds (each layer's attributes, token counts and ids), by name: read from the layers,
+    not from the file format, so that a save that drops or alters a tensor shows up."""
+    out = {}
+    for i, layer in enumerate(state.layers):
+        for name, value in vars(layer).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{i}.{name}"] = value
+    for name in ("num_tokens", "token_ids"):
+        if getattr(state, name) is not None:
+            out[name] = getattr(state, name)
+    return out
+
+
+def assert_same_state(actual, expected, rtol=0.0, atol=0.0):
+    """Same class, architecture, fingerprint and tensor names; tensors equal (bit for bit by default, dtypes too)."""
+    assert type(actual) is type(expected) and actual.architecture == expected.architecture
+    assert actual.fingerprint == expected.fingerprint and actual.num_layers == expected.num_layers
+    a, b = state_tensors(actual), state_tensors(expected)
+    assert sorted(a) == sorted(b)
+    for name in b:
+        if rtol == atol == 0.0:
+            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+        else:
+            torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def arch(request):
+    return ARCHITECTURES[request.param]
+
+
+@pytest.fixture(scope="module")
+def model(arch):
+    return arch.make()
+
+
+@pytest.fixture(scope="module")
+def context(arch):
+    return ids(arch, 13, seed=1)
+
+
+@pytest.fixture(scope="module")
+def state(model, context):
+    with torch.no_grad():
+        return hsc.encode(model, context)
+
+
+def greedy(model, input_ids, **kwargs):
+    return model.generate(input_ids, max_new_tokens=NEW, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True, **kwargs)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- state + query = context + query
+@torch.no_grad()
+def test_the_context_changes_the_output(arch, model, state, context):
+    """Shown first: without its context the query gives other next-token logits, so the checks below that a state
+    reproduces the concatenation say that the state carried the context."""
+    assert hsc.is_enabled(model) and state.architecture == model.config.model_type
+    assert state.num_tokens.tolist() == [13] and torch.equal(state.token_ids, context)
+    query = ids(arch, 5, seed=2)
+    full = model(torch.cat([context, query], 1)).logits[:, -1]
+    assert relative_error(model(query).logits[:, -1], full) > MATTERS
+    check_state(state, model)
+
+
+@pytest.mark.parametrize("query_length", [1, 6])
+@torch.no_grad()
+def test_one_state_reproduces_context_plus_query(arch, model, state, context, query_length):
+    query = ids(arch, query_length, seed=3)
+    expected = model(torch.cat([context, query], 1)).logits[:, -query_length:]
+    for method in SAME_MODEL_METHODS:
+        logits = model(query, past_states=[state], composition=method).logits
+        assert relative_error(logits, expected) < arch.tol, method
+
+
+@torch.no_grad()
+def test_greedy_generate_equals_the_concatenation(arch, model, state, context):
+    query = ids(arch, 4, seed=4)
+    full = torch.cat([context, query], 1)
+    expected = greedy(model, full)
+    ours = greedy(model, query, past_states=[state])
+    assert torch.equal(ours.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :])
+    for step, (a, e) in enumerate(zip(ours.scores, expected.scores, strict=True)):
+        assert relative_error(a, e) < 1e-4, step  # (hybrids: the stock one-token steps, test_hybrid_exactness.py)
+    assert relative_error(greedy(model, query).scores[0], expected.scores[0]) > MATTERS  # the context matters here too
+
+
+@torch.no_grad()
+def test_beam_search_equals_the_concatenation(arch, model, state, context):
+    if not arch.supports_beams:
+        pytest.skip(f"{arch.name}: no beam search with past_states")
+    query = ids(arch, 4, seed=5)
+    full = torch.cat([context, query], 1)
+    kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False)
+    out = model.generate(query, past_states=[state], **kwargs)
+    assert out.shape[0] == 2 and torch.equal(
+        out[:, query.shape[1] :], model.generate(full, **kwargs)[:, full.shape[1] :]
+    )
+
+
+@torch.no_grad()
+def test_generate_does_not_mutate_the_state(arch, model, state):
+    before = copy.deepcopy(state)
+    model.generate(ids(arch, 3), past_states=[state], max_new_tokens=4, do_sample=False)
+    model.generate(ids(arch, 3), past_states=[state, state], max_new_tokens=4, num_beams=2, do_sample=False)
+    assert_same_state(state, before)
+
+
+@torch.no_grad()
+def test_left_padded_batch_rows_equal_each_row_alone(arch, model):
+    """Left-padded contexts (encode) and left-padded queries (forward): every row's state is its context's state
+    encoded alone, and every row's logits are its context + query's."""
+    contexts = [ids(arch, n, seed=10 + n)[0] for n in (5, 11, 8)]
+    queries = [ids(arch, n, seed=20 + n)[0] for n in (3, 1, 6)]
+
+    def pad(rows):
+        width = max(map(len, rows))
+        out, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            out[r, width - len(row) :], mask[r, width - len(row) :] = row, 1
+        return out, mask
+
+    (c_ids, c_mask), (q_ids, q_mask) = pad(contexts), pad(queries)
+    states = hsc.encode(model, c_ids, attention_mask=c_mask)
+    assert states.num_tokens.tolist() == [5, 11, 8]
+    logits = model(q_ids, attention_mask=q_mask, past_states=[states]).logits
+    for r, (c, q) in enumerate(zip(contexts, queries, strict=True)):
+        alone = hsc.encode(model, c[None])
+        for v in range(alone.num_layers):
+            for name in ("ssm_state", "delta_sum"):
+                a, b = getattr(states.select(r).state_layers[v], name), getattr(alone.state_layers[v], name)
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"row {r} layer {v} {name}")
+        expected = model(torch.cat([c, q])[None]).logits[0, -len(q) :]
+        assert relative_error(logits[r, -len(q) :], expected) < arch.tol, r
+
+
+@torch.no_grad()
+def test_composition_of_one_state_is_the_state(arch, model, state):
+    """Every model-free method maps [state] to the state (ΣΔ and the SSM states as they were)."""
+    for method in MODEL_FREE_METHODS:
+        composer = StateComposer(method, weights=[1.0]) if method == "weighted" else StateComposer(method)
+        composed = composer.compose([state])
+        assert composed.num_tokens.tolist() == state.num_tokens.tolist(), method
+        for v in range(state.num_layers):
+            for name in ("ssm_state", "conv_state", "delta_sum"):
+                a, b = getattr(composed.state_layers[v], name), getattr(state.state_layers[v], name)
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{method} layer {v} {name}")
+
+
+# ------------------------------------------------------------------------------------------ files and copies
+@torch.no_grad()
+def test_save_load_round_trip_is_bit_for_bit(arch, model, state, tmp_path):
+    path = tmp_path / "state.safetensors"
+    state.save(path)
+    assert all(t.numel() == 0 or torch.isfinite(t.float()).all() for t in load_file(path).values())
+    query = ids(arch, 4, seed=6)
+    expected = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False)
+    for loaded in (ComposableMambaCache.load(path, model=model), type(state).load(path)):
+        assert_same_state(loaded, state)
+        assert loaded.model_dtype == state.model_dtype
+        assert torch.equal(model.generate(query, past_states=[loaded], max_new_tokens=NEW, do_sample=False), expected)
+
+
+@torch.no_grad()
+def test_state_survives_deepcopy_pickle_and_torch_save(arch, model, state):
+    import io
+
+    query = ids(arch, 3, seed=7)
+    expected = model(query, past_states=[state]).logits
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(state), pickle_round_trip(state), load_saved(buffer), state.clone()):
+        assert_same_state(copied, state)
+        assert torch.equal(model(query, past_states=[copied]).logits, expected)
+
+
+# ------------------------------------------------------------------------------------------ refusals
+@torch.no_grad()
+def test_a_state_of_another_model_is_refused(arch, model, state, tmp_path):
+    other = arch.make(seed=1)  # same config, other weights
+    query = ids(arch, 3)
+    with pytest.raises(ValueError, match="re-encode"):
+        other(query, past_states=[state])
+    path = tmp_path / "state.safetensors"
+    state.save(path)
+    with pytest.raises(ValueError, match="re-encode|another model|only fit"):
+        ComposableMambaCache.load(path, model=other)
+
+
+@torch.no_grad()
+def test_a_state_of_another_architecture_is_refused(arch, model, state):
+    """Both ways: this architecture's state to a Mamba-2 model (a Mamba model for Mamba-2) and back."""
+    other_name = "mamba" if arch.name == "mamba2" else "mamba2"
+    other = tiny_model(other_name)
+    other_state = hsc.encode(other, torch.randint(3, 60, (1, 6)))
+    with pytest.raises(ValueError, match=f"{arch.name}|another model|different model"):
+        other(torch.randint(3, 60, (1, 3)), past_states=[state])
+    with pytest.raises(ValueError, match=f"{other_name}|another model|different model"):
+        model(ids(arch, 3), past_states=[other_state])
+    with pytest.raises(ValueError, match="different model"):
+        StateComposer("soup").compose([state, other_state])
+
+
+def _edit_first_ssm(state, fn):
+    bad = state.clone()
+    layer = bad.state_layers[0]
+    layer.ssm_state = fn(layer.ssm_state)
+    return bad
+
+
+BAD_STATES = {
+    "nan": (lambda t: t * float("nan"), "layer 0 SSM state contains NaN"),
+    "dtype": (lambda t: t.half(), r"layer 0 SSM state is torch.float16, expected torch.float32"),
+    "shape": (lambda t: t[..., :-1], "layer 0 SSM state has per-row shape"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STATES))
+@torch.no_grad()
+def test_bad_in_memory_states_are_refused(arch, model, state, case):
+    edit, message = BAD_STATES[case]
+    bad = _edit_first_ssm(state, edit)
+    with pytest.raises(ValueError, match=message):
+        model(ids(arch, 2), past_states=[bad])
+    with pytest.raises(ValueError):
+        check_state(bad, model)
+
+
+CRAFTED = {
+    "missing layer": (lambda t, m: t.pop("ssm.0"), r"missing tensors \['ssm.0'\]"),
+    "nan": (lambda t, m: t.update({"ssm.0": t["ssm.0"] * float("nan")}), "NaN"),
+    "dtype": (lambda t, m: t.update({"ssm.0": t["ssm.0"].double()}), "float64"),
+    "shape": (lambda t, m: t.update({"ssm.0": t["ssm.0"][..., :-1].contiguous()}), "shape"),
+    "layers": (lambda t, m: m.update(num_layers=m["num_layers"] + 1), "layers"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_crafted_files_are_refused(arch, model, state, case, tmp_path):
+    """A state file edited by hand (digest recomputed, so that only the schema checks can refuse it)."""
+    edit, message = CRAFTED[case]
+    state.save(tmp_path / "state.safetensors")
+    path = craft(tmp_path / "state.safetensors", tmp_path / "crafted.safetensors", edit)
+    for kwargs in ({}, {"model": model}):
+        with pytest.raises(ValueError, match=message):
+            ComposableMambaCache.load(path, **kwargs)
