@@ -100,6 +100,21 @@ def hybrid_model(arch: str, dtype=torch.float64, seed: int = 0, enable: bool = T
     return hsc.enable(model) if enable else model
 
 
+def ids(length: int, batch: int = 1, seed: int = 0):
+    """Random token ids in [3, VOCAB) of the hybrids' vocabulary: no pad, eos or bos."""
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def left_pad(rows, pad: int = PAD):
+    """Left-padded ``[B, max length]`` ids and their 0/1 mask from 1-d id tensors."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    return out, mask
+
+
 def tiny_hybrid(arch: str, seed: int = 0, dtype=torch.float32, **overrides):
     """A tiny random hybrid model of the file / store tests (vocab 99, stock init), in eval mode, enabled."""
     torch.manual_seed(seed)

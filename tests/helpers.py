@@ -40,6 +40,26 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
 
 
+def craft(source, target, edit):
+    """Rewrite state file ``source`` as ``target`` after ``edit(tensors, meta)`` (in place on a dict of tensors and
+    the metadata dict), with a fresh digest: a hand-made file that only the schema checks can refuse."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save
+
+    from hf_statecompose.state.serialization import _digest
+
+    tensors = load_file(source)
+    with safe_open(source, framework="pt") as handle:
+        meta = json.loads(handle.metadata()["hf_statecompose"])
+    edit(tensors, meta)
+    meta["tensor_digest"] = _digest(tensors)
+    with open(target, "wb") as handle:
+        handle.write(save({k: v.contiguous().clone() for k, v in tensors.items()}, metadata={"hf_statecompose": json.dumps(meta)}))
+    return target
+
+
 def compile_without_gpu(script: str, marker: str = "compiled", timeout: int = 300) -> str:
     """Run a Triton compile-only script in a subprocess without the interpreter (ptxas from the Triton wheel).
 

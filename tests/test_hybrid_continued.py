@@ -5,7 +5,7 @@ without this the padding would pass for context tokens when the cache is reused.
 import torch
 import pytest
 
-from hybrid_models import hybrid_model, ids
+from architectures import hybrid_model, ids
 
 from hf_statecompose import compat
 import hf_statecompose as hsc

@@ -2,7 +2,7 @@
 search, several return sequences, left-padded batches of contexts and queries, per-row context lists, stopping.
 
 The reference is always the stock model run on the concatenated ids (``generate(cat(context, query))[:,
-len(context):]``), on tiny random float64 hybrids (Mamba layers + attention layers, :mod:`hybrid_helpers`). Each test
+len(context):]``), on tiny random float64 hybrids (Mamba layers + attention layers, :mod:`architectures`). Each test
 first shows that the context changes the result (the query alone gives other logits / tokens), so that "equals the
 concatenation" says the state carried the context. The states keep their SSM states in float32 (as transformers' own
 cache does), so float64 models agree to about float32 rounding: relative error <= 3.1e-7 on the logits of a forward,
@@ -20,7 +20,8 @@ import torch
 import hf_statecompose as hsc
 from hf_statecompose.state.architectures import architecture
 
-from hybrid_models import EOS, arch_params, hybrid_model, ids, left_pad, relative_error
+from architectures import EOS, arch_params, hybrid_model, ids, left_pad
+from helpers import relative_error
 
 TOL64 = 1e-6  # relative, logits of a float64 model's forward (prefill) with past_states (measured <= 3.1e-7)
 TOL_STEPS = 1e-4  # relative, scores against the stock one-token steps (measured <= 2.3e-5, Zamba2: module doc)

@@ -21,8 +21,7 @@ from hf_statecompose.composition.composer import MODEL_FREE_METHODS
 from hf_statecompose.state.validation import check_state
 
 from architectures import ARCHITECTURES
-from helpers import load_saved, pickle_round_trip, relative_error, tiny_model
-from hybrid_helpers import craft
+from helpers import craft, load_saved, pickle_round_trip, relative_error, tiny_model
 
 NEW = 6  # generated tokens
 MATTERS = 1e-3  # the context moves the next-token logits by more than this (relative): >= 10x every tolerance
@@ -128,11 +127,28 @@ def test_beam_search_equals_the_concatenation(arch, model, state, context):
         pytest.skip(f"{arch.name}: no beam search with past_states")
     query = ids(arch, 4, seed=5)
     full = torch.cat([context, query], 1)
-    kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False)
+    kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False,
+                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    out, expected = model.generate(query, past_states=[state], **kwargs), model.generate(full, **kwargs)
+    assert out.sequences.shape[0] == 2
+    assert torch.equal(out.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :])
+    assert relative_error(out.sequences_scores, expected.sequences_scores) < 1e-4
+
+
+@torch.no_grad()
+def test_sampling_with_the_same_seed_equals_the_concatenation(arch, model, state, context):
+    """Several return sequences, sampled from the full distribution (top_k=0): the same tokens and scores."""
+    query = ids(arch, 4, seed=8)
+    full = torch.cat([context, query], 1)
+    kwargs = dict(max_new_tokens=NEW, do_sample=True, top_k=0, num_return_sequences=2, output_scores=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    torch.manual_seed(7)
+    expected = model.generate(full, **kwargs)
+    torch.manual_seed(7)
     out = model.generate(query, past_states=[state], **kwargs)
-    assert out.shape[0] == 2 and torch.equal(
-        out[:, query.shape[1] :], model.generate(full, **kwargs)[:, full.shape[1] :]
-    )
+    assert torch.equal(out.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :])
+    for step, (a, e) in enumerate(zip(out.scores, expected.scores, strict=True)):
+        assert relative_error(a, e) < 1e-4, step
 
 
 @torch.no_grad()
@@ -161,14 +177,30 @@ def test_left_padded_batch_rows_equal_each_row_alone(arch, model):
     states = hsc.encode(model, c_ids, attention_mask=c_mask)
     assert states.num_tokens.tolist() == [5, 11, 8]
     logits = model(q_ids, attention_mask=q_mask, past_states=[states]).logits
+    out = model.generate(q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False)
     for r, (c, q) in enumerate(zip(contexts, queries, strict=True)):
         alone = hsc.encode(model, c[None])
         for v in range(alone.num_layers):
-            for name in ("ssm_state", "delta_sum"):
+            for name in ("ssm_state", "conv_state", "delta_sum"):
                 a, b = getattr(states.select(r).state_layers[v], name), getattr(alone.state_layers[v], name)
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"row {r} layer {v} {name}")
         expected = model(torch.cat([c, q])[None]).logits[0, -len(q) :]
         assert relative_error(logits[r, -len(q) :], expected) < arch.tol, r
+        whole = torch.cat([c, q])[None]
+        tokens = model.generate(whole, max_new_tokens=NEW, do_sample=False)[0, whole.shape[1] :]
+        assert torch.equal(out[r, q_ids.shape[1] :], tokens), r
+
+
+@torch.no_grad()
+def test_per_row_state_lists_equal_each_row_alone(arch, model):
+    """``past_states=[[s1], [s2, s3]]``: each query row runs from its own list (row 0 = its concatenation)."""
+    c1, c2, c3 = (ids(arch, n, seed=30 + n) for n in (9, 4, 7))
+    s1, s2, s3 = (hsc.encode(model, c) for c in (c1, c2, c3))
+    queries = ids(arch, 3, batch=2, seed=40)
+    logits = model(queries, past_states=[[s1], [s2, s3]]).logits
+    assert relative_error(logits[:1], model(torch.cat([c1, queries[:1]], 1)).logits[:, -3:]) < arch.tol
+    assert relative_error(logits[1:], model(queries[1:], past_states=[s2, s3]).logits) < arch.tol
+    assert relative_error(logits[0, -1], logits[1, -1]) > MATTERS  # the rows' contexts differ, so do their logits
 
 
 @torch.no_grad()
@@ -207,7 +239,7 @@ def test_state_survives_deepcopy_pickle_and_torch_save(arch, model, state):
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    for copied in (copy.deepcopy(state), pickle_round_trip(state), load_saved(buffer), state.clone()):
+    for copied in (copy.deepcopy(state), pickle_round_trip(state), load_saved(buffer), state.clone(), state.to("cpu")):
         assert_same_state(copied, state)
         assert torch.equal(model(query, past_states=[copied]).logits, expected)
 
@@ -226,8 +258,9 @@ def test_a_state_of_another_model_is_refused(arch, model, state, tmp_path):
 
 
 @torch.no_grad()
-def test_a_state_of_another_architecture_is_refused(arch, model, state):
-    """Both ways: this architecture's state to a Mamba-2 model (a Mamba model for Mamba-2) and back."""
+def test_a_state_of_another_architecture_is_refused(arch, model, state, tmp_path):
+    """Both ways, in memory and as files: this architecture's state to a Mamba-2 model (a Mamba model for
+    Mamba-2) and back."""
     other_name = "mamba" if arch.name == "mamba2" else "mamba2"
     other = tiny_model(other_name)
     other_state = hsc.encode(other, torch.randint(3, 60, (1, 6)))
@@ -237,6 +270,13 @@ def test_a_state_of_another_architecture_is_refused(arch, model, state):
         model(ids(arch, 3), past_states=[other_state])
     with pytest.raises(ValueError, match="different model"):
         StateComposer("soup").compose([state, other_state])
+    path, other_path = tmp_path / "state.safetensors", tmp_path / "other.safetensors"
+    state.save(path)
+    other_state.save(other_path)
+    with pytest.raises(ValueError, match="re-encode|another model"):
+        ComposableMambaCache.load(path, model=other)
+    with pytest.raises(ValueError, match="re-encode|another model"):
+        ComposableMambaCache.load(other_path, model=model)
 
 
 def _edit_first_ssm(state, fn):
