@@ -24,28 +24,16 @@ from hf_statecompose.ops.compose.reference import compose_ssm_ref
 from hf_statecompose.state import serialization
 from hf_statecompose.state.validation import check_state
 
+from architectures import COFFEE_VOCAB, COFFEE_STATE_MATTERS, tiny_coffee
 from helpers import load_saved, pickle_round_trip, tiny_model, trusted_loads
 
-VOCAB = 40
+VOCAB = COFFEE_VOCAB
 NEW = 8
-# With the default init (0.02) the state moves the next-token logits by 3-8% and changes no greedy token; a
-# larger init makes it matter (65-180%, other tokens), so that a lost or wrong state cannot pass.
-STATE_MATTERS = dict(initializer_range=0.1)
+STATE_MATTERS = COFFEE_STATE_MATTERS
 MATTERS = 2e-2  # smallest relative change of the next-token logits that counts as "the state changes the output"
 
 
-def tiny(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
-    """A tiny random COFFEE LM, enabled; an untied N(0, 1) head spreads the logits (greedy does not echo)."""
-    torch.manual_seed(seed)
-    kwargs = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4, pad_token_id=0,
-                  eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
-    kwargs.update(overrides)
-    model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(**kwargs)).eval()
-    if model.lm_head is not None:
-        with torch.no_grad():
-            model.lm_head.weight.normal_(0.0, 1.0)
-    model.generation_config.eos_token_id = None  # fixed-length generations (eos would end them early)
-    return hsc.enable(model)
+tiny = tiny_coffee  # the tiny COFFEE LM of tests/architectures.py
 
 
 def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
@@ -144,55 +132,6 @@ def test_backend_and_disable(model):
 
 
 # ------------------------------------------------------------------------------------------ n = 1: exact
-@pytest.mark.parametrize("query_length", [1, 2, 9, 40])
-@torch.no_grad()
-def test_one_state_reproduces_context_plus_query(model, state, context, query_length):
-    """One state composes to itself under every method (the model-based ones re-encode its tokens): forward and
-    greedy generate equal context + query, after showing that the state changes the logits and the tokens."""
-    query = ids_of(query_length, seed=30 + query_length)
-    whole = torch.cat([context, query], 1)
-    full = model(whole).logits[:, -query_length:]
-    expected = model.generate(whole, max_new_tokens=NEW, do_sample=False, output_scores=True,
-                              return_dict_in_generate=True)
-    assert rel(model(query).logits[:, -1], full[:, -1]) > MATTERS  # no context
-    assert not torch.equal(model.generate(query, max_new_tokens=NEW, do_sample=False),
-                           expected.sequences[:, context.shape[1]:])
-    for method in METHODS:
-        kwargs = dict(composition=composer_of(method, 1))
-        assert rel(model(query, past_states=[state], **kwargs).logits, full) < 1e-4, method
-        out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, **kwargs)
-        assert torch.equal(out.sequences, expected.sequences[:, context.shape[1]:]), method
-        assert rel(out.scores[0], expected.scores[0]) < 1e-4, method
-    assert len(set(expected.sequences[0, -NEW:].tolist())) > 1  # a real test: not one token repeated
-
-
-@torch.no_grad()
-def test_left_padded_contexts_and_queries(model):
-    """Left-padded contexts (encode) and queries (forward, generate): every row its exact result."""
-    contexts = [ids_of(n, seed=40 + n)[0] for n in (5, 11, 8)]
-    queries = [ids_of(n, seed=50 + n)[0] for n in (3, 1, 6)]
-
-    def pad(rows):
-        width = max(map(len, rows))
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for r, row in enumerate(rows):
-            ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
-        return ids, mask
-
-    (c_ids, c_mask), (q_ids, q_mask) = pad(contexts), pad(queries)
-    states = ComposableMambaCache.encode(model, c_ids, attention_mask=c_mask)
-    logits = model(q_ids, attention_mask=q_mask, past_states=[states], composition="caso").logits
-    out = model.generate(q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False,
-                         pad_token_id=0)
-    for r, (c, q) in enumerate(zip(contexts, queries)):
-        whole = torch.cat([c, q])[None]
-        assert rel(logits[r, -len(q):], model(whole).logits[0, -len(q):]) < 1e-4
-        expected = model.generate(whole, max_new_tokens=NEW, do_sample=False)
-        assert torch.equal(out[r, q_ids.shape[1]:], expected[0, whole.shape[1]:])
-
-
 @torch.no_grad()
 def test_continuing_a_state_equals_encoding_the_concatenation(model):
     """encode(c1) then forward(c2, cache_params=state) is encode(c1 + c2): SSM state and ΣΔ (accumulated over
@@ -203,28 +142,6 @@ def test_continuing_a_state_equals_encoding_the_concatenation(model):
     whole = ComposableMambaCache.encode(model, torch.cat([c1, c2], 1))
     assert_states_equal(continued, whole)
     assert continued.num_tokens.tolist() == [17, 17] and continued.token_ids is None
-
-
-@torch.no_grad()
-def test_beams_and_sampling_with_past_states(model, state, context):
-    query = ids_of(4, seed=70)
-    whole = torch.cat([context, query], 1)
-    kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False)
-    out = model.generate(query, past_states=[state], **kwargs)
-    assert out.shape[0] == 2 and torch.equal(out, model.generate(whole, **kwargs)[:, context.shape[1]:])
-    torch.manual_seed(5)
-    expected = model.generate(whole, max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
-    torch.manual_seed(5)
-    out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
-    assert torch.equal(out, expected[:, context.shape[1]:])
-
-
-@torch.no_grad()
-def test_generate_does_not_mutate_the_states(model, state):
-    before = copy.deepcopy(state)
-    model.generate(ids_of(3), past_states=[state], max_new_tokens=4, do_sample=False)
-    model.generate(ids_of(3), past_states=[state, state], max_new_tokens=4, num_beams=2, do_sample=False)
-    assert_states_equal(state, before, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------ n > 1
@@ -467,31 +384,6 @@ def test_crafted_files_are_refused(model, saved, edit, message):
 
 
 @torch.no_grad()
-def test_file_round_trip_is_exact_and_generates_the_same(model, state, saved):
-    query = ids_of(4, seed=90)
-    expected = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False)
-    for loaded in (ComposableMambaCache.load(saved, model=model), ComposableMambaCache.load(saved)):
-        assert type(loaded) is ComposableMambaCache and loaded.architecture == "coffee"
-        assert isinstance(loaded.config, hsc.CoffeeConfig) and loaded.config.state_size == 4
-        assert_states_equal(loaded, state, rtol=0, atol=0)
-        assert torch.equal(loaded.token_ids, state.token_ids) and loaded.fingerprint == state.fingerprint
-        assert torch.equal(model.generate(query, past_states=[loaded], max_new_tokens=NEW, do_sample=False), expected)
-
-
-@torch.no_grad()
-def test_files_of_another_architecture_or_model_are_refused(model, saved, tmp_path):
-    mamba = tiny_model("mamba")
-    mamba_path = tmp_path / "mamba.safetensors"
-    ComposableMambaCache.encode(mamba, ids_of(5)).save(mamba_path)
-    with pytest.raises(ValueError, match="'mamba' model, this model is 'coffee'.*re-encode"):
-        ComposableMambaCache.load(mamba_path, model=model)
-    with pytest.raises(ValueError, match="'coffee' model, this model is 'mamba'.*re-encode"):
-        ComposableMambaCache.load(saved, model=mamba)
-    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
-        ComposableMambaCache.load(saved, model=tiny(seed=2))
-
-
-@torch.no_grad()
 def test_core_module_states_round_trip(tmp_path):
     """The core head's states (E = hidden_size) through a file and back, generating the same."""
     model = _core("state")
@@ -505,20 +397,6 @@ def test_core_module_states_round_trip(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ copies
-@torch.no_grad()
-def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
-    query = ids_of(3, seed=91)
-    expected = model(query, past_states=[state]).logits
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    for copied in (copy.deepcopy(state), pickle_round_trip(state), load_saved(buffer),
-                   state.clone(), state.to("cpu", torch.float32)):
-        assert type(copied) is ComposableMambaCache
-        assert_states_equal(copied, state, rtol=0, atol=0)
-        assert torch.equal(model(query, past_states=[copied]).logits, expected)
-
-
 @torch.no_grad()
 def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states, monkeypatch):
     query = ids_of(3, seed=92)
