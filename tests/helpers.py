@@ -16,17 +16,17 @@ def tiny_model(arch: str, seed: int = 0, layers: int = 2, conv_kernel: int = 4, 
         config_class, model_class = (
             (MambaConfig, MambaForCausalLM) if arch == "mamba" else (FalconMambaConfig, FalconMambaForCausalLM)
         )
-        config = config_class(
-            vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2,
-            conv_kernel=conv_kernel, pad_token_id=0, eos_token_id=1, bos_token_id=2, **overrides,
-        )
+        config = config_class(**{
+            **dict(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2,
+                   conv_kernel=conv_kernel, pad_token_id=0, eos_token_id=1, bos_token_id=2), **overrides,
+        })
         model = model_class(config)
     else:
-        config = Mamba2Config(
-            vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2, num_heads=8,
-            head_dim=8, n_groups=2, chunk_size=16, conv_kernel=conv_kernel, pad_token_id=0, eos_token_id=1,
-            bos_token_id=2, **overrides,
-        )
+        config = Mamba2Config(**{
+            **dict(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2, num_heads=8,
+                   head_dim=8, n_groups=2, chunk_size=16, conv_kernel=conv_kernel, pad_token_id=0, eos_token_id=1,
+                   bos_token_id=2), **overrides,
+        })
         model = Mamba2ForCausalLM(config)
     return hsc.enable(model.to(dtype).eval())
 
@@ -94,7 +94,8 @@ _TRUSTED_FUNCTIONS = {
     ("builtins", "set"), ("__builtin__", "set"), ("collections", "OrderedDict"), ("_codecs", "encode"),
     ("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_tensor_v2"),
     ("torch.storage", "_load_from_bytes"), ("hf_statecompose.generation.integration", "_new_enabled_model"),
-    ("hf_statecompose.models.mixers", "_new_state_aware_mixer"),
+    ("hf_statecompose.models.mixers", "_new_state_aware_mixer"), ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch._C._nn", "gelu"),
 }
 
 

@@ -10,18 +10,21 @@ ValueError naming the problem. Architecture-specific behaviour (mixer maths, SeR
 hybrid attention placement) stays in the per-architecture test files."""
 
 import copy
+import pickle
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import hf_statecompose as hsc
-from hf_statecompose import ComposableMambaCache, StateComposer
+from hf_statecompose import ComposableMambaCache, StateComposer, compat
 from hf_statecompose.composition.composer import MODEL_FREE_METHODS
 from hf_statecompose.state.validation import check_state
 
 from architectures import ARCHITECTURES
-from helpers import craft, load_saved, pickle_round_trip, relative_error, tiny_model
+from helpers import (
+    craft, load_saved, pickle_round_trip, relative_error, tiny_model, torch_save_round_trip, trusted_loads,
+)  # fmt: skip
 
 NEW = 6  # generated tokens
 MATTERS = 1e-3  # the context moves the next-token logits by more than this (relative): >= 10x every tolerance
@@ -206,6 +209,21 @@ def test_per_row_state_lists_equal_each_row_alone(arch, model):
 
 
 @torch.no_grad()
+def test_continuing_a_state_equals_encoding_the_concatenation(arch, model):
+    """encode(c1), then a forward of c2 from it as the model's cache, is encode(c1 + c2): every SSM layer's state,
+    conv window and ΣΔ (accumulated over both forwards), and the token count."""
+    c1, c2 = ids(arch, 7, batch=2, seed=50), ids(arch, 10, batch=2, seed=51)
+    continued = hsc.encode(model, c1).clone()
+    model(c2, use_cache=True, **{compat.CACHE_ARG: continued})
+    whole = hsc.encode(model, torch.cat([c1, c2], 1))
+    assert continued.num_tokens.tolist() == [17, 17] and continued.token_ids is None
+    for v in range(whole.num_layers):
+        for name in ("ssm_state", "conv_state", "delta_sum"):
+            a, b = getattr(continued.state_layers[v], name), getattr(whole.state_layers[v], name)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=arch.continue_tol, msg=f"layer {v} {name}")
+
+
+@torch.no_grad()
 def test_composition_of_one_state_is_the_state(arch, model, state):
     """Every model-free method maps [state] to the state (ΣΔ and the SSM states as they were)."""
     for method in MODEL_FREE_METHODS:
@@ -246,6 +264,24 @@ def test_state_survives_deepcopy_pickle_and_torch_save(arch, model, state):
         assert torch.equal(model(query, past_states=[copied]).logits, expected)
 
 
+@torch.no_grad()
+def test_enabled_model_survives_deepcopy_pickle_and_torch_save(arch, model, state, monkeypatch):
+    """Each copy stays enabled and generates what the model does from the same states; in a fresh process (no
+    enabled class made yet) unpickling makes the enabled class from the stock one."""
+    from hf_statecompose.generation import integration
+
+    query = ids(arch, 3, seed=9)
+    expected = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False)
+    for copied in (copy.deepcopy(model), pickle_round_trip(model), torch_save_round_trip(model)):
+        assert hsc.is_enabled(copied) and hsc.get_backend(copied) == hsc.get_backend(model)
+        assert torch.equal(copied.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False), expected)
+    data = pickle.dumps(model)
+    monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
+    loaded = trusted_loads(data)
+    assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
+    assert torch.equal(loaded.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False), expected)
+
+
 # ------------------------------------------------------------------------------------------ refusals
 @torch.no_grad()
 def test_a_state_of_another_model_is_refused(arch, model, state, tmp_path):
@@ -253,6 +289,10 @@ def test_a_state_of_another_model_is_refused(arch, model, state, tmp_path):
     query = ids(arch, 3)
     with pytest.raises(ValueError, match="re-encode"):
         other(query, past_states=[state])
+    with pytest.raises(ValueError, match="re-encode"):
+        StateComposer("concat").compose([state], model=other)
+    with pytest.raises(ValueError, match="shape|another model"):  # other shapes: a smaller state size
+        arch.make(**arch.smaller_state)(query, past_states=[state])
     path = tmp_path / "state.safetensors"
     state.save(path)
     with pytest.raises(ValueError, match="re-encode|another model|only fit"):
