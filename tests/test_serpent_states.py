@@ -1,14 +1,13 @@
 """SeRpEnt-Mamba states: encode, compose and generate like Mamba (issue 12).
 
-One state + query is exactly context + query (forward, greedy generate, beams, return sequences, padded
-batches) for every model-free method; more states compose their branch SSMs as Mamba-1 states (checked
-against the plain reference per virtual layer) and take the resampling state of the last one; state files
-carry the resampling state and refuse crafted ones; states and enabled models survive copies."""
+What every architecture's state does (one state + query = context + query, padded batches, files, copies,
+refusals) is checked once for all in test_state_contract.py. Here what is SeRpEnt's own: a continued state
+carries the resampling clock, window and times; more states compose their branch SSMs as Mamba-1 states (checked
+against the plain reference per virtual layer) and take the resampling state of the last one; state files carry
+the resampling state and refuse crafted ones."""
 import copy
-import io
 import itertools
 import json
-import pickle
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ from hf_statecompose.state.serpent_cache import CLOCK_BITS
 from hf_statecompose.state.validation import check_state
 
 from architectures import SERPENT_VOCAB, SERPENT_STATE_MATTERS, tiny_serpent
-from helpers import load_saved, pickle_round_trip, tiny_model, trusted_loads
 
 VOCAB = SERPENT_VOCAB
 NEW = 8
@@ -136,7 +134,7 @@ def test_backend_and_disable(model):
     assert hsc.is_enabled(other)
 
 
-# ------------------------------------------------------------------------------------------ n = 1: exact
+# ------------------------------------------------------------------------------------------ continuing
 @torch.no_grad()
 def test_continuing_a_state_equals_encoding_the_concatenation(model):
     """encode(c1) then forward(c2, cache_params=state) is encode(c1 + c2) in every tensor: SSM, conv, ΣΔ
@@ -257,26 +255,6 @@ def test_composed_rows_stack_with_their_extras(model, states):
 
 
 # ------------------------------------------------------------------------------------------ bad input
-@torch.no_grad()
-def test_states_of_another_architecture_or_model_are_refused(model, state):
-    mamba = tiny_model("mamba")
-    mamba_state = ComposableMambaCache.encode(mamba, ids_of(6))
-    query = ids_of(3)
-    with pytest.raises(ValueError, match="'mamba' model.*this model is 'serpent_mamba'.*re-encode"):
-        model.generate(query, past_states=[mamba_state], max_new_tokens=2)
-    with pytest.raises(ValueError, match="'serpent_mamba' model.*this model is 'mamba'.*re-encode"):
-        mamba.generate(query, past_states=[state], max_new_tokens=2)
-    with pytest.raises(ValueError, match="different model"):
-        StateComposer("soup").compose([state, mamba_state])
-    other = tiny(seed=1)
-    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
-        other(query, past_states=[state])
-    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
-        StateComposer("concat").compose([state], model=other)
-    with pytest.raises(ValueError, match="layers"):
-        tiny(num_hidden_layers=3)(query, past_states=[state])
-
-
 @pytest.mark.parametrize("edit, message", [
     (lambda s: s.window_inputs.__setitem__(1, s.window_inputs[1].index_fill(1, torch.tensor([0]), float("nan"))),
      "layer 1 resampling window inputs contain NaN"),
@@ -349,35 +327,6 @@ def test_crafted_files_are_refused(model, saved, edit, message):
     for kwargs in ({}, {"model": model}):
         with pytest.raises(ValueError, match=message):
             ComposableMambaCache.load(path, **kwargs)
-
-
-# ------------------------------------------------------------------------------------------ copies
-@torch.no_grad()
-def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states, monkeypatch):
-    query = ids_of(3, seed=92)
-    expected = model.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    for copied in (copy.deepcopy(model), pickle_round_trip(model), load_saved(buffer)):
-        assert hsc.is_enabled(copied) and isinstance(copied, hsc.SeRpEntMambaForCausalLM)
-        assert hsc.get_backend(copied) == hsc.get_backend(model)
-        assert torch.equal(copied.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
-    # in a fresh process the enabled class does not exist yet: unpickling makes it from the stock class
-    from hf_statecompose.generation import integration
-
-    data = pickle.dumps(model)
-    monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
-    loaded = trusted_loads(data)
-    assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
-    assert torch.equal(loaded.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
-    duplicate = copy.deepcopy(model)  # the copy runs its own weights
-    with torch.no_grad():
-        duplicate.backbone.layers[0].mixer.branches[1].resample_proj.weight.mul_(1.5)
-    with pytest.raises(ValueError, match="re-encode"):  # the states are the original's
-        duplicate(query, past_states=states)
-    mine = ComposableMambaCache.encode(duplicate, ids_of(13, seed=11))
-    assert not torch.equal(duplicate(query, past_states=[mine]).logits, model(query, past_states=[states[0]]).logits)
 
 
 # ------------------------------------------------------------------------------------------ store

@@ -293,6 +293,9 @@ def test_a_state_of_another_model_is_refused(arch, model, state, tmp_path):
         StateComposer("concat").compose([state], model=other)
     with pytest.raises(ValueError, match="shape|another model"):  # other shapes: a smaller state size
         arch.make(**arch.smaller_state)(query, past_states=[state])
+    if not arch.has_attention:  # (a hybrid's layer pattern fixes its depth)
+        with pytest.raises(ValueError, match="layers"):
+            arch.make(num_hidden_layers=3)(query, past_states=[state])
     path = tmp_path / "state.safetensors"
     state.save(path)
     with pytest.raises(ValueError, match="re-encode|another model|only fit"):
