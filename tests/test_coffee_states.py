@@ -356,32 +356,3 @@ def test_core_module_states_round_trip(tmp_path):
     loaded = ComposableMambaCache.load(tmp_path / "core.safetensors", model=model)
     expected = model.generate(torch.cat([context, query], 1), max_new_tokens=NEW, do_sample=False)[:, 10:]
     assert torch.equal(model.generate(query, past_states=[loaded], max_new_tokens=NEW, do_sample=False), expected)
-
-
-# ------------------------------------------------------------------------------------------ store
-def test_a_state_store_of_a_coffee_model(tmp_path):
-    """A StateStore keeps COFFEE states (empty conv windows): add, get (each entry equal to encoding it
-    alone), retrieve, generate, compact, reopen; a store of another model is refused."""
-    from store_helpers import BagOfWords, CharTokenizer
-
-    model = tiny(vocab_size=99)
-    tokenizer = CharTokenizer()
-    texts = ["the cat sat on the mat", "dogs bark loudly at night", "a short one", "cats and dogs"]
-    store = hsc.StateStore(tmp_path / "s", model, tokenizer, retriever=BagOfWords())
-    ids = store.add(texts, show_progress=False, batch_size=3)
-    with torch.no_grad():
-        alone = [ComposableMambaCache.encode(model, torch.tensor([tokenizer(t)["input_ids"]])) for t in texts]
-    for got, expected in zip(store.get(ids), alone):
-        assert type(got) is ComposableMambaCache and got.architecture == "coffee"
-        assert_states_equal(got, expected)  # the store encodes padded batches
-    query = ids_of(4, seed=93)
-    expected = model.generate(query, past_states=alone[:2], max_new_tokens=NEW, do_sample=False)
-    assert torch.equal(model.generate(query, past_states=store.get(ids[:2]), max_new_tokens=NEW, do_sample=False), expected)
-    assert store.retrieve("the cat", k=1)[0].text == texts[0]
-    store.delete(ids[1])
-    store.compact()
-    again = hsc.StateStore(tmp_path / "s", model, tokenizer, retriever=BagOfWords())
-    assert set(again.ids()) == {ids[0], ids[2], ids[3]}
-    assert_states_equal(again.get(ids[3]), alone[3])
-    with pytest.raises(ValueError, match="another model"):
-        hsc.StateStore(tmp_path / "s", tiny(seed=3, vocab_size=99), tokenizer, retriever=BagOfWords())

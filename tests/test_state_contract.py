@@ -22,6 +22,7 @@ from hf_statecompose.composition.composer import MODEL_FREE_METHODS
 from hf_statecompose.state.validation import check_state
 
 from architectures import ARCHITECTURES
+from helpers import VOCAB as STORE_VOCAB
 from helpers import (
     craft, load_saved, pickle_round_trip, relative_error, tiny_model, torch_save_round_trip, trusted_loads,
 )  # fmt: skip
@@ -63,6 +64,15 @@ def assert_same_state(actual, expected, rtol=0.0, atol=0.0):
             assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
         else:
             torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
+
+
+def assert_same_layers(actual, expected):
+    """Same class and token count; every SSM layer's state, conv window and ΣΔ close (float32 rounding)."""
+    assert type(actual) is type(expected) and actual.num_tokens.tolist() == expected.num_tokens.tolist()
+    for v in range(expected.num_layers):
+        for name in ("ssm_state", "conv_state", "delta_sum"):
+            a, b = getattr(actual.state_layers[v], name), getattr(expected.state_layers[v], name)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"layer {v} {name}")
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
@@ -280,6 +290,35 @@ def test_enabled_model_survives_deepcopy_pickle_and_torch_save(arch, model, stat
     loaded = trusted_loads(data)
     assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
     assert torch.equal(loaded.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False), expected)
+
+
+def test_a_state_store_keeps_the_states(arch, tmp_path):
+    """A StateStore (folder format) of this architecture: each entry is its text's state encoded alone (the store
+    encodes padded batches), generates what that state does, survives delete + compact + reopen; a store of
+    another model is refused."""
+    from store_helpers import BagOfWords, CharTokenizer
+
+    model, tokenizer = arch.make(vocab_size=STORE_VOCAB), CharTokenizer()
+    texts = ["the cat sat on the mat", "dogs bark loudly at night", "a short one", "cats and dogs"]
+    store = hsc.StateStore(tmp_path / "s", model, tokenizer, retriever=BagOfWords())
+    keys = store.add(texts, show_progress=False, batch_size=3)
+    with torch.no_grad():
+        alone = [hsc.encode(model, torch.tensor([tokenizer(t)["input_ids"]])) for t in texts]
+    for got, expected in zip(store.get(keys), alone, strict=True):
+        assert_same_layers(got, expected)
+    query = ids(arch, 4, seed=93)
+    expected = model.generate(query, past_states=alone[:2], max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(
+        model.generate(query, past_states=store.get(keys[:2]), max_new_tokens=NEW, do_sample=False), expected
+    )
+    assert store.retrieve("the cat", k=1)[0].text == texts[0]
+    store.delete(keys[1])
+    store.compact()
+    again = hsc.StateStore(tmp_path / "s", model, tokenizer, retriever=BagOfWords())
+    assert set(again.ids()) == {keys[0], keys[2], keys[3]}
+    assert_same_layers(again.get(keys[3]), alone[3])
+    with pytest.raises(ValueError, match="another model"):
+        hsc.StateStore(tmp_path / "s", arch.make(seed=3, vocab_size=STORE_VOCAB), tokenizer, retriever=BagOfWords())
 
 
 # ------------------------------------------------------------------------------------------ refusals
