@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_statecompose as hsc
+from hf_statecompose import compat
 from hf_statecompose.state.architectures import architecture
 
 from helpers import VOCAB as STORE_VOCAB
@@ -175,7 +176,8 @@ class Architecture:
     (float32 models 1e-4; the float64 hybrids 1e-6, their states being float32 as transformers' own);
     ``has_attention``: its states carry attention keys; ``supports_beams``: beam search with past_states runs;
     ``smaller_state``: config overrides giving a model whose states have other shapes (a smaller state size);
-    ``continue_tol``: absolute tolerance of a state continued as the model's cache vs the concatenation's state."""
+    ``cache_tol``: the tolerance of running from a state fed as the model's own cache (``cache_arg``) vs the
+    concatenation (absolute on states, relative on logits)."""
 
     name: str
     make: Callable[..., torch.nn.Module]
@@ -184,7 +186,12 @@ class Architecture:
     has_attention: bool = False
     supports_beams: bool = True
     smaller_state: dict = field(default_factory=lambda: {"state_size": 4})
-    continue_tol: float = 1e-5
+    cache_tol: float = 1e-5
+
+    @property
+    def cache_arg(self) -> str:
+        """The keyword a forward / generate takes the model's cache by."""
+        return "past_key_values" if self.has_attention else compat.CACHE_ARG
 
 
 def _stock(arch):
@@ -229,4 +236,4 @@ ARCHITECTURES = {
 # transformers' own Bamba, continuing its own cache with more tokens (stock, not enabled), is 5e-5 (relative, logits)
 # off its prefill of the concatenation, one token at a time as well (float64; measured, transformers 5.24): the
 # state after the attention layer inherits that (2.8e-5 on a conv window of magnitude 1.8)
-ARCHITECTURES["bamba"] = replace(ARCHITECTURES["bamba"], continue_tol=1e-4)
+ARCHITECTURES["bamba"] = replace(ARCHITECTURES["bamba"], cache_tol=1e-4)
