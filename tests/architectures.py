@@ -14,7 +14,6 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_statecompose as hsc
-from hf_statecompose import compat
 from hf_statecompose.state.architectures import architecture
 
 from helpers import VOCAB as STORE_VOCAB
@@ -176,7 +175,7 @@ class Architecture:
     (float32 models 1e-4; the float64 hybrids 1e-6, their states being float32 as transformers' own);
     ``has_attention``: its states carry attention keys; ``supports_beams``: beam search with past_states runs;
     ``smaller_state``: config overrides giving a model whose states have other shapes (a smaller state size);
-    ``cache_tol``: the tolerance of running from a state fed as the model's own cache (``cache_arg``) vs the
+    ``cache_tol``: the tolerance of running from a state fed as the model's own cache (``compat.CACHE_ARG``) vs the
     concatenation (absolute on states, relative on logits)."""
 
     name: str
@@ -187,11 +186,6 @@ class Architecture:
     supports_beams: bool = True
     smaller_state: dict = field(default_factory=lambda: {"state_size": 4})
     cache_tol: float = 1e-5
-
-    @property
-    def cache_arg(self) -> str:
-        """The keyword a forward / generate takes the model's cache by."""
-        return "past_key_values" if self.has_attention else compat.CACHE_ARG
 
 
 def _stock(arch):

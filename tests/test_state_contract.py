@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_statecompose as hsc
-from hf_statecompose import ComposableMambaCache, StateComposer
+from hf_statecompose import ComposableMambaCache, StateComposer, compat
 from hf_statecompose.composition.composer import METHODS, MODEL_FREE_METHODS
 from hf_statecompose.state.validation import check_state
 
@@ -225,7 +225,7 @@ def test_continuing_a_state_equals_encoding_the_concatenation(arch, model):
     conv window and ΣΔ (accumulated over both forwards), and the token count."""
     c1, c2 = ids(arch, 7, batch=2, seed=50), ids(arch, 10, batch=2, seed=51)
     continued = hsc.encode(model, c1).clone()
-    model(c2, use_cache=True, **{arch.cache_arg: continued})
+    model(c2, use_cache=True, **{compat.CACHE_ARG: continued})
     whole = hsc.encode(model, torch.cat([c1, c2], 1))
     assert continued.num_tokens.tolist() == [17, 17] and continued.token_ids is None
     for v in range(whole.num_layers):
@@ -269,14 +269,16 @@ def test_every_method_runs_from_its_composed_state(arch, model, states):
     for method in METHODS:
         composer = composer_of(method, 3)
         composed = composer.compose(states, model=model)
-        expected = model(query, use_cache=True, **{arch.cache_arg: composed.clone()}).logits
+        expected = model(query, use_cache=True, **{compat.CACHE_ARG: composed.clone()}).logits
         logits = model(query, past_states=states, composition=composer).logits
         assert relative_error(logits, expected) < max(arch.tol, arch.cache_tol), method
         assert relative_error(plain, expected[:, -1]) > MATTERS, method
         out = model.generate(query, past_states=states, composition=composer, max_new_tokens=4, do_sample=False)
         assert out.shape == (1, 9), method
         if not arch.has_attention:  # (generate reads a cache with keys as holding the prompt's: it feeds no tokens)
-            from_cache = model.generate(query, max_new_tokens=4, do_sample=False, **{arch.cache_arg: composed.clone()})
+            from_cache = model.generate(
+                query, max_new_tokens=4, do_sample=False, **{compat.CACHE_ARG: composed.clone()}
+            )
             assert torch.equal(out, from_cache), method
         next_logits[method] = logits[:, -1]
     # (the tiny Bamba, GraniteMoeHybrid and Falcon-H1 forget a context within a few tokens, decays down to 1e-20:
