@@ -1,4 +1,6 @@
-"""One state reproduces the concatenation exactly; CASO equals the concatenated state where it must."""
+"""Mamba / Mamba-2 maths: CASO equals the concatenated state where it must (one layer, no conv window) and not
+otherwise, encode equals transformers' states, the log decay is the context's. (One state + query = context +
+query, for every architecture: test_state_contract.py.)"""
 import pytest
 import torch
 

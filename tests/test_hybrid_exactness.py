@@ -120,21 +120,6 @@ def test_sampling_with_the_same_seed_equals_the_concatenation(model):
 
 
 @torch.no_grad()
-def test_beam_search_returning_several_sequences(model):
-    context, query = ids(9, seed=9), ids(3, seed=10)
-    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=3, do_sample=False, return_dict_in_generate=True,
-                  output_scores=True)
-    full = torch.cat([context, query], 1)
-    expected = model.generate(full, **kwargs)
-    assert expected.sequences.shape[0] == 3
-    ours = model.generate(query, past_states=[hsc.encode(model, context)], **kwargs)
-    assert torch.equal(ours.sequences[:, query.shape[1]:], expected.sequences[:, full.shape[1]:])
-    assert relative_error(ours.sequences_scores, expected.sequences_scores) < TOL_STEPS
-    alone = model.generate(query, **kwargs)
-    assert relative_error(alone.scores[0], expected.scores[0]) > 1e-2  # the context matters
-
-
-@torch.no_grad()
 def test_sampling_several_return_sequences_equals_the_concatenation(model):
     context, query = ids(11, seed=11), ids(4, seed=12)
     kwargs = dict(max_new_tokens=8, do_sample=True, top_k=0, temperature=1.5, num_return_sequences=2,

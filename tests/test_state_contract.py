@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache, StateComposer, compat
 from hf_statecompose.composition.composer import METHODS, MODEL_FREE_METHODS
+from hf_statecompose.ops.compose.reference import compose_ssm_ref
 from hf_statecompose.state.validation import check_state
 
 from architectures import ARCHITECTURES
@@ -285,6 +286,31 @@ def test_every_method_runs_from_its_composed_state(arch, model, states):
     # soup and PICASO-S then agree to 1e-7 on their logits)
     for a, b in itertools.combinations(METHODS if not arch.has_attention else (), 2):
         assert relative_error(next_logits[a], next_logits[b]) > 1e-6, (a, b)  # (float32 rounding: 1e-7)
+
+
+@torch.no_grad()
+def test_composition_equals_the_float64_reference(arch, states):
+    """Every model-free method, every SSM layer: the composed state is the plain float64 reference's composition
+    (ops/compose/reference.py) of the states with their decays, ΣΔ the total (soup: the mean, weighted: the
+    weighted sum), ``A`` the states'; a soup differs from each input (composition did something)."""
+    weights = [0.2, 0.5, 0.3]
+    for method in MODEL_FREE_METHODS:
+        composed = composer_of(method, 3).compose(states)
+        assert composed.num_tokens.tolist() == [9 + 14 + 6], method
+        w = torch.tensor(weights, dtype=torch.float64) if method == "weighted" else None
+        for v in range(composed.num_layers):
+            deltas = torch.stack([s.delta_sums[v] for s in states])
+            ssm = [s.ssm_states[v].double() for s in states]
+            expected = compose_ssm_ref(ssm, deltas.double(), states[0].A[v].double(), method, weights=w)
+            torch.testing.assert_close(composed.ssm_states[v].double(), expected, rtol=1e-5, atol=1e-6, msg=method)
+            if method == "weighted":
+                total = (w.float().view(-1, *[1] * (deltas.dim() - 1)) * deltas).sum(0)
+            else:
+                total = deltas.mean(0) if method == "soup" else deltas.sum(0)
+            torch.testing.assert_close(composed.delta_sums[v], total, msg=method)
+            assert torch.equal(composed.A[v], states[0].A[v]), method
+        if method == "soup":  # (CASO and PICASO of states that decay fast are close to the last state)
+            assert all(relative_error(composed.ssm_states[0], s.ssm_states[0]) > 1e-3 for s in states)
 
 
 @torch.no_grad()
