@@ -131,15 +131,20 @@ SERPENT_VOCAB = 61
 SERPENT_STATE_MATTERS = dict(initializer_range=1.0, time_step_min=0.01, time_step_max=0.5)
 
 
-def tiny_serpent(seed: int = 0, **overrides) -> hsc.SeRpEntMambaForCausalLM:
-    """A tiny random SeRpEnt LM (3 branches κ = 1, 0.5, 0.1), enabled. An untied N(0, 1) head spreads the
-    logits, so that greedy decoding does not repeat one token (tied, it echoes) and ties are far."""
+def serpent_lm(seed: int = 0, **overrides) -> hsc.SeRpEntMambaForCausalLM:
+    """A tiny random SeRpEnt LM (3 branches κ = 1, 0.5, 0.1) as test_serpent.py builds it: stock init, tied head,
+    not enabled."""
     torch.manual_seed(seed)
     kwargs = dict(vocab_size=SERPENT_VOCAB, hidden_size=24, num_hidden_layers=2, state_size=4, resample_window=3,
-                  num_gaussians=4, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-                  tie_word_embeddings=False)  # fmt: skip
+                  num_gaussians=4, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
     kwargs.update(overrides)
-    model = hsc.SeRpEntMambaForCausalLM(hsc.SeRpEntMambaConfig(**kwargs)).eval()
+    return hsc.SeRpEntMambaForCausalLM(hsc.SeRpEntMambaConfig(**kwargs)).eval()
+
+
+def tiny_serpent(seed: int = 0, **overrides) -> hsc.SeRpEntMambaForCausalLM:
+    """:func:`serpent_lm`, enabled, with an untied N(0, 1) head: it spreads the logits, so that greedy decoding does
+    not repeat one token (tied, it echoes) and ties are far."""
+    model = serpent_lm(seed, **{"tie_word_embeddings": False, **overrides})
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 1.0)
     return hsc.enable(model)
@@ -151,17 +156,23 @@ COFFEE_VOCAB = 40
 COFFEE_STATE_MATTERS = dict(initializer_range=0.1)
 
 
-def tiny_coffee(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
-    """A tiny random COFFEE LM, enabled; an untied N(0, 1) head spreads the logits (greedy does not echo)."""
+def coffee_lm(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
+    """A tiny random COFFEE LM (not enabled); an untied N(0, 1) head spreads the logits (greedy does not echo)."""
     torch.manual_seed(seed)
     kwargs = dict(vocab_size=COFFEE_VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4, pad_token_id=0,
                   eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)  # fmt: skip
     kwargs.update(overrides)
     model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(**kwargs)).eval()
-    if model.lm_head is not None:
+    if model.lm_head is not None and not model.config.tie_word_embeddings:
         with torch.no_grad():
             model.lm_head.weight.normal_(0.0, 1.0)
-    model.generation_config.eos_token_id = None  # fixed-length generations (eos would end them early)
+    return model
+
+
+def tiny_coffee(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
+    """:func:`coffee_lm`, enabled, generating fixed lengths (eos would end them early)."""
+    model = coffee_lm(seed, **overrides)
+    model.generation_config.eos_token_id = None
     return hsc.enable(model)
 
 
