@@ -6,22 +6,19 @@ architecture's state does (one state + query = context + query, padded batches, 
 checked once for all in test_state_contract.py; here what is COFFEE's own: with the input gate (no feedback)
 CASO of two states is the state of the concatenation, with the state feedback gate it is not; crafted files."""
 import copy
-import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save
 
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache, StateComposer
 from hf_statecompose.composition.composer import MODEL_FREE_METHODS
 from hf_statecompose.ops.compose import native as compose_native
 from hf_statecompose.ops.compose.reference import compose_ssm_ref
-from hf_statecompose.state import serialization
 from hf_statecompose.state.validation import check_state
 
 from architectures import COFFEE_VOCAB, COFFEE_STATE_MATTERS, tiny_coffee
+from helpers import craft, relative_error
 
 VOCAB = COFFEE_VOCAB
 NEW = 8
@@ -33,10 +30,6 @@ tiny = tiny_coffee  # the tiny COFFEE LM of tests/architectures.py
 
 def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def assert_states_equal(actual, expected, rtol=1e-5, atol=1e-6):
@@ -174,12 +167,12 @@ def test_caso_is_the_concatenation_without_feedback_and_not_with_it():
         s1, s2 = (ComposableMambaCache.encode(model, c) for c in (c1, c2))
         caso = StateComposer("caso").compose([s1, s2])
         whole = ComposableMambaCache.encode(model, torch.cat([c1, c2], 1))
-        differences[gate] = rel(caso.ssm_states[0], whole.ssm_states[0])
+        differences[gate] = relative_error(caso.ssm_states[0], whole.ssm_states[0])
         if gate == "input":
             torch.testing.assert_close(caso.delta_sums[0], whole.delta_sums[0], rtol=1e-5, atol=1e-5)  # decays add
             torch.testing.assert_close(caso.ssm_states[0], whole.ssm_states[0], rtol=1e-5, atol=1e-6)
             expected = model(torch.cat([c1, c2, query], 1)).logits[:, -3:]
-            assert rel(model(query, past_states=[s1, s2], composition="caso").logits, expected) < 1e-4
+            assert relative_error(model(query, past_states=[s1, s2], composition="caso").logits, expected) < 1e-4
     assert differences["input"] < 1e-5 and differences["state"] > 1e-3, differences  # CASO vs concat, relative
 
 
@@ -240,17 +233,6 @@ def saved(state, tmp_path):
     return path
 
 
-def _craft(saved, edit):
-    tensors = load_file(saved)
-    with safe_open(saved, framework="pt") as handle:
-        meta = json.loads(handle.metadata()["hf_statecompose"])
-    edit(tensors, meta)
-    meta = dict(meta, tensor_digest=serialization._digest(tensors))
-    path = saved.parent / "crafted.safetensors"
-    path.write_bytes(save(tensors, metadata={"hf_statecompose": json.dumps(meta)}))
-    return path
-
-
 def _set(name, fn):
     def edit(tensors, meta):
         tensors[name] = fn(tensors[name])
@@ -271,7 +253,7 @@ CRAFTED = [
 
 @pytest.mark.parametrize("edit, message", [c[1:] for c in CRAFTED], ids=[c[0] for c in CRAFTED])
 def test_crafted_files_are_refused(model, saved, edit, message):
-    path = _craft(saved, edit)
+    path = craft(saved, saved.parent / "crafted.safetensors", edit)
     for kwargs in ({}, {"model": model}):
         with pytest.raises(ValueError, match=message):
             ComposableMambaCache.load(path, **kwargs)

@@ -6,23 +6,20 @@ carries the resampling clock, window and times; more states compose their branch
 against the plain reference per virtual layer) and take the resampling state of the last one; state files carry
 the resampling state and refuse crafted ones."""
 import copy
-import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save
 
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache, ComposableSeRpEntCache, StateComposer
 from hf_statecompose.composition.composer import METHODS, MODEL_FREE_METHODS
 from hf_statecompose.ops.compose.reference import compose_ssm_ref
-from hf_statecompose.state import serialization
 from hf_statecompose.state.architectures import SERPENT_MAMBA
 from hf_statecompose.state.serpent_cache import CLOCK_BITS
 from hf_statecompose.state.validation import check_state
 
 from architectures import SERPENT_VOCAB, SERPENT_STATE_MATTERS, tiny_serpent
+from helpers import craft, relative_error
 
 VOCAB = SERPENT_VOCAB
 NEW = 8
@@ -36,10 +33,6 @@ tiny = tiny_serpent  # the tiny SeRpEnt LM of tests/architectures.py
 
 def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def composer_of(method: str, n: int) -> StateComposer:
@@ -156,7 +149,7 @@ def test_the_branch_ssm_states_of_a_composed_state_matter(model, states):
         composed = composer_of(method, 3).compose(states, model=model)
         expected = model(query, cache_params=composed.clone(), use_cache=True).logits[:, -1]
         zeroed = model(query, cache_params=without_ssm_states(composed), use_cache=True).logits[:, -1]
-        assert rel(zeroed, expected) > MATTERS, method
+        assert relative_error(zeroed, expected) > MATTERS, method
 
 
 @pytest.mark.parametrize("method", MODEL_FREE_METHODS)
@@ -241,17 +234,6 @@ def saved(state, tmp_path):
     return path
 
 
-def _craft(saved, edit):
-    tensors = load_file(saved)
-    with safe_open(saved, framework="pt") as handle:
-        meta = json.loads(handle.metadata()["hf_statecompose"])
-    edit(tensors, meta)
-    meta = dict(meta, tensor_digest=serialization._digest(tensors))
-    path = saved.parent / "crafted.safetensors"
-    path.write_bytes(save(tensors, metadata={"hf_statecompose": json.dumps(meta)}))
-    return path
-
-
 def _set(name, fn):
     def edit(tensors, meta):
         tensors[name] = fn(tensors[name])
@@ -282,7 +264,7 @@ CRAFTED = [
 
 @pytest.mark.parametrize("edit, message", [c[1:] for c in CRAFTED], ids=[c[0] for c in CRAFTED])
 def test_crafted_files_are_refused(model, saved, edit, message):
-    path = _craft(saved, edit)
+    path = craft(saved, saved.parent / "crafted.safetensors", edit)
     for kwargs in ({}, {"model": model}):
         with pytest.raises(ValueError, match=message):
             ComposableMambaCache.load(path, **kwargs)
