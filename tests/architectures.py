@@ -6,7 +6,7 @@ The hybrids' configs (``HYBRID_CONFIGS``) are shared by the exactness / composit
 mixers: :func:`hybrid_model`) and the file / store tests (float32, stock init, vocab 99: :func:`tiny_hybrid`,
 which adds the few config differences those tests were written with, ``STORE_FLAVOUR``)."""
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from collections.abc import Callable
 
 import pytest
@@ -185,9 +185,7 @@ class Architecture:
     ``vocab``: ids are drawn from [3, vocab); ``tol``: relative error allowed on logits of state vs concatenation
     (float32 models 1e-4; the float64 hybrids 1e-6, their states being float32 as transformers' own);
     ``has_attention``: its states carry attention keys; ``supports_beams``: beam search with past_states runs;
-    ``smaller_state``: config overrides giving a model whose states have other shapes (a smaller state size);
-    ``cache_tol``: the tolerance of running from a state fed as the model's own cache (``compat.CACHE_ARG``) vs the
-    concatenation (absolute on states, relative on logits)."""
+    ``smaller_state``: config overrides giving a model whose states have other shapes (a smaller state size)."""
 
     name: str
     make: Callable[..., torch.nn.Module]
@@ -196,7 +194,6 @@ class Architecture:
     has_attention: bool = False
     supports_beams: bool = True
     smaller_state: dict = field(default_factory=lambda: {"state_size": 4})
-    cache_tol: float = 1e-5
 
 
 def _stock(arch):
@@ -238,7 +235,3 @@ ARCHITECTURES = {
         for name in HYBRID_CONFIGS
     },  # fmt: skip
 }
-# transformers' own Bamba, continuing its own cache with more tokens (stock, not enabled), is 5e-5 (relative, logits)
-# off its prefill of the concatenation, one token at a time as well (float64; measured, transformers 5.24): the
-# state after the attention layer inherits that (2.8e-5 on a conv window of magnitude 1.8)
-ARCHITECTURES["bamba"] = replace(ARCHITECTURES["bamba"], cache_tol=1e-4)
