@@ -2,12 +2,14 @@
 :mod:`architectures` (Mamba, Mamba-2, FalconMamba, SeRpEnt, COFFEE and the six hybrids).
 
 A state of a context, passed as ``past_states=[state]`` with a query, gives what the model gives on context +
-query (forward logits within the architecture's tolerance, greedy and beam tokens identical), after showing that
-the context changes that output; one state composes to itself; the rows of a left-padded batch are the rows
-encoded alone; a file round trip (safetensors + JSON) and deepcopy / pickle / torch.save give the same tensors bit
-for bit; states of another model or architecture, crafted shapes, NaN and wrong dtypes are refused with a
-ValueError naming the problem. Architecture-specific behaviour (mixer maths, SeRpEnt resampling, COFFEE gates,
-hybrid attention placement) stays in the per-architecture test files."""
+query (forward logits within the architecture's tolerance under every method, greedy, sampled and beam tokens
+identical), after showing that the context changes that output; the rows of a left-padded batch and per-row state
+lists are the rows alone; a state continued as the model's cache is the concatenation's; compositions follow the
+float64 reference, nest as the maths says and run as the state they compose; a file round trip (safetensors +
+JSON), deepcopy / pickle / torch.save and a StateStore keep the states; states of another model, config or
+architecture, crafted files, NaN, wrong shapes and dtypes are refused with a ValueError naming the problem.
+Architecture-specific behaviour (mixer maths, SeRpEnt resampling, COFFEE gates, hybrid attention placement and
+keys) stays in the per-architecture test files."""
 
 import copy
 import itertools
