@@ -2,7 +2,7 @@
 
     python benchmarks/hybrid_keys_dtype.py [--context 256] [--query 16]
 
-Per hybrid (tiny random float32 NemotronH, GraniteMoeHybrid with RoPE, Bamba: the configs of tests/hybrid_helpers.py,
+Per hybrid (tiny random float32 NemotronH, GraniteMoeHybrid with RoPE, Bamba: the configs of tests/architectures.py (tiny_hybrid),
 nothing downloaded): a random context is encoded and saved with the keys in the model dtype, in bfloat16 and in
 float16; each file is loaded back with the model and the query's logits after it are compared with those after the
 unsaved state: max |Δ logit|, the logits' magnitude, whether the greedy tokens agree, and the file sizes.
@@ -34,8 +34,8 @@ def main(argv=None):
     import hf_statecompose as hsc
     from hf_statecompose.state.cache import ComposableMambaCache
 
+    from architectures import WORKING, tiny_hybrid
     from helpers import random_ids
-    from hybrid_helpers import WORKING, tiny_hybrid
 
     rows = []
     print("| model | keys | max abs dlogit | max abs logit | greedy same | file bytes |\n|---|---|---|---|---|---|")
