@@ -58,16 +58,13 @@ def test_the_c_enum_and_the_triton_ids_are_the_registrys():
     enum = re.search(r"enum\s*\{([^}]*)\}", source).group(1)
     c_ids = {key.strip().lower(): int(value) for key, value in (item.split("=") for item in enum.split(","))}
     assert c_ids == ids
-    # the Triton kernel (here, or moved to the top-level kernels/ folder): its METHOD branches name their method
-    candidates = sorted((ROOT / "kernels" / "torch-ext").glob("*/*compose.py"))
-    candidates.append(ROOT / "hf_statecompose" / "ops" / "compose" / "triton_kernel.py")
-    triton = next(path for path in candidates if path.exists()).read_text(encoding="utf-8")
+    # the Triton kernel (the top-level kernels/ folder): its METHOD branches name their method
+    triton = (ROOT / "kernels" / "torch-ext" / "hf_statecompose_kernels" / "_compose.py").read_text(encoding="utf-8")
     branches = {name: int(k) for k, name in re.findall(r"METHOD == (\d+):\s*#\s*(\w+)", triton)}
     assert len(branches) >= len(ids) - 1  # the last method is the final `else`
     assert all(ids[name] == k for name, k in branches.items()), branches
     literal = re.search(r"METHOD_IDS = (\{[^}]*\})", triton)
-    if literal is not None:
-        assert ast.literal_eval(literal.group(1)) == ids
+    assert ast.literal_eval(literal.group(1)) == ids
 
 
 def test_methods_table_lists_every_method():
@@ -76,6 +73,12 @@ def test_methods_table_lists_every_method():
     assert lines[0].startswith("| method | what | cost | order-invariant | exact when | re-encodes |")
     assert [line.split("|")[1].strip(" `") for line in lines[2:]] == list(METHODS)
     assert "| `picaso_s` |" in table and "O(n²)" in table
+
+
+def test_the_docs_show_the_registrys_table():
+    """The composition guide's table is the registry's (regenerate it with ``methods_table()`` after an edit)."""
+    page = (ROOT / "docs" / "guides" / "composition.md").read_text(encoding="utf-8")
+    assert methods.methods_table() in page
 
 
 def _first_weights(log_decays):
