@@ -257,7 +257,7 @@ def retrieval_part(args, tmp: Path) -> dict:
 def per_token_part(args) -> dict:
     """Encode cost per token of Mamba-1 2.7B-shaped layers (d_model 2560, d_inner 5120, N 16) on this CPU:
     ``--cost-layers`` of the 64 layers, 2 x 512 tokens, our encode path; the full model is extrapolated
-    on paper (x 64 / layers), for the fleet sizing in the README."""
+    on paper (x 64 / layers), for the fleet sizing in docs/guides/scale-out.md."""
     import torch
     from transformers import MambaConfig, MambaForCausalLM
 
