@@ -127,3 +127,38 @@ def test_api_reference_covers_the_public_api():
     documented = set(re.findall(r"^::: [\w.]+\.(\w+)$", page, flags=re.MULTILINE))
     missing = [name for name in hf_statecompose.__all__ if name not in documented and f"`hsc.{name}`" not in page]
     assert not missing, f"docs/reference/api.md lacks {missing}"
+
+
+# a repository path named in code style in the docs, the READMEs or a docstring (`benchmarks/ttft.py`)
+REPO_PATH = re.compile(r"`((?:hf_statecompose|tests|benchmarks|recipes|scripts|kernels|docs|model_cards)/[\w./-]+)`")
+# `python -m hf_statecompose.x.y`
+MODULE_RUN = re.compile(r"python -m (hf_statecompose(?:\.\w+)+)")
+
+
+def test_paths_and_modules_named_in_the_text_exist():
+    """Cross-references do not go stale: every repository path written in code style, and every module run with
+    ``python -m``, in the tracked markdown and Python files, exists (a path may be relative to its file)."""
+    tracked = subprocess.run(["git", "ls-files", "*.md", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    stale = []
+    for name in tracked.stdout.split():
+        if name.startswith(("adapters/", "checkpoints/")):  # the trained artefacts' cards (generated, frozen)
+            continue
+        path = ROOT / name
+        if not path.exists() or name == "tests/test_docs.py":  # (its patterns' examples)
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for match in REPO_PATH.finditer(text):
+            target = match.group(1).rstrip(".")
+            if target == "kernels/__init__.py" or target.startswith(
+                "tests/models/"
+            ):  # must not exist; transformers' tree
+                continue
+            if not (ROOT / target).exists() and not (path.parent / target).exists():
+                stale.append(f"{name}: `{target}`")
+        for match in MODULE_RUN.finditer(text):
+            module = ROOT / match.group(1).replace(".", "/")
+            if not (module.with_suffix(".py").exists() or (module / "__main__.py").exists()):
+                stale.append(f"{name}: python -m {match.group(1)}")
+    assert stale == [], "stale references:\n" + "\n".join(stale)
