@@ -2161,6 +2161,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--backends", default="folder,lance", help="store backends (default: folder,lance)")
     parser.add_argument("--categories", default="abcdef", help="categories to run (default: all)")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(
         1
@@ -2239,6 +2240,10 @@ def main(argv=None) -> int:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=1, default=str)
         print(f"wrote {args.json}")
+        if args.plot:
+            from _plot import plot_docs
+
+            plot_docs(args.json, "adversarial.json")
         return 0
     finally:
         for root, dirs, _ in os.walk(

@@ -26,6 +26,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="runs per row (median)")
     parser.add_argument("--out", default=str(HERE / "results" / "cli_startup.json"), help="JSON result path")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         corrupt = Path(tmp) / "corrupt"
@@ -78,6 +79,10 @@ def main(argv=None):
         },
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "cli_startup.json")
 
 
 if __name__ == "__main__":

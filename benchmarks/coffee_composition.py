@@ -74,6 +74,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(HERE / "results" / "coffee" / "composition.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model)
@@ -162,6 +163,10 @@ def main(argv=None):
         },
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "coffee/composition.json")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def main(argv=None):
         "--window", type=int, default=None, help="CoffeeMixer.newton_window (default: the class's, 1024)"
     )
     parser.add_argument("--out", default=str(HERE / "results" / "coffee_parallel.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -165,6 +166,10 @@ def main(argv=None):
         },
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "coffee_parallel.json")
 
 
 if __name__ == "__main__":

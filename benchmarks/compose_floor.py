@@ -228,6 +228,7 @@ def main():
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/compose_floor.json")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args()
 
     if args.threads:
@@ -294,6 +295,10 @@ def main():
         ),
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "compose_floor.json")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,7 @@ def main():
     parser.add_argument("--piconcat-max-n", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/compose_vs_concat.json")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args()
 
     rows, encode = [], {}
@@ -169,6 +170,10 @@ def main():
         rows=rows,
     )
     write_result(result, args.out)
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "compose_vs_concat.json")
 
 
 if __name__ == "__main__":

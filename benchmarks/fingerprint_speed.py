@@ -75,6 +75,7 @@ def main(argv=None):
         help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)",
     )
     parser.add_argument("--out", default=str(HERE / "results" / "fingerprint_speed.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -170,6 +171,10 @@ def main(argv=None):
         },
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "fingerprint_speed.json")
 
 
 if __name__ == "__main__":

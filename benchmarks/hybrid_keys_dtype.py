@@ -2,7 +2,7 @@
 
     python benchmarks/hybrid_keys_dtype.py [--context 256] [--query 16]
 
-Per hybrid (tiny random float32 NemotronH, GraniteMoeHybrid with RoPE, Bamba: the configs of tests/hybrid_helpers.py,
+Per hybrid (tiny random float32 NemotronH, GraniteMoeHybrid with RoPE, Bamba: the configs of tests/architectures.py (tiny_hybrid),
 nothing downloaded): a random context is encoded and saved with the keys in the model dtype, in bfloat16 and in
 float16; each file is loaded back with the model and the query's logits after it are compared with those after the
 unsaved state: max |Δ logit|, the logits' magnitude, whether the greedy tokens agree, and the file sizes.
@@ -28,13 +28,14 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=256, help="context tokens (default 256)")
     parser.add_argument("--query", type=int, default=16, help="query tokens (default 16)")
     parser.add_argument("--out", default=str(HERE / "results" / "hybrid_keys_dtype.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE.parent / "tests"))
     import hf_statecompose as hsc
     from hf_statecompose.state.cache import ComposableMambaCache
 
+    from architectures import WORKING, tiny_hybrid
     from helpers import random_ids
-    from hybrid_helpers import WORKING, tiny_hybrid
 
     rows = []
     print("| model | keys | max abs dlogit | max abs logit | greedy same | file bytes |\n|---|---|---|---|---|---|")
@@ -71,6 +72,10 @@ def main(argv=None):
         },
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "hybrid_keys_dtype.json")
 
 
 if __name__ == "__main__":

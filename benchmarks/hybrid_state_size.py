@@ -204,6 +204,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="256,4096,32768", help="context lengths to show the total state at")
     parser.add_argument("--out", default=str(HERE / "results" / "hybrid_state_size.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.contexts.split(",") if n.strip()]
     rows = []
@@ -247,6 +248,10 @@ def main(argv=None):
         },
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "hybrid_state_size.json")
 
 
 if __name__ == "__main__":

@@ -228,6 +228,7 @@ def main(argv=None):
     parser.add_argument(
         "--out", default=None, help="JSON path (default benchmarks/results/hybrid_ttft.json; --quick: a temp file)"
     )
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     size, repeats, baseline_repeats = ("tiny", 1, 1) if args.quick else (args.size, args.repeats, args.baseline_repeats)
     ks = sorted(int(k) for k in args.ks.split(",") if k.strip())
@@ -274,6 +275,10 @@ def main(argv=None):
         },
         out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(out, "hybrid_ttft.json")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[255, 4096])
     parser.add_argument("--channels", type=int, nargs="+", default=[128])
     parser.add_argument("--out", default=str(HERE / "results" / "linear_recurrence.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -118,6 +119,10 @@ def main(argv=None):
         },
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "linear_recurrence.json")
 
 
 if __name__ == "__main__":

@@ -310,6 +310,7 @@ def main():
         help="encode table: torch on one thread, timed by this thread's CPU time (robust on a busy machine)",
     )
     parser.add_argument("--out", default="benchmarks/results/kernels.json")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args()
 
     if args.cpu_time:
@@ -381,6 +382,10 @@ def main():
         print(f"\nGPU scans not measured: {gpu_note}")
         result["gpu_note"] = gpu_note
     write_result(result, args.out)
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "encode_wall.json")
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ def retrieval_part(args, tmp: Path) -> dict:
 def per_token_part(args) -> dict:
     """Encode cost per token of Mamba-1 2.7B-shaped layers (d_model 2560, d_inner 5120, N 16) on this CPU:
     ``--cost-layers`` of the 64 layers, 2 x 512 tokens, our encode path; the full model is extrapolated
-    on paper (x 64 / layers), for the fleet sizing in the README."""
+    on paper (x 64 / layers), for the fleet sizing in docs/guides/scale-out.md."""
     import torch
     from transformers import MambaConfig, MambaForCausalLM
 
@@ -303,6 +303,7 @@ def main(argv=None):
     )
     parser.add_argument("--embed-only", action="store_true", help="only compute --embeddings-cache, then stop")
     parser.add_argument("--out", default=str(HERE / "results" / "scale_store.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
     import torch
@@ -353,6 +354,10 @@ def main(argv=None):
             f"64 layers on paper: {c['seconds_per_token_64_layers_on_paper'] * 1e3:.1f} ms per token"
         )
     write_result(result, args.out)
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "scale_store.json")
 
 
 if __name__ == "__main__":

@@ -154,6 +154,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/serpent_composition.json")
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     missing = [p for p in MODELS.values() if not os.path.isdir(p)]
     if missing:
@@ -208,6 +209,10 @@ def main(argv=None):
         "results": {name: {str(n): entry for n, entry in rows.items()} for name, rows in results.items()},
     }
     write_result(result, args.out)
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "serpent_composition.json")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ def main(argv=None):
     parser.add_argument("--config", default=str(CONFIG), help="the recipe config whose lm models are compared")
     parser.add_argument("--smoke", action="store_true", help="tiny models, one round, short lengths (for tests)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serpent_speed.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.lengths, args.batch, args.rounds, args.repeats = [16], 1, 1, 1
@@ -187,6 +188,10 @@ def main(argv=None):
         "rows": rows,
     }
     write_result(result, args.out)
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "serpent_speed.json")
 
 
 if __name__ == "__main__":

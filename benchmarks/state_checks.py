@@ -75,6 +75,7 @@ def main(argv=None):
         help="CPU threads for torch (default 1: on a shared machine more threads mostly measure contention)",
     )
     parser.add_argument("--out", default=str(HERE / "results" / "state_checks.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -155,6 +156,10 @@ def main(argv=None):
     for row in rows:
         print(f"{row['case']:<75} {row['ms']:9.2f} ms")
     write_result({"commit": git_commit(), "threads": args.threads, "repeats": args.repeats, "rows": rows}, args.out)
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "state_checks.json")
 
 
 if __name__ == "__main__":

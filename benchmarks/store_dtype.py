@@ -40,6 +40,7 @@ def main(argv=None):
     parser.add_argument("--queries", type=int, default=20)
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--out", default=str(HERE / "results" / "store_dtype.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     rows = []
     for arch in ("mamba2", "mamba"):
@@ -89,6 +90,10 @@ def main(argv=None):
             f"{lo['fp32']['soup']:.4f} → {lo['bf16']['soup']:.4f} |"
         )
     write_result({"rows": rows, "threads": torch.get_num_threads(), "torch": torch.__version__}, args.out)
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "store_dtype.json")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--storage-dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--out", default=str(HERE / "results" / "store_read.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     from safetensors.torch import load_file
 
@@ -163,6 +164,10 @@ def main(argv=None):
         },
         args.out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "store_read.json")
 
 
 if __name__ == "__main__":

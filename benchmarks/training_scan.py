@@ -91,6 +91,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "results" / "training_scan.json"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     result = {
         "scan": scan_case(args.repeats),
@@ -109,6 +110,10 @@ def main(argv=None):
             f"| {arch} | {r['ours_s']:.2f} | {r['transformers_s']:.2f} | {r['speedup']:.1f}x | {r['tokens_per_s_ours']:.0f} |"
         )
     write_result(result, args.out)
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(args.out, "training_scan.json")
 
 
 if __name__ == "__main__":

@@ -212,6 +212,7 @@ def main(argv=None):
     parser.add_argument(
         "--out", default=None, help="JSON path (default benchmarks/results/ttft.json; tiny: a temp file)"
     )
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
@@ -266,6 +267,10 @@ def main(argv=None):
         },
         out,
     )
+    if args.plot:
+        from _plot import plot_docs
+
+        plot_docs(out, "ttft.json")
 
 
 if __name__ == "__main__":

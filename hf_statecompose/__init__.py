@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers (at run ti
     )
     from .models.coffee import CoffeeMixer
     from .models.encode import encode
+    from .ops import use_kernel
     from .pipeline import RetrievalGeneration, continuation_losses, generate_with_retrieval
     from .state import ComposableMambaCache, ComposableSeRpEntCache, model_fingerprint, refresh_fingerprint
     from .store import StateStore, StoreEntry
@@ -77,6 +78,7 @@ _EXPORTS = {
     "composition_loss": "training",
     "load_demo": "demo",
     "encode_corpus": "distributed",
+    "use_kernel": "ops",
 }
 _SUBPACKAGES = (
     "attribution",
@@ -130,6 +132,7 @@ __all__ = [
     "model_fingerprint",
     "refresh_fingerprint",
     "set_backend",
+    "use_kernel",
 ]
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -30,10 +31,26 @@ import tempfile
 import time
 from pathlib import Path
 
-# ``--composition`` choices: hf_statecompose.composition.METHODS, written out because importing it
-# would import torch before the arguments are even parsed (tests check that both agree)
-COMPOSITIONS = ("soup", "weighted", "caso", "picaso_s", "picaso_r", "concat", "piconcat_r")
-# ``--attention`` choices (hybrid models): hf_statecompose.composition.attention.ATTENTION_POLICIES, written out likewise
+
+def _composition_methods() -> tuple[str, ...]:
+    """The names in the composition-method registry, ``hf_statecompose/ops/compose/methods.py`` (torch-free),
+    loaded from its file: importing it as ``hf_statecompose.ops.compose.methods`` would first run
+    ``hf_statecompose.ops``' ``__init__``, which imports torch before the arguments are even parsed."""
+    name = "hf_statecompose._cli_methods"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "ops" / "compose" / "methods.py")
+        if spec is None or spec.loader is None:  # only if the package's files are missing
+            raise ImportError("hf_statecompose/ops/compose/methods.py is missing; reinstall hf_statecompose")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return tuple(sys.modules[name].METHODS)
+
+
+# ``--composition`` choices: the registry's methods (tests check they are hf_statecompose.composition.METHODS)
+COMPOSITIONS = _composition_methods()
+# ``--attention`` choices (hybrid models): hf_statecompose.composition.attention.ATTENTION_POLICIES, written out
+# because importing it would import torch before the arguments are even parsed (tests check that both agree)
 ATTENTION_POLICIES = ("concat", "shared", "none")
 STORAGE_DTYPES = ("fp32", "bf16")
 PROG = "hf-statecompose"
@@ -89,19 +106,12 @@ def _model_spec(spec: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the heavy parts
-@contextlib.contextmanager
 def _quiet_loading():
     """Without transformers' "Loading weights" bars (the model's, the retriever's): noise before a
     one-line error, and the checkpoints load in seconds. Our own progress (encoding) still shows."""
-    from transformers.utils import logging as hf_logging
+    from .compat import quiet_loading
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+    return quiet_loading()
 
 
 def load_model(spec: str):
@@ -612,8 +622,11 @@ def main(argv=None) -> int:
     run = {"build": _build, "query": _query, "store": _store_command, "encode-corpus": _encode_corpus}.get(
         args.command, _maintain
     )
+    from .compat import quiet_kernel_fallbacks  # standard library only: the checks before a model stay light
+
     try:
-        run(args)
+        with quiet_kernel_fallbacks():  # transformers' advice to install CUDA kernels, noise on the CPU
+            run(args)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

@@ -23,6 +23,9 @@ What it covers:
   ``generate`` must refuse ``past_states`` (:data:`GUARDED`).
 * **The generation hook** (:class:`CacheGenerationMixin`): the private ``generate()`` methods that this
   package's own causal LMs override to keep their state cache.
+* **Quiet entry points** (:func:`quiet_transformers`): the command line, the demo and ``load_demo`` run without
+  transformers' "Loading weights" bars and its advice to install ``mamba_ssm`` / ``causal_conv1d`` (CUDA
+  packages) when the CPU runs its reference PyTorch kernels; scoped, so that the user's logging stays theirs.
 * **Tracing** (:func:`is_tracing`): whether a forward runs under ``torch.compile`` / ``torch.export`` (or on
   FakeTensors): the torch checks of transformers' own ``is_tracing``, so that eager-only work (hashing the
   weights' bytes for a state's fingerprint, ctypes kernels, data-dependent shortcuts) stays out of a traced
@@ -33,6 +36,7 @@ Importing this module is light (standard library only): the names that need tran
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -213,6 +217,59 @@ def mixer_classes() -> dict:
         except (ImportError, AttributeError):  # a release without that model
             continue
     return out
+
+
+# transformers' advice when a CUDA kernel package (mamba_ssm, causal_conv1d) is missing and its reference PyTorch
+# implementation runs instead (``use_kernel_func_from_hub_with_fallback``: logged on the first call of each kernel)
+FALLBACK_LOGGER = "transformers.integrations.hub_kernels"
+FALLBACK_NOTICE = "is falling back to its reference PyTorch implementation"
+
+
+class _DropFallbackNotices(logging.Filter):
+    """Drops transformers' kernel-fallback notices (:data:`FALLBACK_NOTICE`), lets every other record through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return FALLBACK_NOTICE not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_kernel_fallbacks():
+    """Run a block without transformers' kernel-fallback notices ("``causal_conv1d_fn`` is falling back to its
+    reference PyTorch implementation ... install ``causal_conv1d``"): advice to install CUDA packages, noise where
+    this package's entry points run the models on the CPU. Only those records are dropped (a filter on
+    :data:`FALLBACK_LOGGER`, removed on exit); every other warning of transformers' or this package's still shows.
+    Standard library only: it does not import transformers (the command line enters it before its cheap checks).
+    transformers logs each notice once per process (``warning_once``): one dropped here is not repeated later."""
+    notices, drop = logging.getLogger(FALLBACK_LOGGER), _DropFallbackNotices()
+    notices.addFilter(drop)
+    try:
+        yield
+    finally:
+        notices.removeFilter(drop)
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """Run a block without transformers' (and the Hub's) progress bars, "Loading weights" included; the setting
+    is restored on exit (nested uses included). This package's own progress bars are not transformers' and show."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """:func:`quiet_kernel_fallbacks` and :func:`quiet_loading`: how this package's entry points (the demo,
+    :func:`~hf_statecompose.demo.load_demo`, the command line, lm-eval's) run transformers, whose small checkpoints
+    load in milliseconds and run on the CPU. Scoped: the user's logging and progress-bar settings stay theirs."""
+    with quiet_kernel_fallbacks(), quiet_loading():
+        yield
 
 
 def is_tracing(tensor=None) -> bool:

@@ -23,6 +23,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 
+from .compat import quiet_loading
 from .store.format import check_count, checked_json
 from .store.lance import DIMENSION_PROBE, HEADER_TABLE, STATES_TABLE, LanceStateStore, import_lancedb, read_lance_header
 
@@ -227,17 +228,18 @@ class _EncodeActor:
 
         if threads:
             torch.set_num_threads(int(threads))
-        model, tokenizer = load_model_spec(model)
-        if device is not None:
-            model = model.to(device)
-        self.store = LanceStateStore(
-            store_uri,
-            model,
-            tokenizer,
-            retriever=retriever() if retriever is not None else None,
-            storage_dtype=storage_dtype,
-            **(store_options or {}),
-        )
+        with quiet_loading():  # each actor's "Loading weights" bars would interleave in the driver's output
+            model, tokenizer = load_model_spec(model)
+            if device is not None:
+                model = model.to(device)
+            self.store = LanceStateStore(
+                store_uri,
+                model,
+                tokenizer,
+                retriever=retriever() if retriever is not None else None,
+                storage_dtype=storage_dtype,
+                **(store_options or {}),
+            )
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np

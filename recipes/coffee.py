@@ -464,14 +464,49 @@ Model config: `{m}`. The best evaluation's weights are the ones saved.
 Every run of the same table(s), ours vs the paper:
 
 {summary_table(table_runs)}
-## Data and licence
+{composition_table(relative_out)}## Data and licence
 {data}
 
 ## Limitations
 One seed, a CPU step budget (see the table: the paper trains up to 100 epochs of 10,000 steps); the paper's
-numbers are from its own code, which we have not seen. Differences from the paper are listed in the
-repository README (section "COFFEE experiments").
+numbers are from its own code, which we have not seen. Differences from the paper are listed in
+`docs/experiments/coffee.md` in the repository.
 """
+
+
+def composition_table(relative_out: str) -> str:
+    """Target recall of this checkpoint under composition (``benchmarks/coffee_composition.py``'s JSON, where it
+    measured this checkpoint); empty otherwise."""
+    path = ROOT / "benchmarks" / "results" / "coffee" / "composition.json"
+    d = json.loads(path.read_text()) if path.exists() else {}
+    if d.get("model") != relative_out:
+        return ""
+    columns = [
+        ("concat", "A,B", "concat A‖B"),
+        ("caso", "B,A", "CASO (B, A)"),
+        ("caso", "A,B", "CASO (A, B)"),
+        ("soup", "any", "soup"),
+        ("picaso_r", "any", "PICASO-R"),
+        ("piconcat_r", "any", "PIConcat-R"),
+    ]
+    acc = {(r["noise"], r["method"], r["order"]): r["accuracy"] for r in d["rows"]}
+    noises = sorted({r["noise"] for r in d["rows"] if r["noise"] > 0})
+    rows = [
+        f"| {m} | " + " | ".join(f"{acc[m, method, order]:.3f}" for method, order, _ in columns) + " |" for m in noises
+    ]
+    return (
+        f"## Under composition (`python benchmarks/coffee_composition.py`)\n"
+        f"Target recall on {d['sequences']:,} fresh sequences: context A = noise ‖ trigger ‖ target ‖ noise, context B = m more "
+        "noise tokens, query = the trigger; one state of A + the query is exact "
+        f"({acc.get((0, 'A (one state)', 'A'), float('nan')):.3f}). With state feedback CASO / PICASO are approximations.\n\n"
+        "| m | "
+        + " | ".join(label for _, _, label in columns)
+        + " |\n|---:|"
+        + "---:|" * len(columns)
+        + "\n"
+        + "\n".join(rows)
+        + "\n\nWhat it shows: `docs/experiments/coffee.md` in the repository.\n\n"
+    )
 
 
 def write_card(result: dict, out: Path, results: list[dict]) -> None:
@@ -479,6 +514,9 @@ def write_card(result: dict, out: Path, results: list[dict]) -> None:
     tables = set(result["settings"]["tables"])
     text = render_card(result, relative, [r for r in results if tables & set(r["settings"]["tables"])])
     (out / "README.md").write_text(text)
+    if out.resolve().is_relative_to(ROOT):  # the same text beside the other cards
+        (ROOT / "model_cards").mkdir(exist_ok=True)
+        (ROOT / "model_cards" / f"coffee-{out.name}.md").write_text(text)
 
 
 def load_results(out: Path) -> list[dict]:

@@ -211,6 +211,7 @@ def main(argv=None):
         "--zero-attention", action="store_true", help="ablation: zero the attention layers' output projections (hybrid)"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -235,6 +236,11 @@ def main(argv=None):
     (out / f"{name}.md").write_text(table(result) + "\n")
     print(table(result))
     print(f"wrote {out}/{name}.json and .md")
+    if args.plot:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from _plot import plot_docs
+
+        plot_docs(out / f"{name}.json", f"{name}.json")
 
 
 if __name__ == "__main__":

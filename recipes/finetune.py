@@ -28,9 +28,11 @@ composed state (:mod:`hf_statecompose.training`). LoRA (PEFT) on ``in_proj`` (Ma
 forward uses through the module (``out_proj`` and ``conv1d`` are refused by PEFT; ``dt_proj``'s weight
 is read directly by the mixers, so a LoRA there would be silently ignored).
 
-Output (``out``): the adapter (``save_pretrained``), ``results.json`` (config, per-step log, time per
-step, evaluation before and after through lm-eval: the composition tasks at k = ``eval.k`` and the
-plain held-out LM loss without contexts), and a model card, also written to ``model_cards/``.
+Output (``out``, default ``adapters/<experiment>``; a relative folder is under the working directory, the
+smoke experiment's ``hsc-finetune-smoke``): the adapter (``save_pretrained``), ``results.json`` (config,
+per-step log, time per step, evaluation before and after through lm-eval: the composition tasks at
+k = ``eval.k`` and the plain held-out LM loss without contexts), and a model card naming that folder, also
+written to ``model_cards/`` for the repository's own ``adapters/``.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def load_config(name: str, path=CONFIG, overrides=()) -> dict:
         target[leaf] = value
     cfg["name"] = name
     out = Path(str(cfg["out"]).format(name=name))
-    cfg["out"] = str(out if out.is_absolute() else ROOT / out)
+    cfg["out"] = str(out if out.is_absolute() else Path.cwd() / out)  # a relative folder is under the working directory
     if cfg["objective"] not in ("bptc", "bp2c"):
         raise SystemExit(f"objective must be bptc or bp2c, got {cfg['objective']!r}")
     if not 0 <= cfg["k_min"] <= cfg["k_max"]:

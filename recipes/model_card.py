@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 NAMES = {"mamba2": "Mamba-2", "mamba": "Mamba-1 (Mamba)", "hybrid": "hybrid Mamba-2 + attention (NemotronH)"}
 CLASSES = {"mamba2": "Mamba2ForCausalLM", "mamba": "MambaForCausalLM", "hybrid": "NemotronHForCausalLM"}
 LOAD_ARGS = {"mamba2": "", "mamba": 'arch="mamba"', "hybrid": '"hybrid"'}
@@ -78,14 +80,86 @@ def _hybrid_flags(s: dict) -> str:
 
 
 def _evaluation(arch: str) -> str:
+    """The composition figures measured on this checkpoint (from ``benchmarks/results/``), where they exist."""
     if arch == "hybrid":
+        path = RESULTS / "eval_hybrid_demo_hybrid.json"
+        if not path.exists():
+            return (
+                "Its evaluation with contexts (none / concatenated / composed states / SSM states only, on the demo\n"
+                "questions) is `python recipes/eval_hybrid_demo.py`: `docs/experiments/hybrid-demo.md`."
+            )
+        d = json.loads(path.read_text())
+        rows = [
+            f"| {k} | "
+            + " | ".join(
+                f"{d['k'][k][c]['accuracy']:.1%} / {d['k'][k][c]['answer_loss']:.3f}"
+                for c in ("none", "concat", "composed", "ssm_only")
+            )
+            + " |"
+            for k in sorted(d["k"], key=int)
+        ]
         return (
-            "Its evaluation with contexts (none / concatenated / composed states / SSM states only, on the demo\n"
-            "questions) is `python recipes/eval_hybrid_demo.py`: the repository README and `benchmarks/results/`."
+            "## Composition (`python recipes/eval_hybrid_demo.py`)\n"
+            f"The {d['k'][next(iter(d['k']))]['none']['questions']} demo questions, each with k passages (the answer's and k − 1 others); "
+            "exact greedy answers / answer loss (nats/token):\n\n"
+            "| k | no context | concatenated text | composed states (PICASO-S) | SSM states only |\n|---|---:|---:|---:|---:|\n"
+            + "\n".join(rows)
+            + "\n\nThe attention layers add nothing here (composed = SSM states only; zeroing them changes "
+            "nothing): see `docs/experiments/hybrid-demo.md` in the repository."
+        )
+    paths = [RESULTS / "eval" / f"picaso_eval_{arch}_{dataset}.json" for dataset in ("recall", "wikipedia")]
+    if not all(path.exists() for path in paths):
+        return (
+            "The composition evaluation (losses for k = 0…10 retrieved contexts, every method) is in\n"
+            "`docs/experiments/picaso.md` and `benchmarks/results/`."
+        )
+    methods = ("concat", "soup", "caso", "picaso_s", "picaso_r", "piconcat_r")
+    rows = []
+    for path in paths:
+        d = json.loads(path.read_text())
+        base = d["loss"]["baseline"][0]
+        rows.append(
+            f"| {d['dataset']} | {base:.3f} | "
+            + " | ".join(f"{(d['loss'][m][-1] - base) / base:+.1%}" for m in methods)
+            + " |"
         )
     return (
-        "The composition evaluation (losses for k = 0…10 retrieved contexts, every method) is in the\n"
-        "repository README and `benchmarks/results/`."
+        "## Composition (`python -m hf_statecompose.demo.eval --all --queries 40`)\n"
+        "The PICASO protocol: the top k = 10 retrieved contexts composed, most relevant last; the change of the\n"
+        "continuation loss against no context (negative = better), 40 samples per dataset:\n\n"
+        "| dataset | loss, no context | "
+        + " | ".join(methods)
+        + " |\n|---|---:|"
+        + "---:|" * len(methods)
+        + "\n"
+        + "\n".join(rows)
+        + "\n\nEvery k, the timings and what they mean: `docs/experiments/picaso.md` in the repository."
+    )
+
+
+def _adapter_composition(arch: str, name: str) -> str:
+    """This adapter's continuation loss vs k against the base model (``recipes/compare_finetuned.py``), where measured."""
+    path = RESULTS / "finetune" / f"finetune_{arch}.json"
+    d = json.loads(path.read_text()) if path.exists() else {}
+    if name not in d.get("variants", {}):
+        return ""
+    rows = []
+    for dataset in d["variants"][name]:
+        for variant in ("zero-shot", name):
+            loss = d["variants"][variant][dataset]["loss"]
+            rows.append(
+                f"| {dataset} | {'base model' if variant == 'zero-shot' else 'with this adapter'} | {loss['baseline'][0]:.3f} | "
+                + " / ".join(f"{loss['picaso_r'][k]:.3f}" for k in (1, 2, 5, 10))
+                + " | "
+                + " / ".join(f"{loss['concat'][k]:.3f}" for k in (2, 5, 10))
+                + " |"
+            )
+    return (
+        f"\n## Composition (`python recipes/compare_finetuned.py --arch {arch} --adapters adapters/{name}`)\n"
+        f"Continuation loss (nats/token), {d['queries']} samples per dataset, retrieved contexts composed most relevant last:\n\n"
+        "| dataset | model | no context | PICASO-R k=1 / 2 / 5 / 10 | Concat k=2 / 5 / 10 |\n|---|---|---:|---:|---:|\n"
+        + "\n".join(rows)
+        + "\n\nBoth objectives side by side and what this shows: `docs/experiments/bptc.md` in the repository.\n"
     )
 
 
@@ -136,11 +210,15 @@ Same tokenizer as the Mamba-2 demo. {start} Trained with transformers' stock for
 """
 
 
+# the repository's own checkpoints and adapters: their cards are also kept in model_cards/
+SHIPPED = (ROOT / "adapters", ROOT / "checkpoints", ROOT / "hf_statecompose" / "demo" / "models")
+
+
 def _write(out: Path, card: str, text: str) -> None:
-    """The card as the checkpoint's README.md (what the Hub shows) and, for a folder inside the
-    repository, as ``model_cards/<card>.md``."""
+    """The card as the checkpoint's README.md (what the Hub shows) and, for a folder the repository ships
+    (:data:`SHIPPED`), as ``model_cards/<card>.md``."""
     (Path(out) / "README.md").write_text(text)
-    if Path(out).resolve().is_relative_to(ROOT):
+    if any(Path(out).resolve().is_relative_to(folder) for folder in SHIPPED):
         cards = ROOT / "model_cards"
         cards.mkdir(exist_ok=True)
         (cards / f"{card}.md").write_text(text)
@@ -150,8 +228,18 @@ def write_model_card(out: Path, summary: dict) -> None:
     _write(out, f"demo-{summary['arch']}", render(summary))
 
 
-def render_adapter(results: dict) -> str:
-    """The card of a LoRA adapter trained by ``recipes/finetune.py``, from its ``results.json``."""
+def shown(folder) -> str:
+    """How a card names ``folder``: relative to the working directory when under it (``adapters/bptc-mamba2``
+    from the repository's root), else its absolute path."""
+    folder = Path(folder).resolve()
+    return (
+        folder.relative_to(Path.cwd().resolve()) if folder.is_relative_to(Path.cwd().resolve()) else folder
+    ).as_posix()
+
+
+def render_adapter(results: dict, folder: str) -> str:
+    """The card of a LoRA adapter trained by ``recipes/finetune.py``, from its ``results.json``, naming the
+    ``folder`` it is written to (where ``PeftModel.from_pretrained`` and lm-eval find the adapter)."""
     cfg, tr = results["config"], results["training"]
     name, arch = cfg["name"], cfg["arch"]
     objective = {
@@ -188,7 +276,7 @@ tags: [mamba, {arch}, lora, hf_statecompose, composition, {cfg["objective"]}]
 A LoRA adapter (r = {cfg["lora"]["r"]}, alpha = {cfg["lora"]["alpha"]}, on `{", ".join(cfg["lora"]["target_modules"][arch] if isinstance(cfg["lora"]["target_modules"], dict) else cfg["lora"]["target_modules"])}`;
 {tr["trainable_parameters"]:,} trainable parameters) for the embedded demo {NAMES[arch]} of `hf_statecompose`, fine-tuned
 to read a **composition of context states** ({cfg["composition"]}): {objective}. A demo adapter: what it
-changes (little, see below and the repository README, "Fine-tuning for composition") was measured, not tuned for.
+changes (little, see below and `docs/experiments/bptc.md` in the repository) was measured, not tuned for.
 
 ## Use
 ```python
@@ -196,12 +284,12 @@ import hf_statecompose as hsc
 from peft import PeftModel
 
 base, tok = {base}
-model = PeftModel.from_pretrained(base, "adapters/{name}")       # this folder
+model = PeftModel.from_pretrained(base, "{folder}")       # this folder
 # states must be encoded by the adapted model (its fingerprint includes the adapter)
 states = [hsc.ComposableMambaCache.encode(model, tok(c, return_tensors="pt").input_ids) for c in contexts]
 out = model.generate(tok(query, return_tensors="pt").input_ids, past_states=states, composition="{cfg["composition"]}", max_new_tokens=8)
 ```
-With lm-eval: `hf-statecompose lm-eval run --model statecompose --model_args pretrained=demo{"" if arch == "mamba2" else "-mamba"},peft=adapters/{name},passages=bundled,k=5 --tasks statecompose_recall_mc`.
+With lm-eval: `hf-statecompose lm-eval run --model statecompose --model_args pretrained=demo{"" if arch == "mamba2" else "-mamba"},peft={folder},passages=bundled,k=5 --tasks statecompose_recall_mc`.
 
 ## Training
 `accelerate launch recipes/finetune.py --experiment {name}` (config: `recipes/configs/finetune.json`):
@@ -211,12 +299,12 @@ from training segments) and {cfg["recall_fraction"]:.0%} synthetic recall rows; 
 {tr["train_seconds"] / 60:.1f} min on {results["device"]} ({tr["seconds_per_step_mean"]:.2f} s/step);
 training loss {tr["loss_first_10"]:.3f} (first 10 steps) → {tr["loss_last_10"]:.3f} (last 10).
 
-## Evaluation (lm-eval, bundled tasks; `python recipes/finetune.py --evaluate adapters/{name}`)
+## Evaluation (lm-eval, bundled tasks; `python recipes/finetune.py --evaluate {folder}`)
 {table}
-
+{_adapter_composition(arch, name)}
 Licence: the demo models' (CC BY-SA 4.0, trained on Wikipedia text).
 """
 
 
 def write_adapter_card(out: Path, results: dict) -> None:
-    _write(out, results["config"]["name"], render_adapter(results))
+    _write(out, results["config"]["name"], render_adapter(results, shown(out)))

@@ -468,8 +468,39 @@ Model config: `{json.dumps(s["models"][arch]["config"])}`.
 
 ## Measured by that run (held-out data; every run of the comparison)
 {summary_table(task_runs).replace("### " + task + chr(10) + chr(10), "")}
-{licence_text}
+{composition_table(relative_out)}{licence_text}
 """
+
+
+def composition_table(relative_out: str) -> str:
+    """How far this checkpoint's composed states are from the concatenation (``benchmarks/serpent_composition.py``'s
+    JSON, where it measured this checkpoint); empty otherwise."""
+    path = ROOT / "benchmarks" / "results" / "serpent_composition.json"
+    d = json.loads(path.read_text()) if path.exists() else {}
+    name = next((n for n, m in d.get("models", {}).items() if m.get("path") == relative_out), None)
+    if name is None:
+        return ""
+    methods = ("soup", "caso", "picaso_r", "piconcat_r")
+    rows = [
+        f"| {n} | {r['none']['kl_from_concat']:.4f} | "
+        + " | ".join(f"{r[m]['kl_from_concat']:.5f} ({r[m]['kl_share']:.0%})" for m in methods)
+        + " |"
+        for n, r in sorted(d["results"][name].items(), key=lambda item: int(item[0]))
+        if int(n) > 1
+    ]
+    p = d["protocol"]
+    return (
+        f"## Composition (`python benchmarks/serpent_composition.py --examples {p['examples']}`)\n"
+        f"Mean KL(concatenation ‖ composed) in nats over {p['examples']} held-out windows, n contexts of {p['context_tokens']} tokens, "
+        f"{p['scored_tokens']} scored tokens; in brackets its share of KL(concatenation ‖ no context). One state (n = 1) is exact.\n\n"
+        "| n | no context | "
+        + " | ".join(methods)
+        + " |\n|---:|---:|"
+        + "---:|" * len(methods)
+        + "\n"
+        + "\n".join(rows)
+        + "\n\nBoth architectures side by side: `docs/experiments/serpent.md` in the repository.\n\n"
+    )
 
 
 def write_card(result: dict, task_runs: list[dict], out: Path) -> None:

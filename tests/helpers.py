@@ -23,34 +23,42 @@ def tiny_model(arch: str, seed: int = 0, layers: int = 2, conv_kernel: int = 4, 
             (MambaConfig, MambaForCausalLM) if arch == "mamba" else (FalconMambaConfig, FalconMambaForCausalLM)
         )
         config = config_class(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            state_size=8,
-            num_hidden_layers=layers,
-            expand=2,
-            conv_kernel=conv_kernel,
-            pad_token_id=0,
-            eos_token_id=1,
-            bos_token_id=2,
-            **overrides,
+            **{
+                **dict(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    state_size=8,
+                    num_hidden_layers=layers,
+                    expand=2,
+                    conv_kernel=conv_kernel,
+                    pad_token_id=0,
+                    eos_token_id=1,
+                    bos_token_id=2,
+                ),
+                **overrides,
+            }
         )
         model = model_class(config)
     else:
         config = Mamba2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            state_size=8,
-            num_hidden_layers=layers,
-            expand=2,
-            num_heads=8,
-            head_dim=8,
-            n_groups=2,
-            chunk_size=16,
-            conv_kernel=conv_kernel,
-            pad_token_id=0,
-            eos_token_id=1,
-            bos_token_id=2,
-            **overrides,
+            **{
+                **dict(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    state_size=8,
+                    num_hidden_layers=layers,
+                    expand=2,
+                    num_heads=8,
+                    head_dim=8,
+                    n_groups=2,
+                    chunk_size=16,
+                    conv_kernel=conv_kernel,
+                    pad_token_id=0,
+                    eos_token_id=1,
+                    bos_token_id=2,
+                ),
+                **overrides,
+            }
         )
         model = Mamba2ForCausalLM(config)
     return hsc.enable(model.to(dtype).eval())
@@ -63,6 +71,30 @@ def random_ids(length: int, batch: int = 1, generator=None):
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+def craft(source, target, edit):
+    """Rewrite state file ``source`` as ``target`` after ``edit(tensors, meta)`` (in place on a dict of tensors and
+    the metadata dict), with a fresh digest: a hand-made file that only the schema checks can refuse."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save
+
+    from hf_statecompose.state.serialization import _digest
+
+    tensors = load_file(source)
+    with safe_open(source, framework="pt") as handle:
+        meta = json.loads(handle.metadata()["hf_statecompose"])
+    edit(tensors, meta)
+    meta["tensor_digest"] = _digest(tensors)
+    with open(target, "wb") as handle:
+        handle.write(
+            save(
+                {k: v.contiguous().clone() for k, v in tensors.items()}, metadata={"hf_statecompose": json.dumps(meta)}
+            )
+        )
+    return target
 
 
 def compile_without_gpu(script: str, marker: str = "compiled", timeout: int = 300) -> str:
@@ -105,6 +137,8 @@ _TRUSTED_FUNCTIONS = {
     ("torch.storage", "_load_from_bytes"),
     ("hf_statecompose.generation.integration", "_new_enabled_model"),
     ("hf_statecompose.models.mixers", "_new_state_aware_mixer"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch._C._nn", "gelu"),
 }
 
 

@@ -1,9 +1,7 @@
 """COFFEE models (``coffee``): config, Auto registration and the Hub (trust_remote_code) round trip, the paper's
-parameter counts, causality, ragged batches, incremental == full, generate(), copies, the image classifier.
-Tiny configs throughout."""
+parameter counts, the core head's distance logits, gradients, the image classifier. Tiny configs throughout.
+(Causality, ragged batches, incremental == full, generate() and copies, as for SeRpEnt: test_model_contract.py.)"""
 
-import copy
-import io
 import itertools
 import os
 import subprocess
@@ -18,30 +16,12 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 import hf_statecompose as hsc
 from hf_statecompose.models.coffee.modeling_coffee import distance_logits
 
-from helpers import load_saved, pickle_round_trip
+from architectures import coffee_lm
 
 VOCAB = 40
 
 
-def tiny(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
-    """A tiny random COFFEE LM; an untied N(0, 1) head spreads the logits (greedy does not echo one token)."""
-    torch.manual_seed(seed)
-    kwargs = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        state_size=4,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(**kwargs)).eval()
-    if model.lm_head is not None and not model.config.tie_word_embeddings:
-        with torch.no_grad():
-            model.lm_head.weight.normal_(0.0, 1.0)
-    return model
+tiny = coffee_lm  # the tiny model of tests/architectures.py (not enabled)
 
 
 def ids_of(batch: int, length: int, seed: int = 1, vocab: int = VOCAB) -> torch.Tensor:
@@ -50,13 +30,6 @@ def ids_of(batch: int, length: int, seed: int = 1, vocab: int = VOCAB) -> torch.
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-@pytest.fixture(scope="module", params=["lm", "core"])
-def model(request):
-    if request.param == "core":
-        return tiny(head="core", num_hidden_layers=1)
-    return tiny()
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -211,180 +184,7 @@ def test_image_classifier_counts_runs_and_learns():
         assert not torch.equal(parameter, before[name]), name
 
 
-# ------------------------------------------------------------------------------------------ causality
-@pytest.mark.parametrize("padded", [False, True])
-def test_later_tokens_change_no_earlier_logit(model, padded):
-    """The prefill is a Newton solve with one stopping rule for the whole batch: earlier logits may move by
-    rounding when later tokens change (the solve may take another step), never more."""
-    ids = ids_of(3, 24)
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1, :5] = 0
-        mask[2, :9] = 0
-    changed = ids.clone()
-    p = 14
-    changed[:, p + 1 :] = ids_of(3, 24 - p - 1, seed=7)
-    with torch.no_grad():
-        before = model(ids, attention_mask=mask).logits
-        after = model(changed, attention_mask=mask).logits
-    assert rel(after[:, : p + 1], before[:, : p + 1]) < 1e-5
-    assert rel(after[:, p + 1 :], before[:, p + 1 :]) > 1e-3  # the perturbation does reach later tokens
-
-
-def test_padding_content_is_ignored(model):
-    ids = ids_of(2, 16)
-    mask = torch.ones_like(ids)
-    mask[0, :6] = 0
-    other = ids.clone()
-    other[0, :6] = ids_of(1, 6, seed=3)
-    with torch.no_grad():
-        a, b = model(ids, attention_mask=mask).logits, model(other, attention_mask=mask).logits
-    assert rel(a[:, 6:], b[:, 6:]) < 1e-5
-
-
-def test_ragged_batch_rows_equal_each_row_alone(model):
-    ids = ids_of(3, 20)
-    lengths = [20, 13, 4]
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, -n:] = 1
-    with torch.no_grad():
-        batched = model(ids, attention_mask=mask).logits
-        for row, n in enumerate(lengths):
-            alone = model(ids[row : row + 1, -n:]).logits[0]
-            assert rel(batched[row, -n:], alone) < 1e-5
-
-
-# ------------------------------------------------------------------------------------------ incremental
-def test_token_by_token_and_chunks_equal_the_full_forward(model):
-    ids = ids_of(2, 22)
-    with torch.no_grad():
-        full = model(ids).logits
-        cache, steps = None, []
-        for t in range(ids.shape[1]):
-            out = model(ids[:, t : t + 1], cache_params=cache, use_cache=True)
-            cache, steps = out.cache_params, steps + [out.logits]
-        first = model(ids[:, :9], use_cache=True)
-        second = model(ids[:, 9:], cache_params=first.cache_params, use_cache=True)
-    assert rel(torch.cat(steps, 1), full) < 1e-4
-    assert rel(torch.cat([first.logits, second.logits], 1), full) < 1e-4
-    assert cache.num_tokens.tolist() == [22, 22] and cache.architecture == "coffee"
-    E = model.config.mixer_size * model.config.state_size
-    assert cache.ssm_states[0].shape == (2, E, 1) and cache.conv_states[0].shape == (2, E, 0)
-    assert cache.delta_sums[0].shape == (2, E) and (cache.delta_sums[0] >= 0).all()
-    assert torch.equal(cache.A[0], -torch.ones(E, 1))
-
-
-def test_padded_prompt_then_tokens_equals_the_full_forward(model):
-    ids = ids_of(2, 18)
-    mask = torch.ones_like(ids)
-    mask[1, :7] = 0
-    with torch.no_grad():
-        full = model(ids, attention_mask=mask).logits
-        prompt = model(ids[:, :10], attention_mask=mask[:, :10], use_cache=True)
-        cache, steps = prompt.cache_params, []
-        for t in range(10, 18):
-            out = model(ids[:, t : t + 1], cache_params=cache, use_cache=True)
-            cache, steps = out.cache_params, steps + [out.logits]
-    assert rel(torch.cat(steps, 1), full[:, 10:]) < 1e-4
-    assert cache.num_tokens.tolist() == [18, 11]
-
-
-def greedy_by_full_forwards(model, ids, new_tokens, mask=None):
-    ids = ids.clone()
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            step_mask = (
-                None
-                if mask is None
-                else torch.cat([mask, mask.new_ones(ids.shape[0], ids.shape[1] - mask.shape[1])], 1)
-            )
-            nxt = model(ids, attention_mask=step_mask).logits[:, -1].argmax(-1)
-            ids = torch.cat([ids, nxt[:, None]], 1)
-    return ids
-
-
-def test_generate_greedy_and_left_padded_batch(model):
-    ids = ids_of(2, 9)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(out, greedy_by_full_forwards(model, ids, 8, mask))
-    alone = model.generate(ids[1:, 4:], max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(out[1, 9:], alone[0, 5:])
-    if model.config.head == "lm":  # a real test: not one token repeated (the random core module may echo)
-        assert len(set(out[0, 9:].tolist())) > 1
-
-
-def test_generate_sampling_is_the_full_forward_distribution(model):
-    ids = ids_of(1, 8)
-    torch.manual_seed(3)
-    out = model.generate(
-        ids,
-        max_new_tokens=6,
-        do_sample=True,
-        top_k=0,
-        pad_token_id=0,
-        output_scores=True,
-        return_dict_in_generate=True,
-        eos_token_id=None,
-    )
-    with torch.no_grad():
-        full = model(out.sequences[:, :-1]).logits[:, ids.shape[1] - 1 :]
-    assert rel(torch.stack(out.scores, 1), full) < 1e-4
-
-
-def test_generate_beams_and_return_sequences(model):
-    ids = ids_of(2, 7)
-    beams = model.generate(
-        ids,
-        max_new_tokens=5,
-        num_beams=3,
-        num_return_sequences=2,
-        do_sample=False,
-        pad_token_id=0,
-        output_scores=True,
-        return_dict_in_generate=True,
-        early_stopping=False,
-        length_penalty=0.0,
-        eos_token_id=None,
-    )
-    with torch.no_grad():  # every returned beam's score is its log-probability under full forwards
-        logits = model(beams.sequences[:, :-1]).logits[:, ids.shape[1] - 1 :]
-        tokens = beams.sequences[:, ids.shape[1] :]
-        logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0].sum(-1)
-    assert torch.allclose(beams.sequences_scores, logp, atol=1e-4)
-    torch.manual_seed(4)
-    sampled = model.generate(
-        ids,
-        max_new_tokens=5,
-        do_sample=True,
-        top_k=0,
-        num_return_sequences=2,
-        pad_token_id=0,
-        output_scores=True,
-        return_dict_in_generate=True,
-        eos_token_id=None,
-    )
-    assert sampled.sequences.shape[0] == 4 and torch.equal(sampled.sequences[1::2, :7], ids)
-    with torch.no_grad():
-        full = model(sampled.sequences[:, :-1]).logits[:, ids.shape[1] - 1 :]
-    assert rel(torch.stack(sampled.scores, 1), full) < 1e-4
-
-
 # ------------------------------------------------------------------------------------------ copies, gradients
-def test_model_survives_deepcopy_pickle_and_torch_save(model):
-    ids = ids_of(2, 10)
-    with torch.no_grad():
-        expected = model(ids).logits
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        buffer.seek(0)
-        # the standard asks models to survive pickle / torch.save: these bytes are made here, never a user's file
-        for clone in (copy.deepcopy(model), pickle_round_trip(model), load_saved(buffer)):
-            assert torch.equal(clone(ids).logits, expected)
-
-
 def test_gradients_reach_every_parameter():
     model = tiny().train()
     ids = ids_of(2, 12)
@@ -474,11 +274,3 @@ def test_save_and_load_the_papers_models(tmp_path, head):
     assert type(loaded) is type(model)
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
-
-
-def test_past_states_are_refused_until_the_model_is_enabled():
-    model = tiny()
-    ids = ids_of(1, 4)
-    for call in (lambda: model(ids, past_states=[object()]), lambda: model.backbone(ids, past_states=[object()])):
-        with pytest.raises(ValueError, match=r"past_states needs hf_statecompose\.enable"):
-            call()

@@ -1,76 +1,36 @@
 """COFFEE states: encode, compose and generate like Mamba (issue 13).
 
 A COFFEE layer's state [B, E, n] lives in a plain ComposableMambaCache, flattened as a Mamba-1 state with one
-channel per element ([B, E·n, 1]), an empty conv window, ΣΔ = -Σ_k log(1 + λΔ(k)) and A = -1. One state +
-query is context + query (forward, greedy, sampling, beams, padded batches) for every model-free method; with
-the input gate (no feedback) CASO of two states is the state of the concatenation, with the state feedback
-gate it is not; states files, refusals, copies and the store work as for Mamba."""
+channel per element ([B, E·n, 1]), an empty conv window, ΣΔ = -Σ_k log(1 + λΔ(k)) and A = -1. What every
+architecture's state does (one state + query = context + query, padded batches, files, copies, refusals) is
+checked once for all in test_state_contract.py; here what is COFFEE's own: with the input gate (no feedback)
+CASO of two states is the state of the concatenation, with the state feedback gate it is not; crafted files."""
 
 import copy
-import io
-import itertools
-import json
-import pickle
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save
 
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache, StateComposer
-from hf_statecompose.composition.composer import METHODS, MODEL_FREE_METHODS
+from hf_statecompose.composition.composer import MODEL_FREE_METHODS
 from hf_statecompose.ops.compose import native as compose_native
 from hf_statecompose.ops.compose.reference import compose_ssm_ref
-from hf_statecompose.state import serialization
 from hf_statecompose.state.validation import check_state
 
-from helpers import load_saved, pickle_round_trip, tiny_model, trusted_loads
+from architectures import COFFEE_STATE_MATTERS, COFFEE_VOCAB, tiny_coffee
+from helpers import craft, relative_error
 
-VOCAB = 40
+VOCAB = COFFEE_VOCAB
 NEW = 8
-# With the default init (0.02) the state moves the next-token logits by 3-8% and changes no greedy token; a
-# larger init makes it matter (65-180%, other tokens), so that a lost or wrong state cannot pass.
-STATE_MATTERS = dict(initializer_range=0.1)
-MATTERS = 2e-2  # smallest relative change of the next-token logits that counts as "the state changes the output"
+STATE_MATTERS = COFFEE_STATE_MATTERS
 
 
-def tiny(seed: int = 0, **overrides) -> hsc.CoffeeForCausalLM:
-    """A tiny random COFFEE LM, enabled; an untied N(0, 1) head spreads the logits (greedy does not echo)."""
-    torch.manual_seed(seed)
-    kwargs = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        state_size=4,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    model = hsc.CoffeeForCausalLM(hsc.CoffeeConfig(**kwargs)).eval()
-    if model.lm_head is not None:
-        with torch.no_grad():
-            model.lm_head.weight.normal_(0.0, 1.0)
-    model.generation_config.eos_token_id = None  # fixed-length generations (eos would end them early)
-    return hsc.enable(model)
+tiny = tiny_coffee  # the tiny COFFEE LM of tests/architectures.py
 
 
 def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-def composer_of(method: str, n: int) -> StateComposer:
-    return (
-        StateComposer(method, weights=[0.2, 0.5, 0.3][:n] if n == 3 else [1.0])
-        if method == "weighted"
-        else StateComposer(method)
-    )
 
 
 def assert_states_equal(actual, expected, rtol=1e-5, atol=1e-6):
@@ -158,141 +118,7 @@ def test_backend_and_disable(model):
     assert hsc.is_enabled(other)
 
 
-# ------------------------------------------------------------------------------------------ n = 1: exact
-@pytest.mark.parametrize("query_length", [1, 2, 9, 40])
-@torch.no_grad()
-def test_one_state_reproduces_context_plus_query(model, state, context, query_length):
-    """One state composes to itself under every method (the model-based ones re-encode its tokens): forward and
-    greedy generate equal context + query, after showing that the state changes the logits and the tokens."""
-    query = ids_of(query_length, seed=30 + query_length)
-    whole = torch.cat([context, query], 1)
-    full = model(whole).logits[:, -query_length:]
-    expected = model.generate(
-        whole, max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True
-    )
-    assert rel(model(query).logits[:, -1], full[:, -1]) > MATTERS  # no context
-    assert not torch.equal(
-        model.generate(query, max_new_tokens=NEW, do_sample=False), expected.sequences[:, context.shape[1] :]
-    )
-    for method in METHODS:
-        kwargs = dict(composition=composer_of(method, 1))
-        assert rel(model(query, past_states=[state], **kwargs).logits, full) < 1e-4, method
-        out = model.generate(
-            query,
-            past_states=[state],
-            max_new_tokens=NEW,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-        assert torch.equal(out.sequences, expected.sequences[:, context.shape[1] :]), method
-        assert rel(out.scores[0], expected.scores[0]) < 1e-4, method
-    assert len(set(expected.sequences[0, -NEW:].tolist())) > 1  # a real test: not one token repeated
-
-
-@torch.no_grad()
-def test_left_padded_contexts_and_queries(model):
-    """Left-padded contexts (encode) and queries (forward, generate): every row its exact result."""
-    contexts = [ids_of(n, seed=40 + n)[0] for n in (5, 11, 8)]
-    queries = [ids_of(n, seed=50 + n)[0] for n in (3, 1, 6)]
-
-    def pad(rows):
-        width = max(map(len, rows))
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for r, row in enumerate(rows):
-            ids[r, width - len(row) :], mask[r, width - len(row) :] = row, 1
-        return ids, mask
-
-    (c_ids, c_mask), (q_ids, q_mask) = pad(contexts), pad(queries)
-    states = ComposableMambaCache.encode(model, c_ids, attention_mask=c_mask)
-    logits = model(q_ids, attention_mask=q_mask, past_states=[states], composition="caso").logits
-    out = model.generate(
-        q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False, pad_token_id=0
-    )
-    for r, (c, q) in enumerate(zip(contexts, queries)):
-        whole = torch.cat([c, q])[None]
-        assert rel(logits[r, -len(q) :], model(whole).logits[0, -len(q) :]) < 1e-4
-        expected = model.generate(whole, max_new_tokens=NEW, do_sample=False)
-        assert torch.equal(out[r, q_ids.shape[1] :], expected[0, whole.shape[1] :])
-
-
-@torch.no_grad()
-def test_continuing_a_state_equals_encoding_the_concatenation(model):
-    """encode(c1) then forward(c2, cache_params=state) is encode(c1 + c2): SSM state and ΣΔ (accumulated over
-    both forwards: the log decays add up)."""
-    c1, c2 = ids_of(7, batch=2, seed=60), ids_of(10, batch=2, seed=61)
-    continued = ComposableMambaCache.encode(model, c1).clone()
-    model(c2, cache_params=continued, use_cache=True)
-    whole = ComposableMambaCache.encode(model, torch.cat([c1, c2], 1))
-    assert_states_equal(continued, whole)
-    assert continued.num_tokens.tolist() == [17, 17] and continued.token_ids is None
-
-
-@torch.no_grad()
-def test_beams_and_sampling_with_past_states(model, state, context):
-    query = ids_of(4, seed=70)
-    whole = torch.cat([context, query], 1)
-    kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False)
-    out = model.generate(query, past_states=[state], **kwargs)
-    assert out.shape[0] == 2 and torch.equal(out, model.generate(whole, **kwargs)[:, context.shape[1] :])
-    torch.manual_seed(5)
-    expected = model.generate(whole, max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
-    torch.manual_seed(5)
-    out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
-    assert torch.equal(out, expected[:, context.shape[1] :])
-
-
-@torch.no_grad()
-def test_generate_does_not_mutate_the_states(model, state):
-    before = copy.deepcopy(state)
-    model.generate(ids_of(3), past_states=[state], max_new_tokens=4, do_sample=False)
-    model.generate(ids_of(3), past_states=[state, state], max_new_tokens=4, num_beams=2, do_sample=False)
-    assert_states_equal(state, before, rtol=0, atol=0)
-
-
 # ------------------------------------------------------------------------------------------ n > 1
-@torch.no_grad()
-def test_every_method_generates_from_its_composed_state(model, states):
-    """forward / generate(past_states=states, composition=method) run from exactly the state that
-    StateComposer(method).compose(states, model=model) gives, fed as cache_params (logits equal, same tokens),
-    for every method; that state changes the logits and the tokens (vs no context: a COFFEE state is all SSM
-    state, so this is also the zeroed state) and each method's differs from every other's, so an ignored
-    method or a lost state fails."""
-    query = ids_of(5, seed=80)
-    plain = model(query).logits[:, -1]
-    plain_tokens = model.generate(query, max_new_tokens=4, do_sample=False)
-    next_logits = {}
-    for method in METHODS:
-        composer = composer_of(method, 3)
-        composed = composer.compose(states, model=model)
-        expected = model(query, cache_params=composed.clone(), use_cache=True).logits
-        logits = model(query, past_states=states, composition=composer).logits
-        assert torch.equal(logits, expected), method
-        assert rel(plain, expected[:, -1]) > MATTERS, method
-        out = model.generate(query, past_states=states, composition=composer, max_new_tokens=4, do_sample=False)
-        assert out.shape == (1, 9) and torch.equal(out[:, :5], query), method
-        assert torch.equal(
-            out, model.generate(query, cache_params=composed.clone(), max_new_tokens=4, do_sample=False)
-        ), method
-        assert not torch.equal(out, plain_tokens), method
-        next_logits[method] = logits[:, -1]
-    for a, b in itertools.combinations(METHODS, 2):
-        assert rel(next_logits[a], next_logits[b]) > 1e-3, (a, b)
-    # one list of states per query row: each row its own composition
-    queries = ids_of(3, batch=2, seed=81)
-    rows = model(queries, past_states=[states[:2], states[1:]], composition="caso").logits
-    for r, row_states in enumerate((states[:2], states[1:])):
-        alone = model(queries[r : r + 1], cache_params=StateComposer("caso").compose(row_states), use_cache=True).logits
-        assert rel(rows[r : r + 1], alone) < 1e-5, r
-    assert rel(rows[0, -1], rows[1, -1]) > MATTERS
-    out = model.generate(
-        queries, past_states=[states[:2], states[1:]], composition="caso", max_new_tokens=3, do_sample=False
-    )
-    assert out.shape == (2, 6)
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("method", MODEL_FREE_METHODS)
 @torch.no_grad()
@@ -346,36 +172,13 @@ def test_caso_is_the_concatenation_without_feedback_and_not_with_it():
         s1, s2 = (ComposableMambaCache.encode(model, c) for c in (c1, c2))
         caso = StateComposer("caso").compose([s1, s2])
         whole = ComposableMambaCache.encode(model, torch.cat([c1, c2], 1))
-        differences[gate] = rel(caso.ssm_states[0], whole.ssm_states[0])
+        differences[gate] = relative_error(caso.ssm_states[0], whole.ssm_states[0])
         if gate == "input":
             torch.testing.assert_close(caso.delta_sums[0], whole.delta_sums[0], rtol=1e-5, atol=1e-5)  # decays add
             torch.testing.assert_close(caso.ssm_states[0], whole.ssm_states[0], rtol=1e-5, atol=1e-6)
             expected = model(torch.cat([c1, c2, query], 1)).logits[:, -3:]
-            assert rel(model(query, past_states=[s1, s2], composition="caso").logits, expected) < 1e-4
+            assert relative_error(model(query, past_states=[s1, s2], composition="caso").logits, expected) < 1e-4
     assert differences["input"] < 1e-5 and differences["state"] > 1e-3, differences  # CASO vs concat, relative
-
-
-@torch.no_grad()
-def test_nested_compositions_agree_where_the_maths_says(states):
-    a, b, c = states
-    d = ComposableMambaCache.stack([a])  # a copy of a
-    caso = StateComposer("caso")
-    nested = caso.compose([caso.compose([a, b]), caso.compose([c, d])])
-    assert_states_equal(nested, caso.compose([a, b, c, d]))
-    p, q = 0.3, 0.6
-    inner = StateComposer("weighted", weights=[p, 1 - p]).compose([a, b])
-    nested = StateComposer("weighted", weights=[q, 1 - q]).compose([inner, c])
-    assert_states_equal(nested, StateComposer("weighted", weights=[q * p, q * (1 - p), 1 - q]).compose([a, b, c]))
-
-
-@torch.no_grad()
-def test_concat_baselines_re_encode(model, states):
-    tokens = torch.cat([s.token_ids for s in states], 1)
-    concat = StateComposer("concat").compose(states, model=model)
-    assert_states_equal(concat, ComposableMambaCache.encode(model, tokens))
-    piconcat = StateComposer("piconcat_r").compose(states, model=model)
-    assert type(piconcat) is ComposableMambaCache and piconcat.num_tokens.tolist() == [29]
-    check_state(piconcat, model)
 
 
 def test_training_through_compositions_reaches_the_mixer():
@@ -403,28 +206,6 @@ def test_training_through_compositions_reaches_the_mixer():
 
 
 # ------------------------------------------------------------------------------------------ bad input
-@torch.no_grad()
-def test_states_of_another_architecture_or_model_are_refused(model, state):
-    mamba = tiny_model("mamba")
-    mamba_state = ComposableMambaCache.encode(mamba, ids_of(6))
-    query = ids_of(3)
-    with pytest.raises(ValueError, match=r"'mamba' model.*this model is 'coffee'.*re-encode"):
-        model.generate(query, past_states=[mamba_state], max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"'coffee' model.*this model is 'mamba'.*re-encode"):
-        mamba.generate(query, past_states=[state], max_new_tokens=2)
-    with pytest.raises(ValueError, match="different model"):
-        StateComposer("soup").compose([state, mamba_state])
-    other = tiny(seed=1)
-    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
-        other(query, past_states=[state])
-    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
-        StateComposer("concat").compose([state], model=other)
-    with pytest.raises(ValueError, match="layers"):
-        tiny(num_hidden_layers=3)(query, past_states=[state])
-    with pytest.raises(ValueError, match="per-row shape"):  # another state size: other shapes
-        tiny(state_size=2)(query, past_states=[state])
-
-
 def _set_layer(state, v, **tensors):
     current = dict(
         ssm_state=state.ssm_states[v], conv_state=state.conv_states[v], delta_sum=state.delta_sums[v], A=state.A[v]
@@ -472,17 +253,6 @@ def saved(state, tmp_path):
     return path
 
 
-def _craft(saved, edit):
-    tensors = load_file(saved)
-    with safe_open(saved, framework="pt") as handle:
-        meta = json.loads(handle.metadata()["hf_statecompose"])
-    edit(tensors, meta)
-    meta = dict(meta, tensor_digest=serialization._digest(tensors))
-    path = saved.parent / "crafted.safetensors"
-    path.write_bytes(save(tensors, metadata={"hf_statecompose": json.dumps(meta)}))
-    return path
-
-
 def _set(name, fn):
     def edit(tensors, meta):
         tensors[name] = fn(tensors[name])
@@ -512,35 +282,10 @@ CRAFTED = [
 
 @pytest.mark.parametrize("edit, message", [c[1:] for c in CRAFTED], ids=[c[0] for c in CRAFTED])
 def test_crafted_files_are_refused(model, saved, edit, message):
-    path = _craft(saved, edit)
+    path = craft(saved, saved.parent / "crafted.safetensors", edit)
     for kwargs in ({}, {"model": model}):
         with pytest.raises(ValueError, match=message):
             ComposableMambaCache.load(path, **kwargs)
-
-
-@torch.no_grad()
-def test_file_round_trip_is_exact_and_generates_the_same(model, state, saved):
-    query = ids_of(4, seed=90)
-    expected = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False)
-    for loaded in (ComposableMambaCache.load(saved, model=model), ComposableMambaCache.load(saved)):
-        assert type(loaded) is ComposableMambaCache and loaded.architecture == "coffee"
-        assert isinstance(loaded.config, hsc.CoffeeConfig) and loaded.config.state_size == 4
-        assert_states_equal(loaded, state, rtol=0, atol=0)
-        assert torch.equal(loaded.token_ids, state.token_ids) and loaded.fingerprint == state.fingerprint
-        assert torch.equal(model.generate(query, past_states=[loaded], max_new_tokens=NEW, do_sample=False), expected)
-
-
-@torch.no_grad()
-def test_files_of_another_architecture_or_model_are_refused(model, saved, tmp_path):
-    mamba = tiny_model("mamba")
-    mamba_path = tmp_path / "mamba.safetensors"
-    ComposableMambaCache.encode(mamba, ids_of(5)).save(mamba_path)
-    with pytest.raises(ValueError, match=r"'mamba' model, this model is 'coffee'.*re-encode"):
-        ComposableMambaCache.load(mamba_path, model=model)
-    with pytest.raises(ValueError, match=r"'coffee' model, this model is 'mamba'.*re-encode"):
-        ComposableMambaCache.load(saved, model=mamba)
-    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
-        ComposableMambaCache.load(saved, model=tiny(seed=2))
 
 
 @torch.no_grad()
@@ -554,78 +299,3 @@ def test_core_module_states_round_trip(tmp_path):
     loaded = ComposableMambaCache.load(tmp_path / "core.safetensors", model=model)
     expected = model.generate(torch.cat([context, query], 1), max_new_tokens=NEW, do_sample=False)[:, 10:]
     assert torch.equal(model.generate(query, past_states=[loaded], max_new_tokens=NEW, do_sample=False), expected)
-
-
-# ------------------------------------------------------------------------------------------ copies
-@torch.no_grad()
-def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
-    query = ids_of(3, seed=91)
-    expected = model(query, past_states=[state]).logits
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    for copied in (
-        copy.deepcopy(state),
-        pickle_round_trip(state),
-        load_saved(buffer),
-        state.clone(),
-        state.to("cpu", torch.float32),
-    ):
-        assert type(copied) is ComposableMambaCache
-        assert_states_equal(copied, state, rtol=0, atol=0)
-        assert torch.equal(model(query, past_states=[copied]).logits, expected)
-
-
-@torch.no_grad()
-def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states, monkeypatch):
-    query = ids_of(3, seed=92)
-    expected = model.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    for copied in (copy.deepcopy(model), pickle_round_trip(model), load_saved(buffer)):
-        assert hsc.is_enabled(copied) and isinstance(copied, hsc.CoffeeForCausalLM)
-        assert torch.equal(copied.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
-    from hf_statecompose.generation import integration
-
-    data = pickle.dumps(model)
-    monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
-    loaded = trusted_loads(data)
-    assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
-    assert torch.equal(loaded.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
-    duplicate = copy.deepcopy(model)  # the copy runs its own weights
-    with torch.no_grad():
-        duplicate.backbone.layers[0].mixer.ssm.w_D.mul_(1.5)
-    with pytest.raises(ValueError, match="re-encode"):  # the states are the original's
-        duplicate(query, past_states=states)
-
-
-# ------------------------------------------------------------------------------------------ store
-def test_a_state_store_of_a_coffee_model(tmp_path):
-    """A StateStore keeps COFFEE states (empty conv windows): add, get (each entry equal to encoding it
-    alone), retrieve, generate, compact, reopen; a store of another model is refused."""
-    from store_helpers import BagOfWords, CharTokenizer
-
-    model = tiny(vocab_size=99)
-    tokenizer = CharTokenizer()
-    texts = ["the cat sat on the mat", "dogs bark loudly at night", "a short one", "cats and dogs"]
-    store = hsc.StateStore(tmp_path / "s", model, tokenizer, retriever=BagOfWords())
-    ids = store.add(texts, show_progress=False, batch_size=3)
-    with torch.no_grad():
-        alone = [ComposableMambaCache.encode(model, torch.tensor([tokenizer(t)["input_ids"]])) for t in texts]
-    for got, expected in zip(store.get(ids), alone):
-        assert type(got) is ComposableMambaCache and got.architecture == "coffee"
-        assert_states_equal(got, expected)  # the store encodes padded batches
-    query = ids_of(4, seed=93)
-    expected = model.generate(query, past_states=alone[:2], max_new_tokens=NEW, do_sample=False)
-    assert torch.equal(
-        model.generate(query, past_states=store.get(ids[:2]), max_new_tokens=NEW, do_sample=False), expected
-    )
-    assert store.retrieve("the cat", k=1)[0].text == texts[0]
-    store.delete(ids[1])
-    store.compact()
-    again = hsc.StateStore(tmp_path / "s", model, tokenizer, retriever=BagOfWords())
-    assert set(again.ids()) == {ids[0], ids[2], ids[3]}
-    assert_states_equal(again.get(ids[3]), alone[3])
-    with pytest.raises(ValueError, match="another model"):
-        hsc.StateStore(tmp_path / "s", tiny(seed=3, vocab_size=99), tokenizer, retriever=BagOfWords())

@@ -1,4 +1,6 @@
-"""One state reproduces the concatenation exactly; CASO equals the concatenated state where it must."""
+"""Mamba / Mamba-2 maths: CASO equals the concatenated state where it must (one layer, no conv window) and not
+otherwise, encode equals transformers' states, the log decay is the context's. (One state + query = context +
+query, for every architecture: test_state_contract.py.)"""
 
 import pytest
 import torch
@@ -7,43 +9,6 @@ import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache
 
 from helpers import random_ids, relative_error, tiny_model
-
-
-@pytest.mark.parametrize("query_length", [1, 2, 9, 40])
-@torch.no_grad()
-def test_one_state_reproduces_context_plus_query(model, query_length):
-    context, query = random_ids(23), random_ids(query_length)
-    expected = model(torch.cat([context, query], 1)).logits[:, -query_length:]
-    state = ComposableMambaCache.encode(model, context)
-    for method in ("picaso_r", "picaso_s", "soup", "caso"):
-        logits = model(query, past_states=[state], composition=method).logits
-        assert relative_error(logits, expected) < 1e-4, method
-
-
-@torch.no_grad()
-def test_batched_contexts_and_queries_of_different_lengths(model):
-    """Left-padded contexts (encode) and left-padded queries (forward) give every row its exact result."""
-    contexts = [random_ids(n)[0] for n in (5, 17, 11)]
-    queries = [random_ids(n)[0] for n in (3, 1, 8)]
-    width_c, width_q = max(map(len, contexts)), max(map(len, queries))
-    ids = torch.zeros(3, width_c, dtype=torch.long)
-    mask = torch.zeros(3, width_c, dtype=torch.long)
-    q_ids = torch.zeros(3, width_q, dtype=torch.long)
-    q_mask = torch.zeros(3, width_q, dtype=torch.long)
-    for r, (c, q) in enumerate(zip(contexts, queries)):
-        ids[r, width_c - len(c) :], mask[r, width_c - len(c) :] = c, 1
-        q_ids[r, width_q - len(q) :], q_mask[r, width_q - len(q) :] = q, 1
-    states = ComposableMambaCache.encode(model, ids, attention_mask=mask)
-    assert states.num_tokens.tolist() == [5, 17, 11]
-    logits = model(q_ids, attention_mask=q_mask, past_states=[states]).logits
-    for r, (c, q) in enumerate(zip(contexts, queries)):
-        alone = ComposableMambaCache.encode(model, c[None])
-        for i in range(states.num_layers):
-            torch.testing.assert_close(states.select(r).ssm_states[i], alone.ssm_states[i], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(states.select(r).conv_states[i], alone.conv_states[i], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(states.select(r).delta_sums[i], alone.delta_sums[i], rtol=1e-5, atol=1e-6)
-        expected = model(torch.cat([c, q])[None]).logits[0, -len(q) :]
-        assert relative_error(logits[r, -len(q) :], expected) < 1e-4
 
 
 @pytest.mark.parametrize("arch_", ["mamba", "mamba2"])

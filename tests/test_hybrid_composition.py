@@ -1,7 +1,7 @@
 """Composing hybrid states (issue 22): the attention layers' placement (``concat`` with RoPE re-rotation, ``shared``,
 ``none``), order invariance without positional encoding, the model-based baselines, and the refusals.
 
-Tiny random float64 hybrids (:mod:`hybrid_helpers`), every supported hybrid architecture.
+Tiny random float64 hybrids (:mod:`architectures`), every supported hybrid architecture.
 """
 
 import itertools
@@ -14,7 +14,9 @@ import hf_statecompose as hsc
 from hf_statecompose import StateComposer, compat
 from hf_statecompose.state.architectures import architecture
 
-from hybrid_models import CONFIGS, VOCAB, arch_params, hybrid_model, ids, left_pad, relative_error
+from architectures import HYBRID_CONFIGS as CONFIGS
+from architectures import VOCAB, arch_params, hybrid_model, ids, left_pad
+from helpers import relative_error
 
 TOL64 = 1e-6  # relative, logits of float64 models (the SSM states are float32)
 

@@ -10,7 +10,7 @@ import hf_statecompose as hsc
 from hf_statecompose import compat
 from hf_statecompose.state.validation import check_state
 
-from hybrid_models import hybrid_model, ids
+from architectures import hybrid_model, ids
 
 
 def _states(model):

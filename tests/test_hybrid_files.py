@@ -11,8 +11,8 @@ import hf_statecompose as hsc
 from hf_statecompose.state.cache import ComposableMambaCache
 from hf_statecompose.state.hybrid_cache import ComposableHybridCache
 
-from helpers import random_ids, tiny_model
-from hybrid_helpers import craft, hybrid_params, tiny_hybrid
+from architectures import hybrid_params, tiny_hybrid
+from helpers import craft, random_ids, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from hf_statecompose.state.hybrid_cache import ComposableHybridCache
 from hf_statecompose.store import StateStore
 from hf_statecompose.store.format import checksum
 
-from hybrid_helpers import WORKING, tiny_hybrid
+from architectures import WORKING, tiny_hybrid
 from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 BACKENDS = ["folder", "lance"]

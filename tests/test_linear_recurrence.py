@@ -129,14 +129,14 @@ TRITON_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 @pytest.mark.parametrize("length, decay, channels", [(1, "unit", 5), (7, "zeros", 37), (128, "negative", 300)])
 def test_triton_matches_reference(length, decay, channels, dtype):
     pytest.importorskip("triton")
-    from hf_statecompose.ops.linear_recurrence.triton_kernel import linear_recurrence_triton
+    from hf_statecompose.ops.linear_recurrence.triton_wrapper import linear_recurrence_triton
 
     _check(linear_recurrence_triton, length, decay, dtype, seed=7 * length, tol=TRITON_TOL[dtype], channels=channels)
 
 
 def test_triton_backend_dispatch_and_errors():
     pytest.importorskip("triton")
-    from hf_statecompose.ops.linear_recurrence.triton_kernel import linear_recurrence_triton
+    from hf_statecompose.ops.linear_recurrence.triton_wrapper import linear_recurrence_triton
 
     (a, b, h0), _ = _inputs(12, "unit", torch.float32, seed=8)
     h = linear_recurrence(a, b, h0, backend="triton")
@@ -151,7 +151,9 @@ import os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hf_statecompose.ops.linear_recurrence import triton_kernel as lr
+from hf_statecompose.ops._triton import bundled_kernels
+bundled_kernels()  # registers hf_statecompose._kernels (loaded by path in a source checkout)
+import hf_statecompose._kernels._linear_recurrence as lr
 
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 spills, n = [], 0

@@ -273,6 +273,10 @@ def test_cli_wrapper_runs_a_task(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "statecompose_recall_mc" in done.stdout and "acc" in done.stdout
+    # quiet (tests/test_quiet.py): no "Loading weights" bar, and no git error although tmp_path is not a repository
+    assert "Loading weights" not in done.stderr and "fatal: not a git repository" not in done.stderr, done.stderr[
+        -3000:
+    ]
     results = list((tmp_path / "out").rglob("results_*.json"))
     assert results and json.loads(results[0].read_text())["results"]["statecompose_recall_mc"]["acc,none"] >= 0
 

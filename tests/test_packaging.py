@@ -38,14 +38,55 @@ def test_wheel_contains_every_package_file(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [path for _, path in _tracked("hf_statecompose") if path not in names]
     assert missing == []
-    for kernel in ("selective_scan", "ssd", "conv", "compose"):
-        assert f"hf_statecompose/ops/{kernel}/triton_kernel.py" in names
     assert "hf_statecompose/py.typed" in names
+    # the CPU kernels' C sources (package data, compiled at run time)
+    for source in ("statecompose_math.h", "compose_ssm.c", "causal_conv1d.c", "selective_scan.c", "ssd_scan.c"):
+        assert f"hf_statecompose/ops/csrc/{source}" in names, source
+
+
+def test_the_wheel_carries_the_kernels_folder_as_hf_statecompose_kernels(tmp_path):
+    """kernels/torch-ext/hf_statecompose_kernels/* is hf_statecompose/_kernels/* in the wheel, byte for byte (every
+    file, nothing else), and nothing of the wheel is a top-level kernels/ (the PyPI package's name)."""
+    wheel = zipfile.ZipFile(_build("wheel", tmp_path))
+    source = ROOT / "kernels" / "torch-ext" / "hf_statecompose_kernels"
+    tracked = sorted(path for _, path in _tracked("kernels/torch-ext/hf_statecompose_kernels"))
+    assert "kernels/torch-ext/hf_statecompose_kernels/__init__.py" in tracked
+    shipped = sorted(name for name in wheel.namelist() if name.startswith("hf_statecompose/_kernels/"))
+    assert shipped == [
+        f"hf_statecompose/_kernels/{Path(path).relative_to(source.relative_to(ROOT))}" for path in tracked
+    ]
+    for path in tracked:
+        name = f"hf_statecompose/_kernels/{Path(path).relative_to(source.relative_to(ROOT))}"
+        assert wheel.read(name) == (ROOT / path).read_bytes(), name
+    assert [name for name in wheel.namelist() if name.split("/")[0] == "kernels"] == []
+
+
+def test_the_packages_list_names_every_package():
+    """pyproject lists the packages by hand (a package outside its parent's folder cannot be discovered): the
+    list is every folder with an __init__.py under hf_statecompose/, plus hf_statecompose._kernels."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set(find_packages(str(ROOT), include=["hf_statecompose*"]))
+    assert set(config["packages"]) == found | {"hf_statecompose._kernels"}, "add the new package to pyproject.toml"
+    assert config["package-dir"] == {"hf_statecompose._kernels": "kernels/torch-ext/hf_statecompose_kernels"}
 
 
 def test_sdist_contains_tests_and_license(tmp_path):
     sdist = _build("sdist", tmp_path)
     names = {name.split("/", 1)[1] for name in tarfile.open(sdist).getnames() if "/" in name}
-    for path in ("LICENSE", "tests/helpers.py", "tests/conftest.py", "tests/store_helpers.py", ".importlinter"):
+    for path in (
+        "LICENSE",
+        "tests/helpers.py",
+        "tests/conftest.py",
+        "tests/store_helpers.py",
+        ".importlinter",
+        "kernels/build.toml",
+        "kernels/README.md",
+        "kernels/build_universal.py",
+        "kernels/torch-ext/hf_statecompose_kernels/__init__.py",
+    ):
         assert path in names, path
     assert os.path.basename(sdist).startswith("hf_statecompose-")

@@ -1,4 +1,5 @@
-"""The README's quickstart runs as written, and its links to files of the repository exist."""
+"""The README is one screen: its quickstart and feature snippets run as written, and its links to files of the
+repository exist."""
 
 import os
 import re
@@ -29,6 +30,22 @@ def test_quickstart_is_short_and_runs_as_written(tmp_path):
     # what the comments promise: the answers come from the composed / retrieved states
     assert printed[0] == "' tea.'", printed
     assert printed[1].startswith("' Iron.' ['Tari'"), printed
+
+
+def test_readme_is_short():
+    assert len(README.splitlines()) <= 250, "the README is the one-screen overview: move details to docs/"
+
+
+def test_feature_snippets_run_as_written(tmp_path):
+    section = README.split("\n## Features\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    assert len(blocks) >= 5, "one snippet per feature"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", "\n".join(blocks)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "['Tari']" in done.stdout.splitlines(), done.stdout
 
 
 def test_local_links_exist():

@@ -1,71 +1,39 @@
 """SeRpEnt-Mamba states: encode, compose and generate like Mamba (issue 12).
 
-One state + query is exactly context + query (forward, greedy generate, beams, return sequences, padded
-batches) for every model-free method; more states compose their branch SSMs as Mamba-1 states (checked
-against the plain reference per virtual layer) and take the resampling state of the last one; state files
-carry the resampling state and refuse crafted ones; states and enabled models survive copies."""
+What every architecture's state does (one state + query = context + query, padded batches, files, copies,
+refusals) is checked once for all in test_state_contract.py. Here what is SeRpEnt's own: a continued state
+carries the resampling clock, window and times; more states compose their branch SSMs as Mamba-1 states (checked
+against the plain reference per virtual layer) and take the resampling state of the last one; state files carry
+the resampling state and refuse crafted ones."""
 
 import copy
-import io
-import itertools
-import json
-import pickle
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save
 
 import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache, ComposableSeRpEntCache, StateComposer
 from hf_statecompose.composition.composer import METHODS, MODEL_FREE_METHODS
 from hf_statecompose.ops.compose.reference import compose_ssm_ref
-from hf_statecompose.state import serialization
 from hf_statecompose.state.architectures import SERPENT_MAMBA
 from hf_statecompose.state.serpent_cache import CLOCK_BITS
 from hf_statecompose.state.validation import check_state
 
-from helpers import load_saved, pickle_round_trip, tiny_model, trusted_loads
+from architectures import SERPENT_STATE_MATTERS, SERPENT_VOCAB, tiny_serpent
+from helpers import craft, relative_error
 
-VOCAB = 61
+VOCAB = SERPENT_VOCAB
 NEW = 8
 EXTRAS = tuple(extra.attribute for extra in SERPENT_MAMBA.extras)
-# With the default init the branch SSMs hardly read their states (zeroing every SSM state of a composed state
-# moved the next-token logits by ~1e-6 relative, below the tolerance of the exactness checks): a larger init
-# (B, C, embeddings) and larger steps Δ make them matter (zeroing them now moves the logits by 20-40%).
-STATE_MATTERS = dict(initializer_range=1.0, time_step_min=0.01, time_step_max=0.5)
+STATE_MATTERS = SERPENT_STATE_MATTERS
 MATTERS = 2e-2  # smallest relative change of the next-token logits that counts as "the state changes the output"
 
 
-def tiny(seed: int = 0, **overrides) -> hsc.SeRpEntMambaForCausalLM:
-    """A tiny random SeRpEnt LM (3 branches κ = 1, 0.5, 0.1), enabled. An untied N(0, 1) head spreads the
-    logits, so that greedy decoding does not repeat one token (tied, it echoes) and ties are far."""
-    torch.manual_seed(seed)
-    kwargs = dict(
-        vocab_size=VOCAB,
-        hidden_size=24,
-        num_hidden_layers=2,
-        state_size=4,
-        resample_window=3,
-        num_gaussians=4,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    model = hsc.SeRpEntMambaForCausalLM(hsc.SeRpEntMambaConfig(**kwargs)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 1.0)
-    return hsc.enable(model)
+tiny = tiny_serpent  # the tiny SeRpEnt LM of tests/architectures.py
 
 
 def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def composer_of(method: str, n: int) -> StateComposer:
@@ -162,65 +130,7 @@ def test_backend_and_disable(model):
     assert hsc.is_enabled(other)
 
 
-# ------------------------------------------------------------------------------------------ n = 1: exact
-@pytest.mark.parametrize("query_length", [1, 2, 7])
-@torch.no_grad()
-def test_one_state_reproduces_context_plus_query(model, state, context, query_length):
-    """One state composes to itself under every method (the model-based ones re-encode its tokens): forward and
-    greedy generate equal context + query, after showing that the state, its SSM states included, changes the
-    logits (so a composition that lost them could not pass)."""
-    query = ids_of(query_length, seed=30 + query_length)
-    whole = torch.cat([context, query], 1)
-    full = model(whole).logits[:, -query_length:]
-    assert rel(model(query).logits[:, -1], full[:, -1]) > MATTERS  # no context
-    assert rel(model(query, past_states=[without_ssm_states(state)]).logits[:, -1], full[:, -1]) > MATTERS
-    expected = model.generate(
-        whole, max_new_tokens=NEW, do_sample=False, output_scores=True, return_dict_in_generate=True
-    )
-    for method in METHODS:
-        kwargs = dict(composition=composer_of(method, 1))
-        assert rel(model(query, past_states=[state], **kwargs).logits, full) < 1e-5, method
-        out = model.generate(
-            query,
-            past_states=[state],
-            max_new_tokens=NEW,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-        assert torch.equal(out.sequences, expected.sequences[:, context.shape[1] :]), method
-        assert rel(out.scores[0], expected.scores[0]) < 1e-5, method
-    assert len(set(expected.sequences[0, -NEW:].tolist())) > 1  # a real test: not one token repeated
-
-
-@torch.no_grad()
-def test_left_padded_contexts_and_queries(model):
-    """Left-padded contexts (encode) and queries (forward, generate): every row its exact result."""
-    contexts = [ids_of(n, seed=40 + n)[0] for n in (5, 11, 8)]
-    queries = [ids_of(n, seed=50 + n)[0] for n in (3, 1, 6)]
-
-    def pad(rows):
-        width = max(map(len, rows))
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for r, row in enumerate(rows):
-            ids[r, width - len(row) :], mask[r, width - len(row) :] = row, 1
-        return ids, mask
-
-    (c_ids, c_mask), (q_ids, q_mask) = pad(contexts), pad(queries)
-    states = ComposableMambaCache.encode(model, c_ids, attention_mask=c_mask)
-    logits = model(q_ids, attention_mask=q_mask, past_states=[states], composition="caso").logits
-    out = model.generate(
-        q_ids, attention_mask=q_mask, past_states=[states], max_new_tokens=NEW, do_sample=False, pad_token_id=0
-    )
-    for r, (c, q) in enumerate(zip(contexts, queries)):
-        whole = torch.cat([c, q])[None]
-        assert rel(logits[r, -len(q) :], model(whole).logits[0, -len(q) :]) < 1e-5
-        expected = model.generate(whole, max_new_tokens=NEW, do_sample=False)
-        assert torch.equal(out[r, q_ids.shape[1] :], expected[0, whole.shape[1] :])
-
-
+# ------------------------------------------------------------------------------------------ continuing
 @torch.no_grad()
 def test_continuing_a_state_equals_encoding_the_concatenation(model):
     """encode(c1) then forward(c2, cache_params=state) is encode(c1 + c2) in every tensor: SSM, conv, ΣΔ
@@ -233,66 +143,17 @@ def test_continuing_a_state_equals_encoding_the_concatenation(model):
     assert continued.num_tokens.tolist() == [17, 17] and continued.token_ids is None
 
 
-@torch.no_grad()
-def test_beams_and_return_sequences_with_past_states(model, state, context):
-    query = ids_of(4, seed=70)
-    whole = torch.cat([context, query], 1)
-    kwargs = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, do_sample=False)
-    out = model.generate(query, past_states=[state], **kwargs)
-    assert out.shape[0] == 2 and torch.equal(out, model.generate(whole, **kwargs)[:, context.shape[1] :])
-    torch.manual_seed(5)
-    expected = model.generate(whole, max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
-    torch.manual_seed(5)
-    out = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=True, num_return_sequences=2)
-    assert torch.equal(out, expected[:, context.shape[1] :])
-
-
-@torch.no_grad()
-def test_generate_does_not_mutate_the_states(model, state):
-    before = copy.deepcopy(state)
-    model.generate(ids_of(3), past_states=[state], max_new_tokens=4, do_sample=False)
-    model.generate(ids_of(3), past_states=[state, state], max_new_tokens=4, num_beams=2, do_sample=False)
-    assert_states_equal(state, before, rtol=0, atol=0)
-
-
 # ------------------------------------------------------------------------------------------ n > 1
 @torch.no_grad()
-def test_every_method_generates_from_its_composed_state(model, states):
-    """forward / generate(past_states=states, composition=method) run from exactly the state that
-    StateComposer(method).compose(states, model=model) gives, fed as cache_params (logits equal, same tokens),
-    for every method; that state changes the logits (vs no context, vs its SSM states zeroed) and each method's
-    differs from every other's, so an ignored method or a lost state fails."""
+def test_the_branch_ssm_states_of_a_composed_state_matter(model, states):
+    """Zeroing every branch SSM state of each method's composed state (conv windows, ΣΔ and the resampling state
+    kept) moves the next-token logits: the SSM states are not bypassed (test_state_contract.py checks the rest)."""
     query = ids_of(5, seed=80)
-    plain = model(query).logits[:, -1]
-    next_logits = {}
     for method in METHODS:
-        composer = composer_of(method, 3)
-        composed = composer.compose(states, model=model)
-        expected = model(query, cache_params=composed.clone(), use_cache=True).logits
-        logits = model(query, past_states=states, composition=composer).logits
-        assert torch.equal(logits, expected), method
-        assert rel(plain, expected[:, -1]) > MATTERS, method
-        zeroed = model(query, cache_params=without_ssm_states(composed), use_cache=True).logits
-        assert rel(zeroed[:, -1], expected[:, -1]) > MATTERS, method
-        out = model.generate(query, past_states=states, composition=composer, max_new_tokens=4, do_sample=False)
-        assert out.shape == (1, 9) and torch.equal(out[:, :5], query), method
-        assert torch.equal(
-            out, model.generate(query, cache_params=composed.clone(), max_new_tokens=4, do_sample=False)
-        ), method
-        next_logits[method] = logits[:, -1]
-    for a, b in itertools.combinations(METHODS, 2):
-        assert rel(next_logits[a], next_logits[b]) > 1e-3, (a, b)
-    # one list of states per query row: each row its own composition
-    queries = ids_of(3, batch=2, seed=81)
-    rows = model(queries, past_states=[states[:2], states[1:]], composition="caso").logits
-    for r, row_states in enumerate((states[:2], states[1:])):
-        alone = model(queries[r : r + 1], cache_params=StateComposer("caso").compose(row_states), use_cache=True).logits
-        assert rel(rows[r : r + 1], alone) < 1e-5, r
-    assert rel(rows[0, -1], rows[1, -1]) > MATTERS
-    out = model.generate(
-        queries, past_states=[states[:2], states[1:]], composition="caso", max_new_tokens=3, do_sample=False
-    )
-    assert out.shape == (2, 6)
+        composed = composer_of(method, 3).compose(states, model=model)
+        expected = model(query, cache_params=composed.clone(), use_cache=True).logits[:, -1]
+        zeroed = model(query, cache_params=without_ssm_states(composed), use_cache=True).logits[:, -1]
+        assert relative_error(zeroed, expected) > MATTERS, method
 
 
 @pytest.mark.parametrize("method", MODEL_FREE_METHODS)
@@ -327,21 +188,6 @@ def test_branch_states_compose_as_mamba1_and_extras_are_the_last_states(states, 
 
 
 @torch.no_grad()
-def test_nested_compositions_agree_where_the_maths_says(states):
-    a, b, c = states
-    d = ComposableMambaCache.stack([a])  # a copy of a
-    caso = StateComposer("caso")
-    nested = caso.compose([caso.compose([a, b]), caso.compose([c, d])])
-    assert_states_equal(nested, caso.compose([a, b, c, d]))
-    p, q = 0.3, 0.6
-    inner = StateComposer("weighted", weights=[p, 1 - p]).compose([a, b])
-    nested = StateComposer("weighted", weights=[q, 1 - q]).compose([inner, c])
-    assert_states_equal(nested, StateComposer("weighted", weights=[q * p, q * (1 - p), 1 - q]).compose([a, b, c]))
-    soup = StateComposer("soup")
-    assert_states_equal(soup.compose([soup.compose([a, b]), soup.compose([c, a])]), soup.compose([a, b, c, a]))
-
-
-@torch.no_grad()
 def test_concat_baselines_re_encode(model, states):
     tokens = torch.cat([s.token_ids for s in states], 1)
     concat = StateComposer("concat").compose(states, model=model)
@@ -366,26 +212,6 @@ def test_composed_rows_stack_with_their_extras(model, states):
 
 
 # ------------------------------------------------------------------------------------------ bad input
-@torch.no_grad()
-def test_states_of_another_architecture_or_model_are_refused(model, state):
-    mamba = tiny_model("mamba")
-    mamba_state = ComposableMambaCache.encode(mamba, ids_of(6))
-    query = ids_of(3)
-    with pytest.raises(ValueError, match=r"'mamba' model.*this model is 'serpent_mamba'.*re-encode"):
-        model.generate(query, past_states=[mamba_state], max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"'serpent_mamba' model.*this model is 'mamba'.*re-encode"):
-        mamba.generate(query, past_states=[state], max_new_tokens=2)
-    with pytest.raises(ValueError, match="different model"):
-        StateComposer("soup").compose([state, mamba_state])
-    other = tiny(seed=1)
-    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
-        other(query, past_states=[state])
-    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
-        StateComposer("concat").compose([state], model=other)
-    with pytest.raises(ValueError, match="layers"):
-        tiny(num_hidden_layers=3)(query, past_states=[state])
-
-
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -418,17 +244,6 @@ def test_bad_in_memory_states_are_refused(model, state, edit, message):
 def saved(state, tmp_path):
     path = tmp_path / "serpent.safetensors"
     state.save(path)
-    return path
-
-
-def _craft(saved, edit):
-    tensors = load_file(saved)
-    with safe_open(saved, framework="pt") as handle:
-        meta = json.loads(handle.metadata()["hf_statecompose"])
-    edit(tensors, meta)
-    meta = dict(meta, tensor_digest=serialization._digest(tensors))
-    path = saved.parent / "crafted.safetensors"
-    path.write_bytes(save(tensors, metadata={"hf_statecompose": json.dumps(meta)}))
     return path
 
 
@@ -479,90 +294,10 @@ CRAFTED = [
 
 @pytest.mark.parametrize("edit, message", [c[1:] for c in CRAFTED], ids=[c[0] for c in CRAFTED])
 def test_crafted_files_are_refused(model, saved, edit, message):
-    path = _craft(saved, edit)
+    path = craft(saved, saved.parent / "crafted.safetensors", edit)
     for kwargs in ({}, {"model": model}):
         with pytest.raises(ValueError, match=message):
             ComposableMambaCache.load(path, **kwargs)
-
-
-@torch.no_grad()
-def test_file_round_trip_is_exact_and_generates_the_same(model, state, saved):
-    names = set(load_file(saved))
-    assert {
-        "resample.clock.5",
-        "resample.inputs.5",
-        "resample.times.5",
-        "resample.valid.5",
-        "resample.last_output.5",
-    } <= names
-    query = ids_of(4, seed=90)
-    expected = model.generate(query, past_states=[state], max_new_tokens=NEW, do_sample=False)
-    for loaded in (ComposableMambaCache.load(saved, model=model), ComposableSeRpEntCache.load(saved)):
-        assert type(loaded) is ComposableSeRpEntCache and loaded.config.branch_compressions == (1.0, 0.5, 0.1)
-        assert_states_equal(loaded, state, rtol=0, atol=0)
-        assert torch.equal(loaded.token_ids, state.token_ids) and loaded.fingerprint == state.fingerprint
-        assert torch.equal(model.generate(query, past_states=[loaded], max_new_tokens=NEW, do_sample=False), expected)
-
-
-@torch.no_grad()
-def test_files_of_another_architecture_or_model_are_refused(model, saved, tmp_path):
-    mamba = tiny_model("mamba")
-    mamba_path = tmp_path / "mamba.safetensors"
-    ComposableMambaCache.encode(mamba, ids_of(5)).save(mamba_path)
-    with pytest.raises(ValueError, match=r"'mamba' model, this model is 'serpent_mamba'.*re-encode"):
-        ComposableMambaCache.load(mamba_path, model=model)
-    with pytest.raises(ValueError, match=r"'serpent_mamba' model, this model is 'mamba'.*re-encode"):
-        ComposableMambaCache.load(saved, model=mamba)
-    with pytest.raises(ValueError, match="re-encode the contexts with this model"):
-        ComposableMambaCache.load(saved, model=tiny(seed=2))
-
-
-# ------------------------------------------------------------------------------------------ copies
-@torch.no_grad()
-def test_states_survive_deepcopy_pickle_and_torch_save(model, state):
-    query = ids_of(3, seed=91)
-    expected = model(query, past_states=[state]).logits
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    for copied in (
-        copy.deepcopy(state),
-        pickle_round_trip(state),
-        load_saved(buffer),
-        state.clone(),
-        state.to("cpu", torch.float32),
-    ):
-        assert type(copied) is ComposableSeRpEntCache
-        assert_states_equal(copied, state, rtol=0, atol=0)
-        assert torch.equal(model(query, past_states=[copied]).logits, expected)
-
-
-@torch.no_grad()
-def test_enabled_model_survives_deepcopy_pickle_and_torch_save(model, states, monkeypatch):
-    query = ids_of(3, seed=92)
-    expected = model.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    for copied in (copy.deepcopy(model), pickle_round_trip(model), load_saved(buffer)):
-        assert hsc.is_enabled(copied) and isinstance(copied, hsc.SeRpEntMambaForCausalLM)
-        assert hsc.get_backend(copied) == hsc.get_backend(model)
-        assert torch.equal(copied.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
-    # in a fresh process the enabled class does not exist yet: unpickling makes it from the stock class
-    from hf_statecompose.generation import integration
-
-    data = pickle.dumps(model)
-    monkeypatch.setattr(integration, "_ENABLED_CLASSES", {})
-    loaded = trusted_loads(data)
-    assert type(loaded) is not type(model) and hsc.is_enabled(loaded)
-    assert torch.equal(loaded.generate(query, past_states=states, max_new_tokens=NEW, do_sample=False), expected)
-    duplicate = copy.deepcopy(model)  # the copy runs its own weights
-    with torch.no_grad():
-        duplicate.backbone.layers[0].mixer.branches[1].resample_proj.weight.mul_(1.5)
-    with pytest.raises(ValueError, match="re-encode"):  # the states are the original's
-        duplicate(query, past_states=states)
-    mine = ComposableMambaCache.encode(duplicate, ids_of(13, seed=11))
-    assert not torch.equal(duplicate(query, past_states=[mine]).logits, model(query, past_states=[states[0]]).logits)
 
 
 # ------------------------------------------------------------------------------------------ store

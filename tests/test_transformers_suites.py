@@ -9,7 +9,7 @@ fail enabled too (it is not hidden), and one that passes stock must pass enabled
 The hybrids' suites take 9 to 12 min per run on one core with a cold ``torch.compile`` cache (transformers 5.24.0,
 this machine), most of it in their ``torch.compile`` tests, eager-vs-SDPA parametrizations and dtype round trips: by
 default this test runs them without those (:data:`HYBRID_SUBSET`: 68 s for both runs side by side, beside 44 s for the
-Mamba suites); ``HSC_TRANSFORMERS_SUITES=full`` runs every test (the README's recipe). Each run prints its counts per
+Mamba suites); ``HSC_TRANSFORMERS_SUITES=full`` runs every test (docs/guides/testing.md). Each run prints its counts per
 module (``pytest -s``).
 """
 

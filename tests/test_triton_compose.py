@@ -8,7 +8,7 @@ triton = pytest.importorskip("triton")
 from hf_statecompose.ops.compose import MODEL_FREE_METHODS as METHODS
 from hf_statecompose.ops.compose import compose_ssm_torch
 from hf_statecompose.ops.compose import vectorized as compose_module
-from hf_statecompose.ops.compose.triton_kernel import compose_ssm_triton
+from hf_statecompose.ops.compose.triton_wrapper import compose_ssm_triton
 from hf_statecompose.ops.compose.weights import WEIGHT_FUNCTIONS
 
 from helpers import compile_without_gpu
@@ -143,7 +143,9 @@ _COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hf_statecompose.ops.compose.triton_kernel import _compose_kernel as fn
+from hf_statecompose.ops._triton import bundled_kernels
+bundled_kernels()  # registers hf_statecompose._kernels (loaded by path in a source checkout)
+from hf_statecompose._kernels._compose import _compose_kernel as fn
 types = {"ptrs_ptr": "*i64", "x0_ptr": "*bf16", "out_ptr": "*bf16"}
 for method in range(5):
     for per_element in (True, False):

@@ -6,7 +6,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from hf_statecompose.ops.conv import causal_conv1d, causal_conv1d_ref
-from hf_statecompose.ops.conv.triton_kernel import causal_conv1d_triton
+from hf_statecompose.ops.conv.triton_wrapper import causal_conv1d_triton
 
 from helpers import compile_without_gpu
 
@@ -144,7 +144,9 @@ _COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hf_statecompose.ops.conv import triton_kernel as conv
+from hf_statecompose.ops._triton import bundled_kernels
+bundled_kernels()  # registers hf_statecompose._kernels (loaded by path in a source checkout)
+import hf_statecompose._kernels._conv as conv
 f32 = {"pad_ptr": "*i32", "dy_ptr": "*fp32", "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32"}
 for fn in (conv._conv_fwd_kernel, conv._conv_bwd_dy_kernel, conv._conv_bwd_dx_kernel):
     for kernel, silu in ((4, True), (3, False)):

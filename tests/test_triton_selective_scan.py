@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 import torch
 
 from hf_statecompose.ops.selective_scan import selective_scan_ref
-from hf_statecompose.ops.selective_scan.triton_kernel import _selective_scan, selective_scan_triton
+from hf_statecompose.ops.selective_scan.triton_wrapper import _selective_scan, selective_scan_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
@@ -226,7 +226,9 @@ import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
-from hf_statecompose.ops.selective_scan import triton_kernel as ss
+from hf_statecompose.ops._triton import bundled_kernels
+bundled_kernels()  # registers hf_statecompose._kernels (loaded by path in a source checkout)
+import hf_statecompose._kernels._selective_scan as ss
 
 launches = {}
 

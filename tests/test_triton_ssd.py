@@ -6,6 +6,7 @@ partial one (24: a chunk that does not fill its power-of-two tile). Without a GP
 (does not run) every kernel variant for an H100 (sm_90) at real Mamba-2 sizes and checks spills / shared memory.
 """
 
+import importlib
 import json
 import os
 import subprocess
@@ -16,8 +17,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from hf_statecompose.ops._triton import bundled_kernels
 from hf_statecompose.ops.ssd import ssd_scan_ref
-from hf_statecompose.ops.ssd.triton_kernel import ssd_scan_triton
+from hf_statecompose.ops.ssd.triton_wrapper import ssd_scan_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL_FP32 = 2e-5  # observed <= 2e-6 in the interpreter
@@ -177,8 +179,7 @@ def test_ssd_triton_fp32_exponents_are_summed_directly(block_cap, monkeypatch):
     here; summed directly (suffix sums, in-kernel segment sums) both stay at fp32 rounding (~1.3e-7 /
     ~6e-8, as the torch op). block_cap=16: four row / key blocks per chunk, so the off-diagonal blocks
     (with whole blocks in between) are summed too."""
-    import hf_statecompose.ops.ssd.triton_kernel as ssd
-
+    ssd = importlib.import_module(bundled_kernels().__name__ + "._ssd")
     monkeypatch.setattr(ssd, "_BLOCK_M_CAP", block_cap, raising=False)
     g = torch.Generator().manual_seed(0)
     T, H, P, N = 128, 4, 8, 16
@@ -197,8 +198,7 @@ def test_ssd_triton_several_blocks_per_chunk(monkeypatch):
     """Row / key blocks of 16 in chunks of 64 (the interpreter's other tests have one block per chunk, as
     chunks of 256 have four on a GPU): off-diagonal decays, the blocks in between and the intra-chunk
     log-decay gradient carried across key blocks, forward and reverse, with every gradient."""
-    import hf_statecompose.ops.ssd.triton_kernel as ssd
-
+    ssd = importlib.import_module(bundled_kernels().__name__ + "._ssd")
     monkeypatch.setattr(ssd, "_BLOCK_M_CAP", 16, raising=False)
     _compare(100, 64, torch.float32, 2, 16, 8, True, True, None, heads=2, A_scale=0.2)
 
@@ -253,7 +253,10 @@ import contextlib, io, json, re
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-import hf_statecompose.ops.ssd.triton_kernel as ssd
+from hf_statecompose.ops._triton import bundled_kernels
+bundled_kernels()  # registers hf_statecompose._kernels (loaded by path in a source checkout)
+import hf_statecompose._kernels._ssd as ssd
+import hf_statecompose.ops.ssd.triton_wrapper as wrapper
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
@@ -272,7 +275,7 @@ class Record:  # kernel[grid](*args, **kwargs) records the launch instead of run
 
 for name in ("_chunk_state_kernel", "_state_passing_kernel", "_chunk_scan_kernel"):
     setattr(ssd, name, Record(getattr(ssd, name)))
-ssd.check_runnable = lambda *tensors: None  # CPU tensors are fine: nothing is launched
+wrapper.check_runnable = lambda *tensors: None  # CPU tensors are fine: nothing is launched
 
 for label, H, P, N, G, chunk, T in SHAPES:
     for dtype in (torch.float32, torch.bfloat16):
@@ -284,7 +287,7 @@ for label, H, P, N, G, chunk, T in SHAPES:
             x, dt, B, C = [v.to(dtype).requires_grad_(True) for v in leaves]
             A = -torch.rand(H, generator=g).requires_grad_(True)
             h0 = torch.randn(2, H, P, N, generator=g).to(dtype).requires_grad_(True) if init else None
-            y, final, _ = ssd.ssd_scan_triton(x, dt, A, B, C, dt_softplus=True, initial_state=h0, chunk_size=chunk)
+            y, final, _ = wrapper.ssd_scan_triton(x, dt, A, B, C, dt_softplus=True, initial_state=h0, chunk_size=chunk)
             torch.autograd.grad(y.sum() + final.sum(), [x, dt, A, B, C] + ([h0] if init else []))
 
 

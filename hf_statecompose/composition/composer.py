@@ -5,6 +5,8 @@ Model-free methods (per layer, elementwise on the SSM states, weights from the d
 (re-encode tokens, need ``model=`` and states made by ``encode``): ``concat``, ``piconcat_r``.
 
 The list order is the context order (first = oldest) for the order-dependent ``caso`` and ``concat``.
+What a method decides here (whether it re-encodes, its default conv policy, how its ΣΔ is composed) is its
+entry in the registry :mod:`hf_statecompose.ops.compose.methods`, read by both composition paths below.
 
 Conv windows (the last K inputs of the short causal conv) are not states of the SSM, so they are
 composed by a policy:
@@ -41,7 +43,7 @@ import torch
 
 from ..models import encode
 from ..ops.backends import check_backend_name, compose_ssm, resolve
-from ..ops.compose import MODEL_FREE_METHODS
+from ..ops.compose import methods as _methods
 from ..ops.compose import native as compose_native
 from ..state.architectures import architecture
 from ..state.cache import ComposableMambaCache
@@ -49,10 +51,12 @@ from ..state.fingerprint import model_fingerprint
 from ..state.validation import check_against_model, check_compatible, check_finite, check_state_once
 from .attention import ATTENTION_POLICIES, compose_attention
 
-MODEL_BASED_METHODS = ("concat", "piconcat_r")
-METHODS = MODEL_FREE_METHODS + MODEL_BASED_METHODS
-CONV_POLICIES = ("mean", "last", "weighted")
-DEFAULT_CONV = {"soup": "mean", "weighted": "weighted", "caso": "last", "picaso_s": "mean", "picaso_r": "mean"}
+# the built-in methods' names, from the registry (hf_statecompose.ops.compose.methods, which the composer reads
+# for everything a method decides: the ΣΔ rule, the default conv policy, whether it re-encodes)
+MODEL_FREE_METHODS = tuple(name for name in _methods.BUILTIN_METHODS if _methods.METHODS[name].model_free)
+MODEL_BASED_METHODS = tuple(name for name in _methods.BUILTIN_METHODS if _methods.METHODS[name].reencodes)
+METHODS = _methods.BUILTIN_METHODS
+CONV_POLICIES = _methods.CONV_POLICIES
 
 
 class StateComposer:
@@ -88,16 +92,15 @@ class StateComposer:
             raise ValueError(f"unknown attention policy {attention!r}; choose one of {', '.join(ATTENTION_POLICIES)}")
         self.attention = attention
         self.backend = backend
-        if not isinstance(method, str) or method not in METHODS:
-            raise ValueError(f"unknown composition method {method!r}; choose one of {', '.join(METHODS)}")
+        spec = _methods.get(method)
         if conv is not None and conv not in CONV_POLICIES:
             raise ValueError(f"unknown conv policy {conv!r}; choose one of {', '.join(CONV_POLICIES)}")
-        if method == "weighted" and weights is None:
-            raise ValueError("method='weighted' needs weights=[w_1, ..., w_n] (non-negative, summing to 1)")
-        if weights is not None and method != "weighted" and conv != "weighted":
+        if spec.user_weights and weights is None:
+            raise ValueError(f"method={method!r} needs weights=[w_1, ..., w_n] (non-negative, summing to 1)")
+        if weights is not None and not spec.user_weights and conv != "weighted":
             raise ValueError(f"weights are only used by method='weighted' (or conv='weighted'), not by {method!r}")
         self.method = method
-        self.conv = conv if conv is not None else DEFAULT_CONV.get(method)
+        self.conv = conv if conv is not None else spec.conv
         if self.conv == "weighted" and weights is None:
             raise ValueError("conv='weighted' needs weights=[w_1, ..., w_n] (non-negative, summing to 1)")
         self.weights = None if weights is None else _check_weights_values(weights)
@@ -138,7 +141,7 @@ class StateComposer:
             if len(self.weights) != n:
                 raise ValueError(f"got {len(self.weights)} weights for {n} states; pass one weight per state")
             weights = self.weights
-        if self.method in MODEL_BASED_METHODS:
+        if _methods.get(self.method).reencodes:
             if model is None:
                 raise ValueError(f"method {self.method!r} re-encodes the context tokens: pass model=")
             if not validated:
@@ -327,7 +330,7 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
     native = _compose_native(states, method, conv, weights, backend, gathered) if gathered is not None else None
     if native is not None:
         return native
-    first = states[0]
+    first, spec = states[0], _methods.METHODS[method]
     out = first._empty_like()
     for i in range(first.num_layers):
         delta = torch.stack([s.delta_sums[i] for s in states])  # [n, B, D|H]
@@ -336,13 +339,10 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
             delta,
             first.A[i],
             method,
-            weights=weights if method == "weighted" else None,
+            weights=weights if spec.user_weights else None,
             backend=backend,
         )
-        if method == "weighted":
-            delta_out = (weights.to(delta).view(-1, 1, 1) * delta).sum(0)
-        else:
-            delta_out = delta.mean(0) if method == "soup" else delta.sum(0)
+        delta_out = _compose_delta_sums(delta, spec.delta_sum, weights)
         out.set_layer(
             i,
             ssm_state=composed,
@@ -353,6 +353,17 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
     _add_token_counts(out, states)
     out._finish_composition(states)
     return out, None
+
+
+def _compose_delta_sums(delta, rule: str, weights):
+    """The composed ΣΔ of the stacked ``delta`` [n, B, D|H] by the method's rule (``CompositionMethod.delta_sum``,
+    the native path's coefficients are ``delta_sum_weights``): the total (the decay of a concatenation), the mean,
+    or the user's weights (a convex combination, as the states)."""
+    if rule == "total":
+        return delta.sum(0)
+    if rule == "uniform":
+        return delta.mean(0)
+    return (weights.to(delta).view(-1, 1, 1) * delta).sum(0)
 
 
 def _add_token_counts(out, states):
@@ -415,10 +426,10 @@ def _compose_native(states, method, conv, weights, backend, gathered):
         conv_w = [0.0] * (n - 1) + [1.0]
     else:
         conv_w = w if conv == "weighted" else uniform
-    if method in ("soup", "weighted"):  # a convex combination: the same combination of ΣΔ
-        ssm_w = delta_w = uniform if method == "soup" else w
-    else:  # the order-based methods stand for a concatenation: the total ΣΔ
-        ssm_w, delta_w = None, [1.0] * n
+    spec = _methods.METHODS[method]
+    # one scalar per state (soup, weighted) or the decay-weighted group; the ΣΔ by the method's rule
+    ssm_w = spec.state_weights(n, w) if spec.fixed_weights is not None else None
+    delta_w = spec.delta_sum_weights(n, w)
     done = compose_native.compose_native(
         nl,
         n,

@@ -52,6 +52,7 @@ def load_demo(arch: str = "mamba2", device=None):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..compat import quiet_loading
     from ..generation.integration import enable
 
     if arch not in DEMO_ARCHS:
@@ -61,8 +62,9 @@ def load_demo(arch: str = "mamba2", device=None):
         raise FileNotFoundError(
             f"the demo checkpoint {path} is missing; train it with: python recipes/train_demo.py --arch {arch}"
         )
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with quiet_loading():  # no "Loading weights" bar: the checkpoint loads in milliseconds
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if device is not None:
         model.to(device)
     return enable(model.eval()), tokenizer

@@ -1,7 +1,7 @@
 """PICASO-style evaluation of composition on the demo models (paper arXiv 2502.17605, Section 6 / Fig. 3).
 
-    python -m hf_statecompose.eval --arch mamba2 --dataset wikipedia --queries 40 --out benchmarks/results/eval
-    python -m hf_statecompose.eval --all --out benchmarks/results/eval        # both models, both datasets, plot
+    python -m hf_statecompose.demo.eval --arch mamba2 --dataset wikipedia --queries 40 --out benchmarks/results/eval
+    python -m hf_statecompose.demo.eval --all --out benchmarks/results/eval        # both models, both datasets, plot
 
 Protocol, per dataset:
 

@@ -24,6 +24,7 @@ from importlib import resources
 import torch
 
 from ..attribution import leave_one_out
+from ..compat import quiet_transformers
 from ..composition import METHODS, StateComposer
 from ..pipeline import context_order, generate_with_retrieval
 from ..state.cache import ComposableMambaCache
@@ -37,6 +38,13 @@ def bundled(name: str) -> list[dict]:
 
 
 def main(argv=None):
+    """The demo, without transformers' "Loading weights" bars and its advice to install CUDA kernels (the models
+    run on the CPU): only the demo's own lines, and any real warning, are printed."""
+    with quiet_transformers():
+        _run(argv)
+
+
+def _run(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="mamba2", choices=list(DEMO_ARCHS))
     parser.add_argument("--method", default="picaso_r", choices=[m for m in METHODS if m != "weighted"])

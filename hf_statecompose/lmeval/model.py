@@ -119,8 +119,8 @@ class StateComposeLM(HFLM):
         device=None,
         **kwargs,
     ) -> None:
-        from ..composition import METHODS
         from ..composition.composer import StateComposer
+        from ..ops.compose.methods import METHODS
 
         self.k = _as_int("k", k)
         if self.k < 0:

@@ -5,9 +5,10 @@
 * ``"torch"``: vectorised torch, runs everywhere, supports autograd. The Mamba-1 scan is fused by
   ``torch.compile`` for inference on long inputs (see ``compiled.py``), else chunked; the SSD scan is
   chunked (matmuls); the conv is one grouped conv; the composition works block by block.
-* ``"triton"``: the Triton kernels (``<op>/triton_kernel.py`` beside this file), forward
-  and backward. They need CUDA tensors (or, for tests, ``TRITON_INTERPRET=1`` set before they are
-  imported, which runs them slowly on CPU).
+* ``"triton"``: the Triton kernels (``kernels/torch-ext/hf_statecompose_kernels`` in the repository,
+  ``hf_statecompose._kernels`` installed, or a Hub kernel: ``_triton.use_kernel``), called through
+  ``<op>/triton_wrapper.py``, forward and backward. They need CUDA tensors (or, for tests,
+  ``TRITON_INTERPRET=1`` set before they are imported, which runs them slowly on CPU).
 * ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton is importable, ``"torch"`` otherwise.
   The choice is logged once per operation and device type.
 
@@ -25,6 +26,7 @@ import torch
 from .. import compat
 from ._triton import triton_unavailable_reason
 from .compose import native as _compose_native
+from .compose.methods import get_model_free
 from .compose.vectorized import compose_ssm_torch
 from .conv import native as _conv_native
 from .conv.vectorized import causal_conv1d as _conv_eager
@@ -40,11 +42,11 @@ logger = logging.getLogger("hf_statecompose")
 
 BACKENDS = ("auto", "torch", "triton")
 _TRITON_MODULES = {  # op -> (module beside this file, function); imported only when Triton runs
-    "selective_scan": ("selective_scan.triton_kernel", "selective_scan_triton"),
-    "ssd_scan": ("ssd.triton_kernel", "ssd_scan_triton"),
-    "causal_conv1d": ("conv.triton_kernel", "causal_conv1d_triton"),
-    "compose_ssm": ("compose.triton_kernel", "compose_ssm_triton"),
-    "linear_recurrence": ("linear_recurrence.triton_kernel", "linear_recurrence_triton"),
+    "selective_scan": ("selective_scan.triton_wrapper", "selective_scan_triton"),
+    "ssd_scan": ("ssd.triton_wrapper", "ssd_scan_triton"),
+    "causal_conv1d": ("conv.triton_wrapper", "causal_conv1d_triton"),
+    "compose_ssm": ("compose.triton_wrapper", "compose_ssm_triton"),
+    "linear_recurrence": ("linear_recurrence.triton_wrapper", "linear_recurrence_triton"),
 }
 _logged: set = set()
 
@@ -178,6 +180,10 @@ def compose_ssm(ssm_states, delta_sums, A, method, weights=None, backend: str = 
     if choice == "triton" and needs_grad:
         if backend == "triton":
             raise RuntimeError("backend='triton' composes without autograd; use backend='torch' to backpropagate")
+        choice = "torch"
+    if choice == "triton" and get_model_free(method).kernel_id is None:  # a registered method without kernels
+        if backend == "triton":
+            raise ValueError(f"method {method!r} has no Triton kernel (no kernel_id); use backend='torch'")
         choice = "torch"
     if choice == "triton":
         return _triton_op("compose_ssm")(ssm_states, delta_sums, A, method, weights=weights)

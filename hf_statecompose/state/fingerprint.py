@@ -78,7 +78,7 @@ def base_model_of(model: torch.nn.Module) -> Any:
     )
 
 
-# hybrids whose states are refused, and why (README "Hybrid models")
+# hybrids whose states are refused, and why (docs/guides/hybrids.md)
 REFUSED_MODEL_TYPES = {
     "qwen3_next": "its linear layers are gated DeltaNet: the state transition (I - beta k k^T) is not diagonal, so a "
     "context's decay is a matrix, not the per-channel accumulated decay (ΣΔ) that the composition rules weigh by",

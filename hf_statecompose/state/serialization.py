@@ -149,7 +149,7 @@ def save_state(state, path, keys_dtype=None) -> None:
     """Write ``state`` to ``path`` atomically. A state that would not load back (wrong dtypes, shapes,
     NaN, negative ΣΔ, ...) is refused here already. ``keys_dtype`` (hybrid states only: ``torch.bfloat16`` or
     ``torch.float16``) stores the attention layers' keys and values in that dtype (half the bytes of float32
-    keys, rounded: see the README for what it costs); ``None`` stores them in the model dtype."""
+    keys, rounded: docs/guides/hybrids.md says what it costs); ``None`` stores them in the model dtype."""
     path = _check_path(path, "path")
     if os.path.isdir(path):
         raise IsADirectoryError(

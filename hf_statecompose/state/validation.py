@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .architectures import ARCHITECTURES, architecture, architecture_of_config, check_extra_tensors
+from .architectures import ARCHITECTURES, MAMBA, architecture, architecture_of_config, check_extra_tensors
 
 
 def _describe(cache) -> str:
@@ -19,10 +19,14 @@ def _describe(cache) -> str:
     )
 
 
-def check_is_state(state, where: str = "past_states"):
-    from .cache import ComposableMambaCache
+def _is_state_class(cls: type) -> bool:
+    """Whether ``cls`` is ``ComposableMambaCache`` or a subclass, compared by name through the architectures'
+    registry: validation sits below the cache modules (they import it, never the other way round)."""
+    return any(MAMBA.is_cache_class(base) for base in cls.__mro__)
 
-    if not isinstance(state, ComposableMambaCache):
+
+def check_is_state(state, where: str = "past_states"):
+    if not _is_state_class(type(state)):
         raise TypeError(
             f"{where} must hold ComposableMambaCache objects (from ComposableMambaCache.encode or .load), "
             f"got {type(state).__name__}"

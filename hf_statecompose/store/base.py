@@ -409,14 +409,14 @@ def _refuse_entry(where: str, problem: str):
     raise ValueError(f"{where}: {problem}; delete and re-add it")
 
 
-def progress_bar(total: int, enabled: bool):
-    """A tqdm bar over ``total`` contexts (silent when ``enabled`` is false or tqdm is missing)."""
+def progress_bar(total: int, enabled: bool, desc: str = "encoding contexts", unit: str = "ctx"):
+    """A tqdm bar over ``total`` items (contexts encoded by default; silent when ``enabled`` is false or tqdm is missing)."""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm comes with transformers; stay silent without it
         enabled = False
     if enabled:
-        return tqdm(total=total, desc="encoding contexts", unit="ctx")
+        return tqdm(total=total, desc=desc, unit=unit)
 
     class _Silent:
         def update(self, n):

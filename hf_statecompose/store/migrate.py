@@ -58,7 +58,7 @@ def migrate(
         copied = verified = 0
         from safetensors.torch import save
 
-        progress = progress_bar(2 * len(ids), show_progress)
+        progress = progress_bar(len(ids), show_progress, desc="copying entries", unit="entry")
         try:
             for start in range(0, len(ids), batch_size):
                 chunk = ids[start : start + batch_size]
@@ -109,6 +109,8 @@ def migrate(
                     )
                     copied += len(todo)
                 progress.update(len(chunk))
+            progress.close()
+            progress = progress_bar(len(ids), show_progress, desc="verifying entries", unit="entry")
             for start in range(0, len(ids), batch_size):
                 chunk = ids[start : start + batch_size]
                 ours, theirs = folder.get(chunk, device="cpu"), lance.get(chunk, device="cpu")

@@ -11,13 +11,12 @@ from collections.abc import Sequence
 
 import torch
 
-from .weights import MODEL_FREE_METHODS, WEIGHT_FUNCTIONS
+from .methods import METHODS, get_model_free
 
 
 def _check_inputs(ssm_states, delta_sums, A, method, weights):
     """Validate the contract; returns (states list, n, is_mamba1)."""
-    if not isinstance(method, str) or method not in MODEL_FREE_METHODS:
-        raise ValueError(f"unknown composition method {method!r}; choose one of {', '.join(MODEL_FREE_METHODS)}")
+    spec = get_model_free(method)
     if torch.is_tensor(ssm_states) or not isinstance(ssm_states, Sequence) or len(ssm_states) == 0:
         raise ValueError("ssm_states must be a non-empty list of tensors [B, D, N] or [B, H, P, N]")
     states = list(ssm_states)
@@ -45,14 +44,16 @@ def _check_inputs(ssm_states, delta_sums, A, method, weights):
     if not torch.is_tensor(A) or tuple(A.shape) != a_shape:
         got = tuple(A.shape) if torch.is_tensor(A) else type(A).__name__
         raise ValueError(f"A must be {'[D, N]' if mamba1 else '[H]'} = {a_shape}, got {got}")
-    if method == "weighted":
+    if spec.user_weights:
         if weights is None:
-            raise ValueError("method='weighted' needs weights: a tensor [n] (non-negative, summing to 1)")
+            raise ValueError(f"method={method!r} needs weights: a tensor [n] (non-negative, summing to 1)")
         if not torch.is_tensor(weights) or tuple(weights.shape) != (n,):
             got = tuple(weights.shape) if torch.is_tensor(weights) else type(weights).__name__
             raise ValueError(f"weights must be a tensor [n] = [{n}], got {got}")
     elif weights is not None:
-        raise ValueError(f"weights are only used by method='weighted', not by {method!r}")
+        raise ValueError(
+            f"weights are only used by methods with the user's weights (e.g. 'weighted'), not by {method!r}"
+        )
     for name, t in (("delta_sums", delta_sums), ("A", A)):  # the n weights may live anywhere
         if t.device != first.device:
             raise ValueError(f"{name} is on {t.device}, the states on {first.device}: move them to one device")
@@ -64,7 +65,8 @@ def compose_ssm_ref(ssm_states, delta_sums, A, method, weights=None) -> torch.Te
     states, n, mamba1 = _check_inputs(ssm_states, delta_sums, A, method, weights)
     compute = torch.promote_types(torch.promote_types(states[0].dtype, torch.float32), delta_sums.dtype)
     stacked = torch.stack([s.to(compute) for s in states])  # [n, B, D, N] | [n, B, H, P, N]
-    if method == "weighted":
+    spec = METHODS[method]
+    if spec.user_weights:
         W = weights.to(device=stacked.device, dtype=compute).view(n, *([1] * (stacked.dim() - 1)))
     else:
         delta = delta_sums.to(compute)
@@ -72,5 +74,5 @@ def compose_ssm_ref(ssm_states, delta_sums, A, method, weights=None) -> torch.Te
             log_decay = delta[..., None] * A.to(compute)  # [n, B, D, N]
         else:
             log_decay = (delta * A.to(compute))[..., None, None]  # [n, B, H, 1, 1]
-        W = WEIGHT_FUNCTIONS[method](log_decay)
+        W = spec.weight_function()(log_decay)
     return (W * stacked).sum(0).to(states[0].dtype)

@@ -1,8 +1,8 @@
 """Fused composition x = Σ_k W_k ⊙ x_k of n SSM states, the weights computed from the states' decays.
 
 The contract shared by :func:`compose_ssm_torch` (here, any device, differentiable) and
-``compose_ssm_triton`` (``triton_kernel.py``, CUDA, inference) and checked by ``compose_ssm_ref``
-(``reference.py``):
+``compose_ssm_triton`` (``triton_wrapper.py``, around the kernel ``compose`` in
+``kernels/torch-ext/hf_statecompose_kernels``; CUDA, inference) and checked by ``compose_ssm_ref`` (``reference.py``):
 
 * ``ssm_states``: list of n tensors, each ``[B, D, N]`` (Mamba-1) or ``[B, H, P, N]`` (Mamba-2);
 * ``delta_sums``: ``[n, B, D]`` / ``[n, B, H]``, each state's ΣΔ;
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .methods import METHODS
 from .reference import _check_inputs
-from .weights import WEIGHT_FUNCTIONS
 
 _TORCH_BLOCK_ELEMENTS = 1 << 18  # elements of one state per block in compose_ssm_torch
 
@@ -42,12 +42,13 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (*states, delta_sums, A, *([weights] if torch.is_tensor(weights) else []))
     )
+    spec = METHODS[method]
     for r0 in range(0, rows, block):
         r1 = min(rows, r0 + block)
         blocks = [s[:, r0:r1] for s in states]
-        if method == "soup":
+        if spec.fixed_weights == "uniform":
             W: Sequence[float | torch.Tensor] = [1.0 / n] * n
-        elif method == "weighted":
+        elif spec.user_weights:
             W = weights.to(device=first.device, dtype=compute).unbind(0)
             W = W if needs_grad else [float(w) for w in W]
         else:
@@ -56,7 +57,7 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
                 log_decay = delta[..., None] * A[r0:r1].to(compute)  # [n, B, rows, N]
             else:
                 log_decay = (delta * A[r0:r1].to(compute))[..., None, None]  # [n, B, rows, 1, 1]
-            W = WEIGHT_FUNCTIONS[method](log_decay).unbind(0)
+            W = spec.weight_function()(log_decay).unbind(0)
         if needs_grad:  # out of place, so that autograd sees every step
             acc = blocks[0].to(compute) * W[0]
             for k in range(1, n):

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from .methods import BUILTIN_METHODS, METHODS
+
 
 def _check(log_decays: torch.Tensor) -> torch.Tensor:
     if not torch.is_tensor(log_decays) or log_decays.dim() < 1 or log_decays.shape[0] == 0:
@@ -99,12 +101,7 @@ def picaso_s_weights(log_decays: torch.Tensor) -> torch.Tensor:
     return total
 
 
-# the model-free composition methods, in the order the Triton kernel numbers them
-MODEL_FREE_METHODS = ("soup", "weighted", "caso", "picaso_s", "picaso_r")
+# the built-in model-free methods and the weight functions of the decay-weighted ones, from the registry (.methods)
+MODEL_FREE_METHODS = tuple(name for name in BUILTIN_METHODS if METHODS[name].model_free)
 
-WEIGHT_FUNCTIONS = {
-    "soup": soup_weights,
-    "caso": caso_weights,
-    "picaso_r": picaso_r_weights,
-    "picaso_s": picaso_s_weights,
-}
+WEIGHT_FUNCTIONS = {name: METHODS[name].weight_function() for name in MODEL_FREE_METHODS if METHODS[name].weights}

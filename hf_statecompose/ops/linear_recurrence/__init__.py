@@ -76,7 +76,7 @@ def linear_recurrence(a, b, initial_state=None, backend: str = "auto"):
         raise ValueError(f"initial_state must be [B, C] = {(batch, channels)}, got {tuple(initial_state.shape)}")
     choice = _resolve(backend, b.device, b.dtype)
     if choice == "triton":
-        from .triton_kernel import linear_recurrence_triton  # imports Triton only when it runs
+        from .triton_wrapper import linear_recurrence_triton  # imports Triton only when it runs
 
         return linear_recurrence_triton(a, b, initial_state)
     if choice == "reference":

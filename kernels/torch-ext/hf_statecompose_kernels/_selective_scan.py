@@ -1,14 +1,12 @@
-"""Triton selective scan (Mamba-1) with initial state, final state and ΣΔ; forward and backward.
+"""Triton selective scan (Mamba-1) with initial state and final state; forward and backward.
 
-Same contract as :func:`hf_statecompose.ops.selective_scan.selective_scan_ref`::
+:func:`selective_scan` runs the recurrence on a discretised Δ (the Triton part of
+``hf_statecompose.ops.selective_scan(..., backend="triton")``, whose wrapper discretises Δ and adds the D and z
+terms in torch under autograd)::
 
-    u, delta, z : [B, D, T]    A : [D, N]    B, C : [B, N, T]    D : [D]
-    initial_state : [B, D, N]  mask : [B, T]  (1 = real token, 0 = padding)
-    -> (y [B, D, T] float32, final_state [B, D, N] float32, delta_sum [B, D] float32)
-
-    Δ_t = softplus(delta_t + delta_bias) · mask_t        (torch, under autograd)
+    u, dt : [B, D, T]    A : [D, N]    B, C : [B, N, T]    initial_state : [B, D, N] | None (zeros)
     h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t u_t,   h_0 = initial_state (or 0)
-    y_t = ⟨C_t, h_t⟩ + D u_t,   y_t ← y_t · silu(z_t)   (the ⟨C_t, h_t⟩ recurrence is Triton; the rest torch)
+    -> (y [B, D, T] float32 with y_t = ⟨C_t, h_t⟩, h_T [B, D, N] float32)
 
 The O(T·D·N) recurrence is a ``torch.autograd.Function`` whose forward and backward are Triton kernels,
 grid ``(B, cdiv(D, BLOCK_D))``: each program keeps the state tile ``[BLOCK_D, BLOCK_N]`` in registers (fp32)
@@ -25,10 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import check_runnable
-from .reference import _check_shapes, _discretize_delta, _finish
-
-__all__ = ["selective_scan_triton"]
+__all__ = ["DEFAULT_CHUNK", "selective_scan"]
 
 DEFAULT_CHUNK = 64  # tokens between two forward checkpoints; the backward's scratch holds this many states
 
@@ -390,61 +385,17 @@ class _SelectiveScanFn(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------- public
-def _selective_scan(
-    u,
-    delta,
-    A,
-    B,
-    C,
-    D=None,
-    z=None,
-    delta_bias=None,
-    delta_softplus=False,
-    initial_state=None,
-    mask=None,
-    *,
-    chunk_size: int = DEFAULT_CHUNK,
-    block_d: int | None = None,
-):
-    """:func:`selective_scan_triton` with the checkpoint spacing and the channel block exposed (tests)."""
-    check_runnable(u, delta, A, B, C, D, z, delta_bias, initial_state, mask)
-    _check_shapes(u, delta, A, B, C, initial_state, mask)
-    devices = {t.device for t in (u, delta, A, B, C, D, z, delta_bias, initial_state, mask) if t is not None}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    compute_dtype = torch.promote_types(torch.promote_types(u.dtype, A.dtype), torch.float32)
-    if compute_dtype != torch.float32:
-        raise TypeError(
-            f"the Triton selective scan computes in float32; got u {u.dtype}, A {A.dtype} "
-            "(use hf_statecompose.ops.selective_scan for float64)"
-        )
-    for name, t in (("B", B), ("C", C), ("initial_state", initial_state)):
-        if t is not None and not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating point tensor, got {t.dtype}")
-    if z is not None and tuple(z.shape) != tuple(u.shape):
-        raise ValueError(f"z must be [B, D, T] = {tuple(u.shape)}, got {tuple(z.shape)}")
-    if D is not None and tuple(D.shape) != (u.shape[1],):
-        raise ValueError(f"D must be [D] = {(u.shape[1],)}, got {tuple(D.shape)}")
-    if delta_bias is not None and tuple(delta_bias.shape) != (u.shape[1],):
-        raise ValueError(f"delta_bias must be [D] = {(u.shape[1],)}, got {tuple(delta_bias.shape)}")
+def selective_scan(u, dt, A, B, C, initial_state=None, chunk_size: int | None = None, block_d: int | None = None):
+    """The scan on a discretised Δ: ``(y [B, D, T], h_T [B, D, N])``, float32, y without the D and z terms.
 
-    dt = _discretize_delta(delta, delta_bias, delta_softplus, mask, torch.float32)
-    chunk = _chunk_for(u.shape[2], chunk_size)
+    ``u, dt [B, D, T]``, ``A [D, N]``, ``B, C [B, N, T]``, ``initial_state [B, D, N]`` or None (zeros); the
+    caller checks shapes and dtypes (float32 / bfloat16 / float16; ``dt`` float32). Differentiable in every
+    input (a ``torch.autograd.Function`` whose backward is Triton). ``chunk_size``: tokens between two
+    forward checkpoints (None: ``DEFAULT_CHUNK``); ``block_d``: the channel block (None: the heuristic).
+    """
+    chunk = _chunk_for(u.shape[2], DEFAULT_CHUNK if chunk_size is None else chunk_size)
     tensors = (u, dt, A, B, C, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        y, h = _SelectiveScanFn.apply(u, dt, A, B, C, initial_state, chunk, block_d)
-    else:
-        y, h, _ = _scan_forward(u, dt, A, B, C, initial_state, chunk, block_d, store_ckpt=False)
-    return _finish(y, u, D, z, torch.float32), h, dt.sum(-1)
-
-
-def selective_scan_triton(
-    u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None, mask=None
-):
-    """Triton selective scan; same signature, results and gradients as ``selective_scan_ref``.
-
-    Returns ``(y [B, D, T], final_state [B, D, N], delta_sum [B, D])``, all float32. Inputs may be float32,
-    bfloat16 or float16 (computed in float32); float64 raises ``TypeError``. Differentiable in every input
-    (u, delta, A, B, C, D, z, delta_bias, initial_state).
-    """
-    return _selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, mask)
+        return _SelectiveScanFn.apply(u, dt, A, B, C, initial_state, chunk, block_d)
+    y, h, _ = _scan_forward(u, dt, A, B, C, initial_state, chunk, block_d, store_ckpt=False)
+    return y, h

@@ -6,47 +6,38 @@
     log a_k    = ΣΔ[k, b, d] · A[d, m]  (Mamba-1, per element)   or   ΣΔ[k, b, h] · A[h]  (Mamba-2, per head)
     -> Σ_k W_k ⊙ x_k, same shape and dtype as one state (accumulated in float32)
 
-The weights W_k are those of :mod:`hf_statecompose.ops.compose.weights` (same formulas, same stability:
-no division by a decay, no overflowing product; ``-inf`` log decays are decays of exactly 0):
+The weights W_k are those of ``hf_statecompose.ops.compose.weights`` (same formulas, same stability:
+no division by a decay, no overflowing product; ``-inf`` log decays are decays of exactly 0). The method is
+the constexpr ``METHOD`` (:data:`METHOD_IDS`):
 
 * ``soup``: 1/n;  ``weighted``: the user's w_k;
 * ``caso``: W_k = exp(Σ_{j>k} log a_j), the suffix sum walked from the newest state to the oldest;
 * ``picaso_r``: W_k = S_k / n, S_{n-1} = 1 + Σ_{m≥1} Π_{j<m} a_j, S_{k} = (1 - P) + a_{k+1} S_{k+1},
   1 - P = -expm1(Σ_i log a_i);
 * ``picaso_s``: W_k = Σ_q w_q Π_i f_i(t_q) / f_k(t_q), f_i(t) = 1 - t + t a_i, with the ⌈n/2⌉
-  Gauss–Legendre nodes t_q, weights w_q on (0, 1) of ``_gauss_legendre_01``.
+  Gauss–Legendre nodes t_q, weights w_q on (0, 1), passed in by the caller (the package's
+  ``_gauss_legendre_01``).
 
-:func:`compose_ssm_triton` is one Triton kernel, grid ``(cdiv(M, BLOCK), G, B)`` with ``M`` the elements of
+:func:`compose` (the Triton part of ``hf_statecompose.ops.compose_ssm(..., backend="triton")``, whose wrapper
+checks the arguments) is one Triton kernel, grid ``(cdiv(M, BLOCK), G, B)`` with ``M`` the elements of
 one row (Mamba-1: D·N with G = 1; Mamba-2: P·N with G = H). A program loops over the states k, reads its
 block of x_k once and accumulates W_k ⊙ x_k in float32 registers; the weights live only in registers
 (Mamba-1: one per element of the block; Mamba-2: one scalar per program). The decays are re-derived from
 ΣΔ and A (a few bytes per row) in the passes that need them, so the states are the only large reads. The
 n states are passed as an int64 tensor of their data pointers, cast to pointers in the kernel: no stack,
 no copy. There is no backward (the torch composer handles training).
-
-:func:`compose_ssm_torch` is the pure-torch counterpart (the CPU backend of the fused composition): same
-contract, processes blocks of rows (D or H) so that a block's weight tensor stays small, and reads each
-block of each state once.
 """
 
 from __future__ import annotations
-
-import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .._triton import check_runnable
-from .reference import _check_inputs
-from .weights import MODEL_FREE_METHODS, _gauss_legendre_01
+__all__ = ["METHOD_IDS", "compose"]
 
-__all__ = ["compose_ssm_triton"]
-
-_METHOD_IDS = {name: i for i, name in enumerate(MODEL_FREE_METHODS)}
-_SOUP, _WEIGHTED, _CASO, _PICASO_S, _PICASO_R = range(5)
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the kernel's METHOD constexpr per composition method (the package's dispatch passes the same ids)
+METHOD_IDS = {"soup": 0, "weighted": 1, "caso": 2, "picaso_s": 3, "picaso_r": 4}
 
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -122,7 +113,7 @@ def _compose_kernel(
         d_off = b * stride_db + g * stride_dg + zero
 
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    if METHOD == 0:  # soup
+    if METHOD == 0:  # soup (METHOD_IDS)
         inv_n = 1.0 / n
         for k in range(n):
             acc += inv_n * _load_state(ptrs_ptr, x0_ptr, k, row_off, offs, mask)
@@ -168,39 +159,23 @@ def _compose_kernel(
     tl.store(out_ptr + row_off + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _gauss_legendre_table(n: int, q_pad: int, device: str) -> torch.Tensor:
-    """[2, q_pad] float32: the ⌈n/2⌉ nodes then weights of ``_gauss_legendre_01``, zero padded."""
-    t, w = _gauss_legendre_01(math.ceil(n / 2))
-    table = torch.zeros(2, q_pad, dtype=torch.float64)
-    table[0, : t.numel()] = t
-    table[1, : w.numel()] = w
-    return table.to(device=device, dtype=torch.float32)
-
-
 # --------------------------------------------------------------------------------------------- public
-def compose_ssm_triton(ssm_states, delta_sums, A, method, weights=None) -> torch.Tensor:
-    """Σ_k W_k ⊙ x_k in one Triton pass (module docstring); no autograd (use the torch composer to train)."""
-    states, n, mamba1 = _check_inputs(ssm_states, delta_sums, A, method, weights)
-    check_runnable(*states, delta_sums, A)
-    tensors = [*states, delta_sums, A] + ([weights] if weights is not None else [])
-    if any(t.requires_grad for t in tensors):
-        raise RuntimeError(
-            "compose_ssm_triton has no backward; an input requires grad: compose with the torch composer "
-            "(backend='torch') to train through the composition, or detach the inputs"
-        )
+def compose(ssm_states, delta_sums, A, method_id: int, weights=None, quadrature=None) -> torch.Tensor:
+    """Σ_k W_k ⊙ x_k in one Triton pass (module docstring); no autograd.
+
+    ``ssm_states``: n tensors of one shape / dtype (float32, bfloat16 or float16) / device; ``delta_sums``
+    ``[n, B, D | H]``; ``A`` ``[D, N]`` or ``[H]``; ``method_id``: a value of :data:`METHOD_IDS`; ``weights``:
+    ``[n]`` for ``weighted``; ``quadrature``: float32 ``[2, Q]`` on the states' device for ``picaso_s``, the
+    ⌈n/2⌉ Gauss–Legendre nodes on (0, 1) then their weights, zero padded to a power-of-two Q. The caller checks
+    the arguments.
+    """
+    states = [s.contiguous() for s in ssm_states]  # a no-op for contiguous states: nothing copied or stacked
     first = states[0]
-    if first.dtype not in _KERNEL_DTYPES:
-        raise TypeError(
-            f"compose_ssm_triton takes float32, bfloat16 or float16 states, got {first.dtype}; "
-            "use compose_ssm_torch for float64"
-        )
-    # .contiguous() is a no-op for contiguous states (the usual case): no state is copied or stacked
-    states = [s.contiguous() for s in states]
-    out = torch.empty_like(states[0])
+    out = torch.empty_like(first)
     if out.numel() == 0:
         return out
-    device = first.device
+    n, device = len(states), first.device
+    mamba1 = first.dim() == 3
     batch, rows = first.shape[0], first.shape[1]
     if mamba1:
         groups, row_elems, n_state = 1, rows * first.shape[2], first.shape[2]
@@ -210,20 +185,20 @@ def compose_ssm_triton(ssm_states, delta_sums, A, method, weights=None) -> torch
     a_coef = A.to(torch.float32).contiguous()
     user_w = weights.to(device=device, dtype=torch.float32).contiguous() if weights is not None else delta
     ptrs = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64, device=device)
-
-    q_pad = 1
-    if method == "picaso_s":
-        q_pad = triton.next_power_of_2(math.ceil(n / 2))
-        table = _gauss_legendre_table(n, q_pad, str(device))
+    if method_id == METHOD_IDS["picaso_s"]:
+        table = quadrature.to(device=device, dtype=torch.float32).contiguous()
+        q_pad = table.shape[1]
+        if q_pad & (q_pad - 1):
+            raise ValueError(f"the quadrature table must have a power-of-two width, got {q_pad}")
     else:
-        table = delta  # unused by the kernel
+        table, q_pad = delta, 1  # unused by the kernel
     # Mamba-1 picaso_s holds a [Q_PAD, BLOCK] product in registers: shrink the block as Q_PAD grows
-    cap = max(64, 4096 // q_pad) if (mamba1 and method == "picaso_s") else 1024
+    cap = max(64, 4096 // q_pad) if (mamba1 and method_id == METHOD_IDS["picaso_s"]) else 1024
     block = min(cap, triton.next_power_of_2(row_elems))
     grid = (triton.cdiv(row_elems, block), groups, batch)
     _compose_kernel[grid](
         ptrs,
-        states[0],
+        first,
         out,
         delta,
         a_coef,
@@ -238,7 +213,7 @@ def compose_ssm_triton(ssm_states, delta_sums, A, method, weights=None) -> torch
         delta.stride(1),
         delta.stride(2),
         0 if mamba1 else a_coef.stride(0),
-        METHOD=_METHOD_IDS[method],
+        METHOD=int(method_id),
         PER_ELEMENT=mamba1,
         BLOCK=block,
         Q_PAD=q_pad,

@@ -1,15 +1,17 @@
-"""Triton chunked SSD scan (Mamba-2) with initial state, final state and ΣΔ, forward and backward.
+"""Triton chunked SSD scan (Mamba-2) with initial state and final state, forward and backward.
 
-Same contract as :func:`hf_statecompose.ops.ssd.ssd_scan` / ``ssd_scan_ref``:
+:func:`ssd_scan` runs the scan on a discretised Δ (the Triton part of
+``hf_statecompose.ops.ssd_scan(..., backend="triton")``, whose wrapper discretises Δ, sums ΣΔ and adds the D
+term in torch under autograd)::
 
-    x [B, T, H, P], dt [B, T, H] (raw), A [H], B, C [B, T, G, N] (head h reads group h // (H / G)), D [H],
-    initial_state / final_state [B, H, P, N], mask [B, T]
-    -> (y [B, T, H, P] float32, final_state [B, H, P, N] float32, delta_sum [B, H] float32)
+    x [B, T, H, P], delta [B, T, H] (Δ), A [H], B, C [B, T, G, N] (head h reads group h // (H / G)),
+    initial_state / final_state [B, H, P, N]
+    -> (y [B, T, H, P] float32 without the D term, final_state [B, H, P, N] float32)
 
-    h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t ⊗ B_t,     y_t = h_t C_t + D x_t
+    h_t = exp(Δ_t A) h_{t-1} + Δ_t x_t ⊗ B_t,     y_t = h_t C_t
 
-The [B, T, H]-sized work (Δ = discretize_dt(dt), ΣΔ, the log-decay a_t = Δ_t A padded to whole chunks,
-the D term) stays in torch under autograd. The O(T·H·P·N) work runs in Triton inside
+The [B, T, H]-sized work (the log-decay a_t = Δ_t A padded to whole chunks; in the wrapper Δ, ΣΔ and the
+D term) stays in torch under autograd. The O(T·H·P·N) work runs in Triton inside
 :class:`_SSDChunkScan`, the chunked algorithm of the Mamba-2 paper (mamba-ssm's
 ``mamba_chunk_scan_combined``). Per chunk c of length L, cum_l = a_0 + ... + a_l inside the chunk
 (cum_last = cum_{L-1}); every exponent below is <= 0. Written as differences for brevity, each is summed
@@ -47,10 +49,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .._triton import check_runnable
-from .reference import _check_shapes, discretize_dt
-
-__all__ = ["ssd_scan_triton"]
+__all__ = ["ssd_scan"]
 
 # fp32 operands in tl.dot: "tf32x3" keeps ~fp32 accuracy on NVIDIA tensor cores ("tf32" alone would
 # lose ~3 decimal digits against the fp32 reference); "ieee" elsewhere (AMD, the interpreter accepts both).
@@ -657,7 +656,7 @@ class _SSDChunkScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, delta, log_a, B, C, h0, L):
-        batch, _length, heads, _ = x.shape
+        batch, _, heads, _ = x.shape
         ratio = heads // B.shape[2]
         nc = log_a.shape[-1] // L
         chunks = log_a.view(batch, heads, nc, L)
@@ -750,60 +749,24 @@ class _SSDChunkScan(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 
 
-def ssd_scan_triton(
-    x,
-    dt,
-    A,
-    B,
-    C,
-    D=None,
-    dt_bias=None,
-    dt_softplus=False,
-    dt_limit=None,
-    initial_state=None,
-    mask=None,
-    chunk_size: int = 64,
-):
-    """Chunked SSD scan in Triton; same signature and results as :func:`hf_statecompose.ops.ssd.ssd_scan`.
+def ssd_scan(x, delta, A, B, C, initial_state=None, chunk_size: int = 64):
+    """The chunked scan on a discretised Δ: ``(y [B, T, H, P], final_state [B, H, P, N])``, float32, y without
+    the D term.
 
-    Returns ``(y [B, T, H, P], final_state [B, H, P, N], delta_sum [B, H])``, all float32; differentiable
-    in x, dt, A, B, C, D, dt_bias and initial_state.
+    ``x [B, T, H, P]``, ``delta [B, T, H]`` (Δ, float32, 0 at padding), ``A [H]``, ``B, C [B, T, G, N]``,
+    ``initial_state [B, H, P, N]`` or None (zeros); the caller checks shapes and dtypes (float32 / bfloat16 /
+    float16). Differentiable in x, delta, A, B, C and initial_state.
     """
-    check_runnable(x, dt, A, B, C, D, dt_bias, initial_state, mask)
-    _check_shapes(x, dt, A, B, C, initial_state, mask)
-    for name, t in (
-        ("x", x),
-        ("dt", dt),
-        ("A", A),
-        ("B", B),
-        ("C", C),
-        ("D", D),
-        ("dt_bias", dt_bias),
-        ("initial_state", initial_state),
-    ):
-        if t is not None and t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(
-                f"ssd_scan_triton computes in float32 and takes float32/float16/bfloat16 inputs, got {name} of "
-                f"dtype {t.dtype}; use hf_statecompose.ops.ssd_scan for float64"
-            )
-    if D is not None and tuple(D.shape) != (x.shape[2],):
-        raise ValueError(f"D must be [H] = ({x.shape[2]},), got {tuple(D.shape)}")
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    batch, length, heads, _ = x.shape
+    batch, length, heads, head_dim = x.shape
     f32 = torch.float32
-    delta = discretize_dt(dt, dt_bias, dt_softplus, dt_limit, mask, f32)  # [B, T, H]
-    delta_sum = delta.sum(1)
     h0 = initial_state.to(f32) if initial_state is not None else None
     if length == 0:
-        y = x.to(f32).clone()
-        final = h0 if h0 is not None else x.new_zeros((batch, heads, x.shape[3], B.shape[3]), dtype=f32)
-        return y, final, delta_sum
+        final = h0 if h0 is not None else x.new_zeros((batch, heads, head_dim, B.shape[3]), dtype=f32)
+        return x.to(f32).clone(), final
     L = min(int(chunk_size), length)
     nc = triton.cdiv(length, L)
     log_a = F.pad(delta * A.to(f32), (0, 0, 0, nc * L - length))  # [B, nc·L, H], every entry <= 0
     log_a = log_a.transpose(1, 2).contiguous()  # [B, H, nc·L]
-    y, final = _SSDChunkScan.apply(x.contiguous(), delta.contiguous(), log_a, B.contiguous(), C.contiguous(), h0, L)
-    if D is not None:
-        y = y + x.to(f32) * D.to(f32)[:, None]
-    return y, final, delta_sum
+    return _SSDChunkScan.apply(x.contiguous(), delta.contiguous(), log_a, B.contiguous(), C.contiguous(), h0, L)

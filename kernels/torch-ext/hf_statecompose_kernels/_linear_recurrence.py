@@ -1,6 +1,7 @@
 """Triton diagonal linear recurrence returning the whole trajectory, forward and backward.
 
-Same contract as :func:`.reference.linear_recurrence_reference`::
+:func:`linear_recurrence` is the Triton backend of ``hf_statecompose.ops.linear_recurrence`` (whose wrapper
+checks the arguments)::
 
     a, b [B, L, C] (float32 / bfloat16 / float16)   initial_state [B, C] | None (zeros)   ->   h [B, L, C]
     h_k = a_k ⊙ h_{k-1} + b_k   (h_{-1} = initial_state), h in the dtype of b
@@ -21,11 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import check_runnable
-
-__all__ = ["linear_recurrence_triton"]
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["linear_recurrence"]
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -122,22 +119,16 @@ class _LinearRecurrenceTriton(torch.autograd.Function):
         return da, db, dh0
 
 
-def linear_recurrence_triton(a, b, initial_state=None):
-    """Triton h_k = a_k · h_{k-1} + b_k over [B, L, C] (module docstring); differentiable, float32 inside."""
-    check_runnable(a, b, initial_state)
-    if a.dim() != 3 or a.shape != b.shape:
-        raise ValueError(f"a and b must be [B, L, C] of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if b.dtype not in _KERNEL_DTYPES or a.dtype not in _KERNEL_DTYPES:
-        raise TypeError(
-            f"linear_recurrence_triton takes float32, bfloat16 or float16, got {a.dtype} and {b.dtype}; "
-            "use backend='torch' for float64"
-        )
+def linear_recurrence(a, b, initial_state=None):
+    """h_k = a_k · h_{k-1} + b_k over ``[B, L, C]`` (module docstring); differentiable, float32 inside.
+
+    ``a, b [B, L, C]`` of one shape (float32 / bfloat16 / float16), ``initial_state [B, C]`` or None (zeros);
+    the caller checks the arguments. ``h`` in the dtype of b.
+    """
     batch, length, channels = b.shape
     if initial_state is None:
         h0 = torch.zeros((batch, channels), device=b.device, dtype=torch.float32)
     else:
-        if tuple(initial_state.shape) != (batch, channels):
-            raise ValueError(f"initial_state must be [B, C] = {(batch, channels)}, got {tuple(initial_state.shape)}")
         h0 = initial_state.float().contiguous()  # autograd casts its gradient back
     if length == 0:
         return b.new_zeros((batch, 0, channels))

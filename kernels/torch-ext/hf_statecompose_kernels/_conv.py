@@ -1,8 +1,9 @@
 """Triton causal depthwise conv1d that continues a conv window, row by row, under left padding.
 
-Same contract as :func:`hf_statecompose.ops.conv.causal_conv1d` / ``causal_conv1d_ref``::
+:func:`causal_conv1d` is the Triton part of ``hf_statecompose.ops.causal_conv1d(..., backend="triton")``
+(whose wrapper checks the arguments and turns the mask into per-row left padding)::
 
-    x [B, C, T]   weight [C, K]   bias [C] | None   conv_state [B, C, K] | None (zeros)   mask [B, T] | None
+    x [B, C, T]   weight [C, K]   bias [C] | None   window [B, C, K]   pad [B] int32 (left padding per row)
     -> out [B, C, T] (dtype of x), new window [B, C, K] (dtype of x)
 
 Row b has p_b left-padding tokens and L_b = T - p_b real ones. Its real tokens continue its own window
@@ -31,12 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import check_runnable
-from .reference import _activation
-
-__all__ = ["causal_conv1d_triton"]
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["causal_conv1d"]
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -433,35 +429,11 @@ class _CausalConv1d(torch.autograd.Function):
         return dx, dweight, dbias, dwindow, None, None
 
 
-def causal_conv1d_triton(x, weight, bias=None, conv_state=None, mask=None, activation=None):
-    """Triton :func:`hf_statecompose.ops.conv.causal_conv1d` (module docstring); differentiable."""
-    check_runnable(x, weight, bias, conv_state, mask)
-    _activation(activation)  # ValueError for an unknown activation, as the torch op
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, C, T], got {tuple(x.shape)}")
-    batch, channels, length = x.shape
-    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
-        raise ValueError(f"weight must be [C, K] with C = {channels}, got {tuple(weight.shape)}")
-    kernel = weight.shape[1]
-    if bias is not None and tuple(bias.shape) != (channels,):
-        raise ValueError(f"bias must be [C] = [{channels}], got {tuple(bias.shape)}")
-    if mask is not None and tuple(mask.shape) != (batch, length):
-        raise ValueError(f"mask must be [B, T] = {(batch, length)}, got {tuple(mask.shape)}")
-    if x.dtype not in _KERNEL_DTYPES:
-        raise TypeError(
-            f"causal_conv1d_triton takes float32, bfloat16 or float16 x, got {x.dtype}; "
-            "use hf_statecompose.ops.causal_conv1d for float64"
-        )
-    if conv_state is None:
-        window = x.new_zeros((batch, channels, kernel))
-    else:
-        if tuple(conv_state.shape) != (batch, channels, kernel):
-            raise ValueError(
-                f"conv window must be [B, C, K] = {(batch, channels, kernel)}, got {tuple(conv_state.shape)}"
-            )
-        window = conv_state.to(x.dtype)  # as the torch op (autograd casts its gradient back)
-    if mask is not None:
-        pad = (length - mask.to(torch.int64).sum(-1)).to(torch.int32).contiguous()  # left padding per row
-    else:
-        pad = torch.zeros(batch, dtype=torch.int32, device=x.device)
-    return _CausalConv1d.apply(x, weight, bias, window, pad, activation is not None)
+def causal_conv1d(x, weight, bias, window, pad, silu: bool):
+    """``(out [B, C, T], new window [B, C, K])`` in the dtype of x (module docstring); differentiable.
+
+    ``x [B, C, T]``, ``weight [C, K]``, ``bias [C]`` or None, ``window [B, C, K]`` in the dtype of x, ``pad [B]``
+    int32 (the left padding of each row), ``silu``: apply SiLU. The caller checks shapes and dtypes (float32 /
+    bfloat16 / float16).
+    """
+    return _CausalConv1d.apply(x, weight, bias, window, pad, bool(silu))
