@@ -248,7 +248,7 @@ def test_continuing_a_state_equals_encoding_the_concatenation(arch, model):
     conv window and ΣΔ (accumulated over both forwards), and the token count."""
     c1, c2 = ids(arch, 7, batch=2, seed=50), ids(arch, 10, batch=2, seed=51)
     continued = hsc.encode(model, c1).clone()
-    model(c2, use_cache=True, **{compat.CACHE_ARG: continued}, **positions(arch, c2, 7))
+    model(c2, use_cache=True, **compat.cache_kwargs(continued, hybrid=arch.has_attention), **positions(arch, c2, 7))
     whole = hsc.encode(model, torch.cat([c1, c2], 1))
     assert continued.num_tokens.tolist() == [17, 17] and continued.token_ids is None
     for v in range(whole.num_layers):
@@ -289,7 +289,10 @@ def test_every_method_runs_from_its_composed_state(arch, model, states):
         composer = composer_of(method, 3)
         composed = composer.compose(states, model=model)
         expected = model(
-            query, use_cache=True, **{compat.CACHE_ARG: composed.clone()}, **positions(arch, query, 29)
+            query,
+            use_cache=True,
+            **compat.cache_kwargs(composed.clone(), hybrid=arch.has_attention),
+            **positions(arch, query, 29),
         ).logits
         logits = model(query, past_states=states, composition=composer).logits
         assert relative_error(logits, expected) < arch.tol, method
@@ -298,7 +301,10 @@ def test_every_method_runs_from_its_composed_state(arch, model, states):
         assert out.shape == (1, 9), method
         if not arch.has_attention:  # (generate reads a cache with keys as holding the prompt's: it feeds no tokens)
             from_cache = model.generate(
-                query, max_new_tokens=4, do_sample=False, **{compat.CACHE_ARG: composed.clone()}
+                query,
+                max_new_tokens=4,
+                do_sample=False,
+                **compat.cache_kwargs(composed.clone(), hybrid=arch.has_attention),
             )
             assert torch.equal(out, from_cache), method
         next_logits[method] = logits[:, -1]
