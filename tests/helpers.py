@@ -189,3 +189,29 @@ def torch_save_round_trip(obj):
 def load_saved(buffer):
     """``torch.load`` of a buffer this test ``torch.save``-d, through :class:`TrustedUnpickler`."""
     return torch.load(buffer, pickle_module=_TRUSTED_PICKLE)
+
+
+def save_tiny_finetune_base(folder) -> None:
+    """A tiny random Mamba-2 with the demo tokenizer saved in ``folder``: the base model of the fine-tuning
+    recipe's fast tests (``--set model=<folder>``)."""
+    from transformers import AutoTokenizer, Mamba2Config, Mamba2ForCausalLM
+
+    from hf_statecompose.demo import DEMO_DIR
+
+    tok = AutoTokenizer.from_pretrained(DEMO_DIR / "mamba2")
+    torch.manual_seed(0)
+    config = Mamba2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        state_size=8,
+        num_hidden_layers=2,
+        expand=2,
+        num_heads=8,
+        head_dim=8,
+        n_groups=1,
+        chunk_size=16,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    Mamba2ForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import save_tiny_finetune_base
 from store_helpers import TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,31 +159,13 @@ def test_lm_eval_cli_runs_quiet(outside_git, capfd, monkeypatch):
 def test_the_finetune_smoke_recipe_writes_under_the_working_directory_and_its_card_names_it(tmp_path, monkeypatch):
     pytest.importorskip("peft")
     pytest.importorskip("accelerate")
-    import torch
-    from transformers import AutoTokenizer, Mamba2Config, Mamba2ForCausalLM
 
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     import finetune
 
     from model_card import write_adapter_card
 
-    tok = AutoTokenizer.from_pretrained(ROOT / "hf_statecompose" / "demo" / "models" / "mamba2")
-    torch.manual_seed(0)
-    config = Mamba2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        state_size=8,
-        num_hidden_layers=2,
-        expand=2,
-        num_heads=8,
-        head_dim=8,
-        n_groups=1,
-        chunk_size=16,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    Mamba2ForCausalLM(config).save_pretrained(tmp_path / "base")
-    tok.save_pretrained(tmp_path / "base")
+    save_tiny_finetune_base(tmp_path / "base")
     monkeypatch.setenv("HF_STATECOMPOSE_CACHE", str(tmp_path / "cache"))
     work = tmp_path / "work"
     work.mkdir()

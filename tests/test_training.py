@@ -10,7 +10,7 @@ import torch
 import hf_statecompose as hsc
 from hf_statecompose.training import CompositionExample, composition_loss, encode_contexts
 
-from helpers import random_ids, tiny_model
+from helpers import random_ids, save_tiny_finetune_base, tiny_model
 
 peft = pytest.importorskip("peft")
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,25 +229,8 @@ def test_config_merges_defaults_experiment_and_overrides(recipe):
 
 def test_recipe_runs_three_bptc_steps_on_a_tiny_model(recipe, tmp_path, monkeypatch):
     """The whole recipe (data, LoRA, accelerate, save, results, card) on a tiny model with the demo tokenizer."""
-    from transformers import AutoTokenizer, Mamba2Config, Mamba2ForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(ROOT / "hf_statecompose" / "demo" / "models" / "mamba2")
-    torch.manual_seed(0)
-    config = Mamba2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        state_size=8,
-        num_hidden_layers=2,
-        expand=2,
-        num_heads=8,
-        head_dim=8,
-        n_groups=1,
-        chunk_size=16,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    Mamba2ForCausalLM(config).save_pretrained(tmp_path / "base")
-    tok.save_pretrained(tmp_path / "base")
+    save_tiny_finetune_base(tmp_path / "base")
     monkeypatch.setenv("HF_STATECOMPOSE_CACHE", str(tmp_path / "cache"))
     results = recipe.main(
         [
