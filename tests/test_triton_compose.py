@@ -117,6 +117,51 @@ def test_non_contiguous_states_and_known_values():
         assert relative_error(compose_ssm_torch(x, delta, A, method), expected) <= 1e-6, method
 
 
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+@pytest.mark.parametrize("method", METHODS)
+def test_all_layers_in_one_launch_match_the_per_layer_oracle(method, arch):
+    """compose_ssm_layers_triton (one launch for L layers: grid axis 2 over layers x rows, a pointer table of
+    the states and outputs) equals the float64 oracle layer by layer, each layer with its own states, ΣΔ and A;
+    every output has its own storage (a state file can be written from it)."""
+    from hf_statecompose.ops.backends import compose_ssm_layers
+    from hf_statecompose.ops.compose.reference import compose_ssm_layers_ref
+    from hf_statecompose.ops.compose.triton_wrapper import compose_ssm_layers_triton
+
+    for n, dtype in ((1, torch.float32), (3, torch.float32), (4, torch.bfloat16)):
+        layers = [make_inputs(arch, n, dtype, seed=100 * n + layer) for layer in range(3)]
+        w = layers[0][3] if method == "weighted" else None
+        states, deltas, As = [x[0] for x in layers], [x[1] for x in layers], [x[2] for x in layers]
+        outs = compose_ssm_layers_triton(states, deltas, As, method, w)
+        assert len(outs) == 3 and len({o.untyped_storage().data_ptr() for o in outs}) == 3
+        for layer, out in enumerate(outs):
+            expected = oracle(states[layer], deltas[layer], As[layer], method, w)
+            assert out.shape == states[layer][0].shape and out.dtype == dtype
+            assert relative_error(out, expected) <= TOL[dtype], (method, n, dtype, layer)
+        # the layers differ, so a kernel reading layer 0's inputs for every layer would fail above
+        assert relative_error(outs[1], outs[0]) > 0.1
+        # the reference and the dispatcher's torch path give the same
+        double = [[s.double() for s in layer] for layer in states]
+        ref = compose_ssm_layers_ref(double, deltas, As, method, None if w is None else w.double())
+        torch_path = compose_ssm_layers(states, deltas, As, method, w, backend="torch")
+        for layer in range(3):
+            assert relative_error(ref[layer], oracle(states[layer], deltas[layer], As[layer], method, w)) <= 1e-12
+            assert relative_error(torch_path[layer], ref[layer]) <= TOL[dtype]
+
+
+def test_all_layers_in_one_launch_falls_back_per_layer_for_mixed_shapes():
+    """Layers of different shapes (a hybrid's SSM layers may differ) are composed one launch each, same result."""
+    from hf_statecompose.ops.compose.triton_wrapper import compose_ssm_layers_triton
+
+    a = make_inputs("mamba2", 3, torch.float32, seed=1)
+    b = make_inputs("mamba2", 3, torch.float32, seed=2, shape=(2, 5, 4, 8))
+    outs = compose_ssm_layers_triton([a[0], b[0]], [a[1], b[1]], [a[2], b[2]], "picaso_r")
+    assert outs[1].shape == (2, 5, 4, 8)
+    for out, (states, delta, A, _) in zip(outs, (a, b)):
+        assert relative_error(out, oracle(states, delta, A, "picaso_r")) <= TOL[torch.float32]
+    with pytest.raises(ValueError, match="one delta_sums and one A each"):
+        compose_ssm_layers_triton([a[0], b[0]], [a[1]], [a[2], b[2]], "soup")
+
+
 def test_bad_inputs_raise():
     states, delta, A, weights = make_inputs("mamba2", 3, torch.float32, seed=0)
     with pytest.raises(ValueError, match="unknown composition method"):

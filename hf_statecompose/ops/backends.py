@@ -46,6 +46,7 @@ _TRITON_MODULES = {  # op -> (module beside this file, function); imported only 
     "ssd_scan": ("ssd.triton_wrapper", "ssd_scan_triton"),
     "causal_conv1d": ("conv.triton_wrapper", "causal_conv1d_triton"),
     "compose_ssm": ("compose.triton_wrapper", "compose_ssm_triton"),
+    "compose_ssm_layers": ("compose.triton_wrapper", "compose_ssm_layers_triton"),
     "linear_recurrence": ("linear_recurrence.triton_wrapper", "linear_recurrence_triton"),
 }
 _logged: set = set()
@@ -194,3 +195,21 @@ def compose_ssm(ssm_states, delta_sums, A, method, weights=None, backend: str = 
         if out is not None:
             return out
     return compose_ssm_torch(ssm_states, delta_sums, A, method, weights=weights)
+
+
+def compose_ssm_layers(layer_states, delta_sums, A, method, weights=None, backend: str = "auto"):
+    """:func:`compose_ssm` of L layers (``layer_states``: L lists of n states; ``delta_sums``, ``A``: L tensors):
+    on the Triton backend one launch for all layers of one shape (``compose.triton_wrapper``: per-layer launches
+    from Python cost more than the composition itself on a GPU), elsewhere :func:`compose_ssm` layer by layer.
+    Contract of ``compose_ssm_layers_ref``."""
+    device = layer_states[0][0].device
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (*(s for states in layer_states for s in states), *delta_sums, *A)
+    )
+    choice = resolve(backend, device, "compose_ssm")
+    if choice == "triton" and not needs_grad and get_model_free(method).kernel_id is not None:
+        return _triton_op("compose_ssm_layers")(layer_states, delta_sums, A, method, weights=weights)
+    return [
+        compose_ssm(states, d, a, method, weights=weights, backend=backend)
+        for states, d, a in zip(layer_states, delta_sums, A, strict=True)
+    ]

@@ -48,3 +48,52 @@ def compose_ssm_triton(ssm_states, delta_sums, A, method, weights=None) -> torch
         )
     quadrature = _gauss_legendre_table(n, str(states[0].device)) if method == "picaso_s" else None
     return kernel_module().compose(states, delta_sums, A, METHODS[method].kernel_id, weights, quadrature)
+
+
+def compose_ssm_layers_triton(layer_states, delta_sums, A, method, weights=None) -> list[torch.Tensor]:
+    """All L layers in one Triton launch (contract of ``compose_ssm_layers_ref``) when every layer's states have
+    one shape / dtype / device, else (or with a Hub kernel that has no ``compose_layers``) one launch per layer.
+    On a GPU the per-layer launches from Python cost more than the composition itself (``benchmarks/gpu.py``)."""
+    if len(layer_states) == 0 or len(delta_sums) != len(layer_states) or len(A) != len(layer_states):
+        raise ValueError(
+            f"compose L >= 1 layers with one delta_sums and one A each, got {len(layer_states)} layers of states, "
+            f"{len(delta_sums)} delta_sums and {len(A)} A"
+        )
+    # the first layer gets every check; the others must match it (then the same checks hold for them)
+    states0, n, _ = _check_inputs(layer_states[0], delta_sums[0], A[0], method, weights)
+    first = states0[0]
+    key = (first.shape, first.dtype, first.device)
+    uniform = all(
+        len(states) == n
+        and all((s.shape, s.dtype, s.device) == key for s in states)
+        and d.shape == delta_sums[0].shape
+        and a.shape == A[0].shape
+        and d.device == delta_sums[0].device
+        and a.device == A[0].device
+        for states, d, a in zip(layer_states, delta_sums, A, strict=True)
+    )
+    module = kernel_module()
+    if not uniform or not hasattr(module, "compose_layers") or len(layer_states) == 1:
+        return [
+            compose_ssm_triton(s, d, a, method, weights) for s, d, a in zip(layer_states, delta_sums, A, strict=True)
+        ]
+    check_runnable(first, delta_sums[0], A[0])
+    if any(t.requires_grad for t in (*(s for states in layer_states for s in states), *delta_sums, *A)):
+        raise RuntimeError(
+            "compose_ssm_triton has no backward; an input requires grad: compose with the torch composer "
+            "(backend='torch') to train through the composition, or detach the inputs"
+        )
+    if first.dtype not in _KERNEL_DTYPES:
+        raise TypeError(
+            f"compose_ssm_triton takes float32, bfloat16 or float16 states, got {first.dtype}; "
+            "use compose_ssm_torch for float64"
+        )
+    quadrature = _gauss_legendre_table(n, str(first.device)) if method == "picaso_s" else None
+    return module.compose_layers(
+        layer_states,
+        torch.stack(list(delta_sums)),
+        torch.stack(list(A)),
+        METHODS[method].kernel_id,
+        weights,
+        quadrature,
+    )

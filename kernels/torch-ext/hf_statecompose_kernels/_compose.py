@@ -18,6 +18,9 @@ the constexpr ``METHOD`` (:data:`METHOD_IDS`):
   Gauss–Legendre nodes t_q, weights w_q on (0, 1), passed in by the caller (the package's
   ``_gauss_legendre_01``).
 
+:func:`compose_layers` composes L layers of one shape in one launch (grid axis 2 over layers × rows, an
+``[L, n + 1]`` table of the states' and the outputs' data pointers): per-layer launches from Python cost more than the composition itself on a GPU.
+
 :func:`compose` (the Triton part of ``hf_statecompose.ops.compose_ssm(..., backend="triton")``, whose wrapper
 checks the arguments) is one Triton kernel, grid ``(cdiv(M, BLOCK), G, B)`` with ``M`` the elements of
 one row (Mamba-1: D·N with G = 1; Mamba-2: P·N with G = H). A program loops over the states k, reads its
@@ -34,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["METHOD_IDS", "compose"]
+__all__ = ["METHOD_IDS", "compose", "compose_layers"]
 
 # the kernel's METHOD constexpr per composition method (the package's dispatch passes the same ids)
 METHOD_IDS = {"soup": 0, "weighted": 1, "caso": 2, "picaso_s": 3, "picaso_r": 4}
@@ -73,9 +76,9 @@ def _neg_expm1(x):
 
 @triton.jit
 def _compose_kernel(
-    ptrs_ptr,  # int64 [n]: data pointers of the n (contiguous) states
+    ptrs_ptr,  # int64 [L, n + 1]: per layer the data pointers of the n (contiguous) states, then of its output
     x0_ptr,  # the first state (gives the element type of the pointers)
-    out_ptr,  # [B, G, M] contiguous, dtype of the states
+    out_ptr,  # the first layer's output [B, G, M] contiguous, dtype of the states (gives the output's type)
     delta_ptr,  # float32 [n, B, G_delta]
     A_ptr,  # float32, Mamba-1 [D, N] contiguous, Mamba-2 [H]
     w_ptr,  # float32 [n]: user weights ("weighted")
@@ -89,6 +92,9 @@ def _compose_kernel(
     stride_db,
     stride_dg,
     stride_ag,
+    batch,  # B: program axis 2 runs over (layer, row) pairs, l = pid // B, b = pid % B
+    stride_dl,  # ΣΔ's layer stride
+    stride_al,  # A's layer stride
     METHOD: tl.constexpr,
     PER_ELEMENT: tl.constexpr,  # True: Mamba-1 (a decay per element), False: Mamba-2 (one per program)
     BLOCK: tl.constexpr,
@@ -96,7 +102,14 @@ def _compose_kernel(
 ):
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
-    b = tl.program_id(2)
+    pid_lb = tl.program_id(2)
+    b = pid_lb % batch
+    layer = (pid_lb // batch).to(tl.int64)
+    # this layer's row of the [L, n + 1] pointer table (n states, then the output), its ΣΔ [n, B, G] and A
+    ptrs_ptr += layer * (n + 1)
+    delta_ptr += layer * stride_dl
+    A_ptr += layer * stride_al
+    out_base = tl.load(ptrs_ptr + n).to(out_ptr.dtype)
     offs = pid_m * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M
     row_off = b.to(tl.int64) * stride_sb + g.to(tl.int64) * stride_sg
@@ -156,7 +169,7 @@ def _compose_kernel(
             a_k = tl.exp(_log_decay(delta_ptr, k, stride_dk, d_off, wmask, a_coef))
             s = one_minus_p + a_k * s  # S_{k-1}
 
-    tl.store(out_ptr + row_off + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_base + row_off + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------- public
@@ -169,22 +182,32 @@ def compose(ssm_states, delta_sums, A, method_id: int, weights=None, quadrature=
     ⌈n/2⌉ Gauss–Legendre nodes on (0, 1) then their weights, zero padded to a power-of-two Q. The caller checks
     the arguments.
     """
-    states = [s.contiguous() for s in ssm_states]  # a no-op for contiguous states: nothing copied or stacked
-    first = states[0]
-    out = torch.empty_like(first)
-    if out.numel() == 0:
-        return out
-    n, device = len(states), first.device
+    return compose_layers([ssm_states], delta_sums[None], A[None], method_id, weights, quadrature)[0]
+
+
+def compose_layers(layer_states, delta_sums, A, method_id: int, weights=None, quadrature=None) -> list[torch.Tensor]:
+    """:func:`compose` of L layers of one shape in one launch (grid axis 2 runs over layers × rows): returns L
+    tensors (each its own storage), layer ``l`` composed from ``layer_states[l]`` (n tensors), ``delta_sums[l]``
+    (``[n, B, ·]``) and ``A[l]``. ``delta_sums`` is ``[L, n, B, D | H]`` and ``A`` ``[L, D, N]`` or ``[L, H]``; every
+    state of every layer has one shape / dtype / device. The caller checks the arguments."""
+    layers = [[s.contiguous() for s in states] for states in layer_states]  # no-ops for contiguous states
+    first = layers[0][0]
+    n_layers, n, device = len(layers), len(layers[0]), first.device
+    outs = [torch.empty_like(first) for _ in range(n_layers)]
+    if first.numel() == 0:
+        return outs
     mamba1 = first.dim() == 3
     batch, rows = first.shape[0], first.shape[1]
     if mamba1:
         groups, row_elems, n_state = 1, rows * first.shape[2], first.shape[2]
     else:
         groups, row_elems, n_state = rows, first.shape[2] * first.shape[3], first.shape[3]
-    delta = delta_sums.to(torch.float32)
-    a_coef = A.to(torch.float32).contiguous()
+    delta = delta_sums.to(device=device, dtype=torch.float32).contiguous()
+    a_coef = A.to(device=device, dtype=torch.float32).contiguous()
     user_w = weights.to(device=device, dtype=torch.float32).contiguous() if weights is not None else delta
-    ptrs = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64, device=device)
+    # the [L, n + 1] table of data pointers (each layer's n states, then its output), one host-to-device copy
+    table_rows = [[s.data_ptr() for s in states] + [out.data_ptr()] for states, out in zip(layers, outs)]
+    ptrs = torch.tensor(table_rows, dtype=torch.int64, device=device)
     if method_id == METHOD_IDS["picaso_s"]:
         table = quadrature.to(device=device, dtype=torch.float32).contiguous()
         q_pad = table.shape[1]
@@ -195,11 +218,11 @@ def compose(ssm_states, delta_sums, A, method_id: int, weights=None, quadrature=
     # Mamba-1 picaso_s holds a [Q_PAD, BLOCK] product in registers: shrink the block as Q_PAD grows
     cap = max(64, 4096 // q_pad) if (mamba1 and method_id == METHOD_IDS["picaso_s"]) else 1024
     block = min(cap, triton.next_power_of_2(row_elems))
-    grid = (triton.cdiv(row_elems, block), groups, batch)
+    grid = (triton.cdiv(row_elems, block), groups, batch * n_layers)
     _compose_kernel[grid](
         ptrs,
         first,
-        out,
+        outs[0],
         delta,
         a_coef,
         user_w,
@@ -209,14 +232,17 @@ def compose(ssm_states, delta_sums, A, method_id: int, weights=None, quadrature=
         n_state,
         groups * row_elems,
         row_elems,
-        delta.stride(0),
         delta.stride(1),
         delta.stride(2),
-        0 if mamba1 else a_coef.stride(0),
+        delta.stride(3),
+        0 if mamba1 else a_coef.stride(1),
+        batch,
+        delta.stride(0),
+        a_coef.stride(0),
         METHOD=int(method_id),
         PER_ELEMENT=mamba1,
         BLOCK=block,
         Q_PAD=q_pad,
         num_warps=4,
     )
-    return out
+    return outs
