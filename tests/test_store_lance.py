@@ -87,7 +87,7 @@ def test_reopen_and_refusals(tmp_path):
 
     with pytest.raises(ValueError, match="tokenizer"):
         make_store(tmp_path / "s", model, tokenizer=Shifted())
-    with pytest.raises(ValueError, match="backend must be"):
+    with pytest.raises(ValueError, match=r"unknown store backend 'sqlite'; registered: 'folder', 'lance'"):
         hsc.StateStore(tmp_path / "t", model, CharTokenizer(), retriever=BagOfWords(), backend="sqlite")
     with pytest.raises(ValueError, match="holds a Lance store"):
         hsc.StateStore(tmp_path / "s", model, CharTokenizer(), retriever=BagOfWords())

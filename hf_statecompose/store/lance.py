@@ -58,7 +58,7 @@ from ..state.fingerprint import architecture_of
 from ..state.serialization import FORMAT_VERSION as STATE_FORMAT_VERSION
 from ..state.serialization import _check_metadata, _dense, _digest
 from ..state.validation import check_finite, expected_num_layers
-from .base import StateStore, progress_bar
+from .base import StateStore, progress_bar, register_backend
 from .format import (
     FORMAT_VERSION,
     STORAGE_DTYPES,
@@ -888,6 +888,9 @@ class LanceStateStore(StateStore):
 
     def __repr__(self):
         return f"LanceStateStore({self.uri!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
+
+
+register_backend("lance", LanceStateStore)  # (the package registers it by module path: imported on first use)
 
 
 def read_lance_header(uri: str, storage_options: dict | None = None) -> dict | None:
