@@ -236,7 +236,7 @@ def open_store(path: str, model_spec: str | None, storage_dtype: str | None = No
             model,
             tokenizer,
             storage_dtype=storage_dtype,
-            info={"model": _recorded(model_spec)},  # type: ignore[abstract]  # StateStore() returns its backend's class
+            info={"model": _recorded(model_spec)},
             backend=(header or {}).get("backend", "folder"),
         )
     return store, model, tokenizer
@@ -344,7 +344,7 @@ def _build(args) -> None:
                     tokenizer,
                     storage_dtype=args.storage_dtype,
                     info={"model": _recorded(spec)},
-                )  # type: ignore[abstract]  # StateStore() returns its backend's class
+                )
             ids = draft.add(texts, metadata, batch_size=args.batch_size)
             try:
                 if target.is_dir():
@@ -361,7 +361,7 @@ def _build(args) -> None:
             shutil.rmtree(building, ignore_errors=True)
             if lock is not None:
                 os.close(lock)
-        store = StateStore(target, model, tokenizer, retriever=draft.retriever)  # type: ignore[abstract]  # StateStore() returns its backend's class
+        store = StateStore(target, model, tokenizer, retriever=draft.retriever)
     print(f"added {len(ids)} entries to {args.store}")
     print(json.dumps(store.stats(), indent=1))
 

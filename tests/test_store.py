@@ -220,7 +220,7 @@ sys.path.insert(0, {tests!r})
 from helpers import tiny_model
 from store_helpers import TEXTS, BagOfWords, CharTokenizer
 import hf_statecompose as hsc
-from hf_statecompose.store import folder as store_module
+from hf_statecompose.store import folder_disk as store_module
 
 mode, commits = {mode!r}, [0]
 original = store_module.atomic_write

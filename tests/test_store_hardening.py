@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
-from hf_statecompose.store import folder as store_module
+from hf_statecompose.store import folder_disk as store_module
 
 from helpers import tiny_model
 from store_helpers import TEXTS, BagOfWords, CharTokenizer
@@ -333,7 +333,7 @@ sys.path.insert(0, {tests!r})
 from helpers import tiny_model
 from store_helpers import BagOfWords, CharTokenizer
 import hf_statecompose as hsc
-from hf_statecompose.store import folder as store_module
+from hf_statecompose.store import folder_disk as store_module
 
 pristine, work = sys.argv[1], sys.argv[2]
 model = tiny_model("mamba2")

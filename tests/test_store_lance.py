@@ -87,7 +87,7 @@ def test_reopen_and_refusals(tmp_path):
 
     with pytest.raises(ValueError, match="tokenizer"):
         make_store(tmp_path / "s", model, tokenizer=Shifted())
-    with pytest.raises(ValueError, match="backend must be"):
+    with pytest.raises(ValueError, match=r"unknown store backend 'sqlite'; registered: 'folder', 'lance'"):
         hsc.StateStore(tmp_path / "t", model, CharTokenizer(), retriever=BagOfWords(), backend="sqlite")
     with pytest.raises(ValueError, match="holds a Lance store"):
         hsc.StateStore(tmp_path / "s", model, CharTokenizer(), retriever=BagOfWords())
@@ -436,3 +436,104 @@ def test_import_stays_light_and_the_lance_backend_loads_lancedb_only_when_used()
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "False", "False"]  # lancedb is imported on first use of the backend
+
+
+# ------------------------------------------------------------------------------------ input/output failures (issue 29)
+def test_a_read_only_lance_store_reads_and_refuses_every_write_with_a_permission_error(tmp_path, monkeypatch):
+    model = tiny_model("mamba2")
+    path = str(tmp_path / "s")
+    store = make_store(path, model)
+    ids = store.add(TEXTS[:2], show_progress=False) + store.add(TEXTS[2:4], show_progress=False)
+    store.delete(ids[3])
+    store.compact()
+    assert store.compact()["removed_entries"] == 0  # nothing left to do: Lance writes nothing, and returns
+    version, expected = store.table.version, store.get(ids[0])
+    real_access = os.access
+
+    def read_only(p, mode, *args, **kwargs):  # as on a read-only mount (root ignores permission bits)
+        if str(p).startswith(path) and mode & os.W_OK:
+            return False
+        return real_access(p, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", read_only)
+    reader = make_store(path, model)
+    assert sorted(reader.ids()) == sorted(ids[:3]) and reader.entries([ids[1]])[0].text == TEXTS[1]
+    assert_same_state(reader.get(ids[0]), expected, rtol=0, atol=0)
+    assert reader.retrieve("red fox", k=1)[0].id == ids[0] and reader.stats()["entries"] == 3
+    assert reader.add(TEXTS[:1], show_progress=False) == ids[:1]  # stored already: nothing to write, as a folder store
+    writes = {
+        "add": lambda: reader.add(["a text not stored yet"], show_progress=False),
+        "delete": lambda: reader.delete(ids[0]),
+        "compact": reader.compact,
+        "repair": reader.repair,
+    }
+    for what, write in writes.items():
+        with pytest.raises(PermissionError, match=f"the Lance store at {path} is read-only.*{what} needs write access"):
+            write()
+    monkeypatch.undo()
+    reopened = make_store(path, model)
+    assert reopened.table.version == version and sorted(reopened.ids()) == sorted(ids[:3])  # nothing was changed
+    reopened.delete(ids[0])  # writable again: the same calls work
+    assert sorted(reopened.ids()) == sorted(ids[1:3])
+
+
+# what Lance 0.x raised on a read-only mount, a full disk (both seen on a tmpfs) and a missing write permission
+READ_ONLY_FS = (
+    "lance error: LanceError(IO): Read-only file system (os error 30), "
+    "/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/lance-io-13.0.0/src/object_store.rs:1000:21"
+)
+DISK_FULL = (
+    "lance error: LanceError(IO): No space left on device (os error 28), "
+    "/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/lance-file-13.0.0/src/writer/structural.rs:258:9"
+)
+NO_PERMISSION = 'lance error: LanceError(IO): Permission denied (os error 13) at path "x/states.lance/data/.tmp"'
+NO_ERRNO = "lance error: LanceError(IO): Generic LocalFileSystem error: Unable to copy file, object_store.rs:1006:34"
+
+
+def test_lance_input_output_failures_are_permission_and_os_errors_naming_the_store(tmp_path, monkeypatch):
+    import errno
+
+    model = tiny_model("mamba2")
+    path = str(tmp_path / "s")
+    store = make_store(path, model)
+    ids = store.add(TEXTS[:3], show_progress=False)
+    version = store.table.version
+
+    def raising(text, error=RuntimeError):
+        def call(*args, **kwargs):
+            raise error(text)
+
+        return call
+
+    cases = [
+        ("delete", READ_ONLY_FS, lambda: store.delete(ids[0]), PermissionError, errno.EROFS, "is read-only"),
+        (
+            "merge_insert",
+            DISK_FULL,
+            lambda: store.add(["a new text"], show_progress=False),
+            OSError,
+            errno.ENOSPC,
+            "no space left on the device while writing entries",
+        ),
+        ("optimize", NO_PERMISSION, store.compact, PermissionError, errno.EACCES, "is read-only"),
+        ("delete", NO_ERRNO, lambda: store.delete(ids[0]), OSError, errno.EIO, "delete failed: lance error"),
+    ]
+    for method, text, call, expected, code, what in cases:
+        monkeypatch.setattr(store.table, method, raising(text))
+        with pytest.raises(expected) as caught:
+            call()
+        monkeypatch.undo()
+        message = str(caught.value)
+        assert caught.value.errno == code and f"the Lance store at {path}" in message and what in message, message
+        assert "object_store.rs" not in message or code == errno.EIO, (
+            message
+        )  # the raw text only where no errno says it
+        assert type(caught.value) is expected
+    # an error that is not an input/output failure is not dressed up as one
+    monkeypatch.setattr(store.table, "delete", raising("lance error: Invalid user input: bad filter"))
+    with pytest.raises(RuntimeError, match="Invalid user input"):
+        store.delete(ids[0])
+    monkeypatch.undo()
+    assert store.table.version == version and sorted(store.ids()) == sorted(ids)  # nothing was committed
+    store.delete(ids[0])  # and the same calls work without the fault
+    assert store.compact()["removed_entries"] == 1 and sorted(store.ids()) == sorted(ids[1:])

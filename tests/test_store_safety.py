@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
-from hf_statecompose.store import folder as store_module
+from hf_statecompose.store import folder_disk as store_module
 
 from helpers import tiny_model
 from store_helpers import TEXTS, BagOfWords, CharTokenizer
@@ -187,6 +187,58 @@ def test_a_compaction_killed_after_committing_still_finishes(tmp_path, model, mo
     reader = make_store(tmp_path / "s", model)
     assert sorted(reader.ids()) == sorted(ids[2:])  # the superseded shard's entries are accounted for
     assert reader.compact()["superseded_shards_removed"] == 1 and sorted(reader.ids()) == sorted(ids[2:])
+
+
+def test_a_compaction_killed_between_the_two_removals_of_a_superseded_shard_leaves_no_manifest_without_tensors(
+    tmp_path, model, monkeypatch
+):
+    """Compaction step 1 (what a killed compaction left) removes a superseded shard's manifest, then its
+    tensors: killed in between, the store holds orphan tensors (removed by the next compaction), never a manifest
+    whose tensors are gone (a committed shard is always complete). The other order fails here."""
+    path = tmp_path / "s"
+    store = make_store(path, model)
+    ids = store.add(TEXTS[:4], show_progress=False)  # one shard
+    expected = {i: store.get(i) for i in ids[2:]}
+    store.delete(ids[:2])
+    remove = store_module._remove
+
+    def stop(p):
+        raise Stop
+
+    monkeypatch.setattr(store_module, "_remove", stop)  # the first compaction: killed once its new shard is committed
+    with pytest.raises(Stop):
+        store.compact()
+    shards = path / "shards"
+    superseded = {s for p in shards.glob("*.json") for s in json.loads(p.read_text())["supersedes"]}
+    assert len(superseded) == 1 and len(list(shards.glob("*.json"))) == 2
+    removed = []
+
+    def remove_once(p):  # the second compaction, step 1: killed right after its first removal
+        if removed:
+            raise Stop
+        removed.append(p.name)
+        return remove(p)
+
+    monkeypatch.setattr(store_module, "_remove", remove_once)
+    with pytest.raises(Stop):
+        make_store(path, model).compact()
+    monkeypatch.undo()
+    assert removed and removed[0].startswith(next(iter(superseded)))  # the kill fell inside step 1
+    manifests_left = sorted(p.stem for p in shards.glob("*.json"))
+    without_tensors = [sid for sid in manifests_left if not (shards / f"{sid}.safetensors").exists()]
+    assert without_tensors == [], "a manifest outlived its tensors: step 1 must remove the manifest first"
+    reader = make_store(path, model)
+    assert sorted(reader.ids()) == sorted(ids[2:])
+    for sid in manifests_left:  # every manifest on disk is a complete shard (size checked, file opened)
+        handle, _ = reader._open_shard(sid)
+        with handle:
+            pass
+    for entry_id, state in expected.items():
+        assert torch.equal(reader.get(entry_id).ssm_states[0], state.ssm_states[0])
+    assert reader.stats()["orphan_files"] == 1  # the superseded shard's tensors, uncommitted
+    reader.compact()
+    stats = reader.stats()
+    assert stats["orphan_files"] == stats["superseded_shards"] == 0 and sorted(reader.ids()) == sorted(ids[2:])
 
 
 # ------------------------------------------------------------------------------------ 4. clear errors

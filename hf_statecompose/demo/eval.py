@@ -131,7 +131,7 @@ def evaluate(
             tokenizer,
             retriever=retriever,
             storage_dtype=storage_dtype,
-        )  # type: ignore[abstract]  # StateStore() returns its backend's class
+        )
         if len(store) == 0:
             _, build_seconds = _timed(
                 lambda: store.add(database, [{"index": i} for i in range(len(database))], show_progress=False)

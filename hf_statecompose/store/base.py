@@ -1,17 +1,21 @@
-"""``StateStore``: the one type both store backends are (:class:`~hf_statecompose.store.folder.FolderStateStore`,
-a folder of safetensors shards; :class:`~hf_statecompose.store.lance.LanceStateStore`, LanceDB tables).
+"""``StateStore``: the one type every store backend is (:class:`~hf_statecompose.store.folder.FolderStateStore`,
+a folder of safetensors shards; :class:`~hf_statecompose.store.lance.LanceStateStore`, LanceDB tables), and the
+registry of backends that ``StateStore(path, model, tokenizer, backend=...)`` dispatches through.
 
-This class holds what the backends share: the choice of backend (``StateStore(path, model, tokenizer,
-backend=...)``), the model / tokenizer / retriever binding, the checks of every public method's
-arguments, embedding and tokenizing, and the encoding of one entry's tensors and the verified decoding
-back into a state (dtypes, shapes, finite values, ΣΔ >= 0 against the model). Each backend implements
-the storage: ``add``, ``get``, ``retrieve``, ``delete``, ``compact``, ``entries``, ``ids``, ``stats``.
+This class holds what the backends share: the choice of backend, the model / tokenizer / retriever binding, the
+checks of every public method's arguments, embedding and tokenizing, and the encoding of one entry's tensors and
+the verified decoding back into a state (dtypes, shapes, finite values, ΣΔ >= 0 against the model). Each backend
+implements the storage: ``add``, ``get``, ``retrieve``, ``delete``, ``compact``, ``entries``, ``ids``,
+``refresh``, ``stats``, ``__len__``, ``__contains__``, and registers itself by name (:func:`register_backend`);
+the package's ``__init__`` imports the built-in backends (``"folder"``; ``"lance"`` registered by its module path,
+imported on first use: its dependencies are an optional extra).
 """
 
 from __future__ import annotations
 
-import abc
+import importlib
 import os
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -30,10 +34,113 @@ from .format import (
     tokenizer_record,
 )
 
-BACKENDS = ("folder", "lance")
+# ------------------------------------------------------------------------------------ the backends' registry
+# name -> the backend class, or "package.module:Class" for a backend imported on first use (as fsspec's
+# known_implementations); filled by register_backend (the backend modules, the package __init__, users)
+_BACKENDS: dict[str, type[StateStore] | str] = {}
+_BACKENDS_LOCK = threading.Lock()
+# what a backend implements: StateStore's methods that only raise NotImplementedError (checked at registration and
+# when a backend class is instantiated, as an abstract base class would, without making StateStore abstract: mypy
+# would then refuse ``StateStore(path, model, tokenizer)``, which returns the backend's object)
+BACKEND_METHODS = (
+    "add",
+    "get",
+    "retrieve",
+    "delete",
+    "compact",
+    "entries",
+    "ids",
+    "refresh",
+    "stats",
+    "__len__",
+    "__contains__",
+)
 
 
-class StateStore(abc.ABC):
+def register_backend(name: str, backend: type[StateStore] | str, *, replace: bool = False) -> None:
+    """Make ``StateStore(path, model, tokenizer, backend=name)`` open a store with ``backend``: a subclass of
+    :class:`StateStore` whose ``backend`` attribute is ``name`` and which implements :data:`BACKEND_METHODS`, or
+    the string ``"package.module:Class"`` naming one (imported, then checked, on first use: for a backend
+    whose dependencies are optional; that class may then register itself under the name). A name registered
+    already (to something else) is refused unless ``replace=True``."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a store backend's name must be an identifier string, got {name!r}")
+    if isinstance(backend, str):
+        module, _, attribute = backend.partition(":")
+        if not module or not attribute:
+            raise ValueError(f"a backend given by name must be 'package.module:Class', got {backend!r}")
+    else:
+        _check_backend_class(name, backend)
+    with _BACKENDS_LOCK:
+        known = _BACKENDS.get(name)
+        lazy_for = isinstance(known, str) and not isinstance(backend, str) and known == _path_of(backend)
+        if known is not None and known != backend and not lazy_for and not replace:
+            raise ValueError(
+                f"a store backend named {name!r} is registered already ({_describe(_BACKENDS[name])}); "
+                "pass replace=True to replace it"
+            )
+        _BACKENDS[name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    """Remove the backend ``name`` from the registry (``KeyError`` if it is not registered)."""
+    with _BACKENDS_LOCK:
+        if not isinstance(name, str) or name not in _BACKENDS:
+            raise KeyError(f"no store backend named {name!r}; registered: {registered_backends()}")
+        del _BACKENDS[name]
+
+
+def registered_backends() -> list[str]:
+    """The names ``StateStore(..., backend=...)`` accepts, in registration order."""
+    return list(_BACKENDS)
+
+
+def backend_class(name: str) -> type[StateStore]:
+    """The class registered as ``name`` (imported now if registered by its module path)."""
+    entry = _BACKENDS.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(
+            f"unknown store backend {name!r}; registered: {', '.join(map(repr, registered_backends()))} "
+            "(add one with hf_statecompose.store.register_backend)"
+        )
+    if isinstance(entry, str):
+        module, _, attribute = entry.partition(":")
+        cls = getattr(importlib.import_module(module), attribute, None)
+        if cls is None:
+            raise ValueError(f"store backend {name!r}: {module} has no {attribute} (registered as {entry!r})")
+        _check_backend_class(name, cls)
+        with _BACKENDS_LOCK:
+            if _BACKENDS.get(name) == entry:
+                _BACKENDS[name] = cls
+        return cls
+    return entry
+
+
+def _path_of(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _describe(entry: type | str) -> str:
+    return entry if isinstance(entry, str) else _path_of(entry)
+
+
+def _check_backend_class(name: str, cls) -> None:
+    if not isinstance(cls, type) or not issubclass(cls, StateStore) or cls is StateStore:
+        raise TypeError(f"store backend {name!r} must be a subclass of StateStore, got {cls!r}")
+    if getattr(cls, "backend", None) != name:
+        raise ValueError(
+            f"store backend {name!r}: {cls.__name__}.backend is {getattr(cls, 'backend', None)!r}; set it to {name!r}"
+        )
+    missing = _missing_methods(cls)
+    if missing:
+        raise TypeError(f"store backend {name!r}: {cls.__name__} does not implement {', '.join(missing)}")
+
+
+def _missing_methods(cls) -> list[str]:
+    return [method for method in BACKEND_METHODS if getattr(cls, method) is getattr(StateStore, method)]
+
+
+class StateStore:
     """A database of context states, retrieved by embedding similarity; ``StateStore(path, model,
     tokenizer)`` opens (or creates) one.
 
@@ -54,31 +161,25 @@ class StateStore(abc.ABC):
         backend: ``"folder"`` (default: :class:`~hf_statecompose.store.folder.FolderStateStore`) or
             ``"lance"``: LanceDB tables at ``path`` (a local folder or an object-storage URI), with the
             same API and checks (:class:`~hf_statecompose.store.lance.LanceStateStore`, which takes
-            further keyword arguments; needs the ``[scale]`` extra).
+            further keyword arguments; needs the ``[scale]`` extra), or any name given to
+            :func:`register_backend`; an unknown name is a ``ValueError`` listing the registered ones.
     """
 
     backend: str
     storage_dtype: torch.dtype  # set by each backend when it opens the store
     header: dict
 
-    def __new__(cls, path=None, *args, backend: str | None = None, **kwargs):
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend must be 'folder' or 'lance', got {backend!r}")
-        if cls is StateStore:
-            if backend == "lance":
-                from .lance import (
-                    LanceStateStore,  # lancedb is an optional extra: imported on first use
-                )
-
-                cls = LanceStateStore
-            else:
-                from .folder import FolderStateStore
-
-                cls = FolderStateStore
-        elif backend is not None and backend != cls.backend:
+    def __new__(cls, path=None, *args, backend: str | None = None, **kwargs) -> StateStore:
+        if cls is StateStore:  # the factory: the registered backend (default "folder")
+            cls = backend_class("folder" if backend is None else backend)
+        elif backend is not None and backend != getattr(cls, "backend", None):
+            backend_class(backend)  # an unknown name: the registry's error, listing the registered ones
             raise ValueError(
-                f"{cls.__name__} is the {cls.backend!r} backend, got backend={backend!r}; use StateStore(..., backend={backend!r})"
+                f"{cls.__name__} is the {getattr(cls, 'backend', None)!r} backend, got backend={backend!r}; use StateStore(..., backend={backend!r})"
             )
+        missing = _missing_methods(cls)
+        if missing:  # as an abstract base class refuses an incomplete subclass
+            raise TypeError(f"cannot open a store with {cls.__name__}: it does not implement {', '.join(missing)}")
         return super().__new__(cls)
 
     def _bind(self, model, tokenizer, retriever, storage_dtype, info):
@@ -348,7 +449,7 @@ class StateStore(abc.ABC):
                 )
 
     # ------------------------------------------------------------------------------------ what each backend implements
-    @abc.abstractmethod
+    # (BACKEND_METHODS: a backend class lacking one is refused by register_backend and when instantiated)
     def add(
         self,
         texts: Iterable[str],
@@ -360,49 +461,50 @@ class StateStore(abc.ABC):
         ids, in order. A text already stored with the same metadata is not encoded again: its id is
         returned (ids come from the content, :func:`~hf_statecompose.store.format.content_id`), and
         repeats within one call are one entry."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
         """The verified states of ``ids`` (one id: one state); each state owns its tensors (editing one
         in place changes no other state and nothing stored)."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def retrieve(
         self, query: str, k: int = 5, exclude: Iterable[str] = (), load_states: bool = True
     ) -> list[StoreEntry]:
         """The ``k`` entries most similar to ``query`` (cosine), best first, with their states."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def delete(self, ids: Sequence[str] | str, missing_ok: bool = False) -> None:
         """Delete entries, all of them or (a crash included) none: one atomic commit per call; their
         bytes go at the next :meth:`compact`. Ids not in the store are a ``KeyError`` naming them, raised
         before anything changes; with ``missing_ok=True`` they are ignored (a retried delete is a no-op)."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def compact(self) -> dict:
         """Reclaim the space of deleted entries; returns what it did."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def entries(self, ids: Sequence[str] | None = None) -> list[StoreEntry]:
         """Text and metadata of entries (no state read); all of them with ``ids=None``."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def ids(self) -> list[str]:
         """The ids of the entries stored now."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def refresh(self) -> None:
         """See other processes' commits now."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def stats(self) -> dict:
         """Entries, bytes and settings of the store."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        raise NotImplementedError
 
-    @abc.abstractmethod
-    def __contains__(self, entry_id) -> bool: ...
+    def __contains__(self, entry_id) -> bool:
+        raise NotImplementedError
 
 
 def _refuse_entry(where: str, problem: str):

@@ -1,79 +1,16 @@
-"""``FolderStateStore``: the default :class:`~hf_statecompose.store.StateStore` backend, a folder of
-safetensors shards on a local filesystem.
-
-Layout of a store directory::
-
-    store.json                  created once: format, model fingerprint and summary, storage dtype,
-                                retriever name and dimension, tokenizer record, free-form ``info``;
-                                sealed with a digest of its own canonical content
-    shards/<sid>.safetensors    the states of one ``add`` batch: per entry and layer ``<id>.ssm.<l>``,
-                                ``<id>.conv.<l>``, ``<id>.delta_sum.<l>``, plus ``<id>.token_ids``
-                                (a hybrid model's entries: per attention layer ``i`` also
-                                ``<id>.attn.keys.<i>``, ``<id>.attn.values.<i>``, ``<id>.attn.positions.<i>``,
-                                for the entry's own tokens); per shard ``A.<l>`` and ``embeddings`` [n, E]
-    shards/<sid>.json           the shard's manifest: its shard id, the model fingerprint, the shard file's
-                                size, entries (id, text, metadata, tokens, checksum), the checksums of the
-                                embeddings and of ``A``, the shards it ``supersedes``; sealed with a digest
-                                of its own canonical content. **Its existence commits the shard.**
-    deleted/<tid>.json          one tombstone file per ``delete`` call: the ids it deletes, sealed (until
-                                compaction rewrites their shards); ``deleted/<id>`` (empty, one per
-                                id, written by older versions) is read too
-    .lock                       ``flock``-ed: exclusively by writers, shared by readers
-
-A store whose ``store.json``, ``shards``, ``deleted`` or ``.lock`` is a symbolic link is refused, and
-compaction only ever removes regular files (``lstat``), so it never reaches files outside the store.
-
-Ids (entries: 16 hex digits, shards: 32) are checked against one pattern on every input path (``get``,
-``delete``, ``exclude``, ``entries`` and every manifest read from disk), so no id can name a file
-outside the store.
-
-Why it cannot lose data or serve a wrong one:
-
-* every file is written to a temporary name in the same folder, fsynced, then renamed, and the folder
-  fsynced: a reader sees the whole file or none;
-* a shard's tensors are renamed into place before its manifest, so a committed shard is complete; a
-  process killed mid-``add`` leaves at most an orphan ``.safetensors`` (ignored, removed by
-  :meth:`StateStore.compact`);
-* compaction never edits a committed file: it writes a new shard and a manifest that *supersedes* the
-  old shard, then removes the old files. Readers ignore superseded manifests, so at every instant (a
-  ``kill -9`` included) each entry id is in exactly one live manifest. Every entry of a superseded
-  shard is listed by a manifest superseding it or deleted (true at every step): a store where that
-  fails (a forged manifest) is refused by readers and by compaction, which then removes nothing;
-* a ``delete`` of several ids is one atomic file: after a crash all of them are deleted or none;
-* writers hold an exclusive ``flock``, readers a shared one: a reader sees the store before or after a
-  commit, delete or compaction, never half of it;
-* manifests, tombstone files and ``store.json`` carry a digest of their content and every manifest the
-  model fingerprint: a flipped byte is refused, never read as other text or metadata, and a lost
-  ``store.json`` does not let another model adopt the shards. The digests guard against accidents (bit
-  flips, truncation, hand edits, files from another store or model), not against an attacker with write
-  access, who can recompute them;
-* every entry's tensors carry a SHA-256 checksum, the embeddings and ``A`` too. An entry is verified
-  (checksum, shapes, finite values, ΣΔ >= 0) the first time this process reads it from a given shard
-  file (same inode, size, mtime and ctime); later reads of the unchanged file skip the hash, and any
-  change to the file makes the next read verify again.
-
-Reads are lazy: :meth:`StateStore.get` memory-maps the shard (``safetensors.safe_open``) and reads only
-the requested entries' tensors. As with ``safetensors.torch.load_file``, the fp32 tensors it returns map
-the file privately (copy on write: changing them never changes the store). The store never rewrites a
-file in place (compaction writes new files and unlinks old ones, which leaves existing mappings valid);
-a shard edited in place by another program while its states are in use is not supported. Each
-returned state owns its ``A`` (a copy of the store's verified one).
+"""``FolderStateStore``: the default :class:`~hf_statecompose.store.StateStore` backend (``backend="folder"``), a
+folder of safetensors shards on a local filesystem. This module is its API (add, get, retrieve, delete, compact,
+entries, stats); the files, locks, atomic writes and compaction steps it runs are the on-disk protocol in
+:mod:`hf_statecompose.store.folder_disk`, whose docstring describes the layout and why the store cannot lose data.
 
 ``add`` skips texts already stored with the same metadata (their ids are returned, nothing is encoded);
 new entries get ids derived from their content (:func:`~hf_statecompose.store.format.content_id`).
-
-A read-only store (read-only mount, no write permission) opens and reads (``.lock`` opened read-only,
-nothing created); ``add``, ``delete`` and ``compact`` then raise one ``PermissionError``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import json
 import os
-import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -81,79 +18,27 @@ from pathlib import Path
 import torch
 
 from ..state.cache import ComposableMambaCache
-from ..state.files import atomic_write, fsync_dir
 from ..state.fingerprint import architecture_of
-from ..state.validation import check_finite, expected_num_layers
-from .base import StateStore, progress_bar
+from ..state.validation import check_finite
+from .base import StateStore, progress_bar, register_backend
+from .folder_disk import _VERIFIED, ShardFolder, _nbytes
 from .format import (
-    CHECKSUM_PATTERN,
     FORMAT_VERSION,
     STORAGE_DTYPES,
     StoreEntry,
-    all_finite,
     canonical,
-    check_id,
     check_opened_header,
-    checksum,
     content_id,
     is_id,
-    seal,
-    unseal,
 )
 
-
-# ------------------------------------------------------------------------------------ file changes
-# Every change the store makes to its folder goes through these two, so that the crash tests can stop
-# a process before any one of them (and nothing else writes or removes files).
-def _write(path: Path, data: bytes) -> None:
-    atomic_write(path, data)
+__all__ = ["_VERIFIED", "FolderStateStore"]  # _VERIFIED: benchmarks/store_read.py clears it
 
 
-def _remove(path: Path) -> bool:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    fsync_dir(path.parent)
-    return True
-
-
-def _run_all(fn, jobs: list[tuple]) -> None:
-    """``fn(*job)`` for every job, on threads when there are several: hashing and reductions release the
-    GIL, so verifying k entries uses the cores. The first error is raised."""
-    if len(jobs) <= 1:
-        for job in jobs:
-            fn(*job)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
-        for _ in pool.map(lambda job: fn(*job), jobs):
-            pass
-
-
-def _identity(path: Path) -> tuple:
-    """What changes whenever a file's content may have changed (a rewrite in place bumps mtime/ctime)."""
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-# per process: shard file path -> (its identity when verified, names verified: entry ids, "A", "embeddings")
-_VERIFIED: dict[str, tuple[tuple, set]] = {}
-_VERIFIED_LOCK = threading.Lock()
-
-
-def _verified(path: Path, identity: tuple) -> set:
-    with _VERIFIED_LOCK:
-        known = _VERIFIED.get(str(path))
-        if known is None or known[0] != identity:
-            known = _VERIFIED[str(path)] = (identity, set())
-        return known[1]
-
-
-class FolderStateStore(StateStore):
-    """A directory of safetensors shards of context states plus an index; see the module docstring.
-    Made by ``StateStore(path, model, tokenizer, ...)`` (arguments: :class:`~hf_statecompose.store.StateStore`)."""
+class FolderStateStore(ShardFolder, StateStore):
+    """A directory of safetensors shards of context states plus an index; see the module docstrings (this
+    module's, and :mod:`hf_statecompose.store.folder_disk`'s for the files). Made by ``StateStore(path, model,
+    tokenizer, ...)`` (arguments: :class:`~hf_statecompose.store.StateStore`)."""
 
     backend = "folder"
 
@@ -170,290 +55,33 @@ class FolderStateStore(StateStore):
         self.path = Path(path)
         self._check_local_path(str(self.path))
         tokenizer_info, info = self._bind(model, tokenizer, retriever, storage_dtype, info)
-        self._thread_lock = threading.RLock()
-        self._lock_mode: str | None = None
-        self._lock_depth = 0
-        if (self.path / "store_header.lance").exists():
-            raise ValueError(f"{self.path} holds a Lance store: open it with StateStore(..., backend='lance')")
-        self._check_links()
-        for folder in ("shards", "deleted"):  # (a store on a read-only filesystem has them: no mkdir)
-            if not (self.path / folder).is_dir():
-                try:
-                    (self.path / folder).mkdir(parents=True, exist_ok=True)
-                except OSError as error:
-                    raise self._read_only(error) from None
-        header_path = self.path / "store.json"
-        with self._locked(shared=header_path.exists()):
-            if not header_path.exists():
-                committed = [p.name for p in (self.path / "shards").iterdir() if p.suffix == ".json"]
-                if committed:
-                    raise ValueError(
-                        f"{header_path} is missing but {self.path / 'shards'} holds {len(committed)} shard manifests: "
-                        "restore store.json from a backup (a store is never re-adopted without it: another model, "
-                        "tokenizer or retriever would read its states wrongly)"
-                    )
-                header = {
-                    "format_version": FORMAT_VERSION,
-                    "kind": "hf_statecompose.store",
-                    "fingerprint": self.fingerprint,
-                    "architecture": architecture_of(model),
-                    "model_type": model.config.model_type,
-                    "num_hidden_layers": model.config.num_hidden_layers,
-                    "hidden_size": model.config.hidden_size,
-                    "storage_dtype": storage_dtype or "fp32",
-                    "retriever": self.retriever_name,
-                    "embedding_dim": None,
-                    "tokenizer": tokenizer_info,
-                    "info": info,
-                }
-                _write(header_path, seal(header))
-            self.header = self._read_header()
+        storage = storage_dtype or "fp32"
+
+        def new_header() -> dict:
+            return {
+                "format_version": FORMAT_VERSION,
+                "kind": "hf_statecompose.store",
+                "fingerprint": self.fingerprint,
+                "architecture": architecture_of(model),
+                "model_type": model.config.model_type,
+                "num_hidden_layers": model.config.num_hidden_layers,
+                "hidden_size": model.config.hidden_size,
+                "storage_dtype": storage,
+                "retriever": self.retriever_name,
+                "embedding_dim": None,
+                "tokenizer": tokenizer_info,
+                "info": info,
+            }
+
+        self._open_folder(new_header)
         check_opened_header(
             self.header, self.path, self.fingerprint, self.retriever_name, tokenizer_info, storage_dtype
         )
         self.storage_dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
-        self._manifests: dict[str, dict] = {}  # shard id -> manifest (manifests never change: cached by id)
-        self._embeddings: dict[str, torch.Tensor] = {}  # shard id -> verified [n, E]
-        self._A: dict[str, list[torch.Tensor]] = {}  # A checksum -> verified A tensors (normally one for all shards)
-        self._entries: dict[str, tuple[str, int]] = {}  # live entry id -> (shard id, row)
-        self._flat: tuple[list[str], torch.Tensor] | None = None  # live ids and their embeddings, for retrieve
-        self._live_shards: list[str] = []  # manifests not superseded by another
-        self._tombstones: dict[str, list[str]] = {}  # tombstone file name -> the ids it deletes (files never change)
-        self._deleted: set[str] = set()  # ids tombstoned (live in a manifest or not)
         self._by_content: dict[bytes, str] | None = None  # canonical [text, metadata] -> live entry id, for add
         self._content_of: dict[str, bytes] = {}  # live entry id -> its key in _by_content
 
-    def _read_header(self) -> dict:
-        header_path = self.path / "store.json"
-        try:
-            raw = json.loads(header_path.read_bytes())
-        except (OSError, ValueError):
-            raw = None
-        if isinstance(raw, dict) and raw.get("format_version") == 1:
-            raise ValueError(
-                f"{header_path}: a store of format 1 (an older hf_statecompose, no integrity seals); rebuild it from its passages"
-            )
-        header = unseal(header_path, "header (store.json)")
-        if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "hf_statecompose.store":
-            raise ValueError(f"{header_path}: unsupported store format version {header.get('format_version')!r}")
-        if header.get("storage_dtype") not in STORAGE_DTYPES or not isinstance(header.get("tokenizer"), dict):
-            raise ValueError(f"{header_path}: malformed store header; restore it from a backup")
-        return header
-
-    # ------------------------------------------------------------------------------------ locking
-    def _check_links(self) -> None:
-        """Refuse a store whose own files are symbolic links: compaction removes files by name in these
-        folders, and must never reach files outside the store."""
-        for name in ("store.json", "shards", "deleted", ".lock"):
-            if os.path.islink(self.path / name):
-                raise ValueError(
-                    f"{self.path / name} is a symbolic link: a store's files and folders must be its own "
-                    "(replace the link by the folder or file it points to)"
-                )
-
-    def _read_only(self, error: OSError) -> PermissionError:
-        return PermissionError(
-            f"the store at {self.path} is read-only: {error.strerror or error} "
-            "(reads work; add, delete and compact need write access: copy the store to a writable place)"
-        )
-
-    @contextlib.contextmanager
-    def _locked(self, shared: bool = False):
-        """``flock`` on ``.lock``: exclusive for writers, shared for readers; re-entrant in this object.
-        On a read-only store ``.lock`` is opened read-only (``flock`` works on it) and writers are refused."""
-        with self._thread_lock:
-            if self._lock_depth:
-                if self._lock_mode == "shared" and not shared:
-                    raise RuntimeError("internal error: exclusive store lock requested under a shared one")
-                self._lock_depth += 1
-                try:
-                    yield
-                finally:
-                    self._lock_depth -= 1
-                return
-            self._check_links()
-            lock_path = self.path / ".lock"
-            try:
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-                if not shared and not os.access(self.path / "shards", os.W_OK):
-                    os.close(fd)
-                    raise PermissionError(errno.EACCES, "no write permission", str(self.path / "shards"))
-            except OSError as error:
-                if not isinstance(error, PermissionError) and error.errno != errno.EROFS:
-                    raise
-                if not shared:
-                    raise self._read_only(error) from None
-                try:
-                    fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-                except FileNotFoundError:
-                    if error.errno != errno.EROFS:
-                        raise PermissionError(
-                            f"cannot create {lock_path} to lock the store for reading: {error.strerror or error}"
-                        ) from None
-                    fd = None  # a read-only filesystem without .lock: no writer can exist, nothing to lock against
-            try:
-                if fd is not None:
-                    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-                self._lock_mode, self._lock_depth = ("shared" if shared else "exclusive"), 1
-                try:
-                    yield
-                finally:
-                    self._lock_mode, self._lock_depth = None, 0
-                    if fd is not None:
-                        fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-
     # ------------------------------------------------------------------------------------ index
-    def _read_manifest(self, sid: str) -> dict | None:
-        path = self.path / "shards" / f"{sid}.json"
-        manifest = unseal(path, f"shard manifest {sid}", missing_ok=True)
-        if manifest is None:
-            return None
-
-        def bad(why):
-            return ValueError(
-                f"{path}: {why}; the shard cannot be trusted (restore the file, or move {sid}.json and {sid}.safetensors out of the store to drop its entries)"
-            )
-
-        if manifest.get("format_version") != FORMAT_VERSION or manifest.get("kind") != "shard":
-            raise bad("not a shard manifest of this store format")
-        if manifest.get("shard") != sid:
-            raise bad(
-                f"it describes shard {str(manifest.get('shard'))[:40]!r}, not the file's own (copied or renamed by hand)"
-            )
-        if manifest.get("fingerprint") != self.fingerprint:
-            raise bad("it was written for another model (fingerprint differs)")
-        supersedes, entries = manifest.get("supersedes"), manifest.get("entries")
-        if not isinstance(supersedes, list) or not all(is_id(s, "shard") for s in supersedes):
-            raise bad("malformed 'supersedes'")
-        if not isinstance(entries, list) or not entries:
-            raise bad("no entries")
-        for record in entries:
-            if not (
-                isinstance(record, dict)
-                and is_id(record.get("id"), "entry")
-                and isinstance(record.get("text"), str)
-                and isinstance(record.get("metadata"), dict)
-                and isinstance(record.get("num_tokens"), int)
-                and record["num_tokens"] >= 1
-                and isinstance(record.get("checksum"), str)
-                and CHECKSUM_PATTERN.fullmatch(record["checksum"])
-            ):
-                raise bad(f"malformed entry record {str(record)[:80]!r}")
-        if len({r["id"] for r in entries}) != len(entries):
-            raise bad("an entry id is listed twice")
-        for key in ("embeddings_checksum", "shared_checksum"):
-            if not isinstance(manifest.get(key), str) or not CHECKSUM_PATTERN.fullmatch(manifest[key]):
-                raise bad(f"malformed {key}")
-        if not isinstance(manifest.get("shard_size"), int):
-            raise bad("malformed shard_size")
-        return manifest
-
-    def _load_manifests(self) -> set[str]:
-        """Read the manifests on disk into ``_manifests``; returns the superseded shard ids. A damaged
-        manifest is an error unless a readable one supersedes it (left by a compaction killed midway)."""
-        shard_dir = self.path / "shards"
-        listing = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and is_id(name[:-5], "shard")}
-        for sid in list(self._manifests):
-            if sid not in listing:
-                del self._manifests[sid]
-                self._embeddings.pop(sid, None)
-        damaged: dict[str, ValueError] = {}
-        for sid in sorted(listing - set(self._manifests)):
-            try:
-                manifest = self._read_manifest(sid)
-            except ValueError as error:
-                damaged[sid] = error
-                continue
-            if manifest is not None:
-                self._manifests[sid] = manifest
-        superseded = {s for m in self._manifests.values() for s in m["supersedes"]}
-        for sid, problem in sorted(damaged.items()):
-            if sid not in superseded:
-                raise problem
-        return superseded
-
-    def _load_tombstones(self) -> set[str]:
-        """The ids tombstoned in ``deleted/``: one sealed ``<32 hex>.json`` per ``delete`` call (its ids),
-        or an empty ``<id>`` per id (written by earlier versions)."""
-        deleted, names = set(), set()
-        with os.scandir(self.path / "deleted") as listing:
-            for item in listing:
-                if is_id(item.name, "entry"):
-                    deleted.add(item.name)
-                elif item.name.endswith(".json") and is_id(item.name[:-5], "shard"):
-                    names.add(item.name)
-        for name in list(self._tombstones):
-            if name not in names:
-                del self._tombstones[name]
-        for name in sorted(names - set(self._tombstones)):
-            path = self.path / "deleted" / name
-            record = unseal(path, "tombstone", missing_ok=True)
-            if record is None:  # removed by a compaction meanwhile (another process)
-                continue
-            ids = record.get("ids")
-            if (
-                record.get("format_version") != FORMAT_VERSION
-                or record.get("kind") != "tombstones"
-                or record.get("fingerprint") != self.fingerprint
-                or not isinstance(ids, list)
-                or not ids
-                or not all(is_id(i, "entry") for i in ids)
-            ):
-                raise ValueError(
-                    f"{path}: not a tombstone of this store (damaged, or copied from another store); restore it from a backup "
-                    "(removing it would bring its deleted entries back)"
-                )
-            self._tombstones[name] = ids
-        for ids in self._tombstones.values():
-            deleted.update(ids)
-        return deleted
-
-    def _check_superseded(self, superseded: set[str], deleted: set[str]) -> None:
-        """Every entry of a superseded shard is listed by a manifest superseding it, or deleted: true at
-        every instant of a compaction (kills included), so a manifest claiming otherwise is forged or
-        hand-edited, and reading past it (or compacting, which removes superseded shards) would lose
-        entries."""
-        for sid in sorted(superseded & set(self._manifests)):
-            kept = {r["id"] for m in self._manifests.values() if sid in m["supersedes"] for r in m["entries"]}
-            lost = [r["id"] for r in self._manifests[sid]["entries"] if r["id"] not in kept and r["id"] not in deleted]
-            if lost:
-                by = sorted(other for other, m in self._manifests.items() if sid in m["supersedes"])
-                raise ValueError(
-                    f"{self.path}: shard {sid[:12]}… is superseded by {', '.join(b[:12] + '…' for b in by)}, which lack its entries "
-                    f"{lost[:2]} (not deleted either): a forged or hand-edited manifest; nothing was removed. Restore the "
-                    "store from a backup, or move the superseding manifests out of shards/"
-                )
-
-    def refresh(self) -> None:
-        """Re-read the shard manifests and tombstones (other processes may have added, deleted or compacted)."""
-        with self._locked(shared=True):
-            superseded = self._load_manifests()
-            deleted = self._load_tombstones()
-            if superseded:
-                self._check_superseded(superseded, deleted)
-            entries: dict[str, tuple[str, int]] = {}
-            owner: dict[str, str] = {}
-            for sid in sorted(self._manifests):
-                if sid in superseded:
-                    continue
-                for row, record in enumerate(self._manifests[sid]["entries"]):
-                    entry_id = record["id"]
-                    if entry_id in owner:
-                        raise ValueError(
-                            f"entry {entry_id} is listed by two live shard manifests of {self.path} ({owner[entry_id]}, {sid}): "
-                            "the store was modified by hand; move one of the two shards (.json and .safetensors) out of the store"
-                        )
-                    owner[entry_id] = sid
-                    if entry_id not in deleted:
-                        entries[entry_id] = (sid, row)
-            self._live_shards = [sid for sid in sorted(self._manifests) if sid not in superseded]
-            self._deleted = deleted
-        if entries != self._entries:
-            self._entries, self._flat = entries, None
-
     def __len__(self) -> int:
         self.refresh()
         return len(self._entries)
@@ -484,6 +112,7 @@ class FolderStateStore(StateStore):
             entry_id, record["text"], json.loads(json.dumps(record["metadata"])), int(record["num_tokens"])
         )
 
+    # ------------------------------------------------------------------------------------ add
     def add(
         self,
         texts: Iterable[str],
@@ -560,7 +189,6 @@ class FolderStateStore(StateStore):
             self.refresh()
             plan = self._plan(keys, texts, metadata)
         built = self._shard(sid, plan, state, texts, metadata, token_lists, embeddings)
-        shard_dir = self.path / "shards"
         with self._locked():  # (compaction removes uncommitted tensors: never run it between our two writes)
             self.refresh()
             again = self._plan(keys, texts, metadata, previous=plan)
@@ -569,8 +197,7 @@ class FolderStateStore(StateStore):
             if built is not None:
                 payload, manifest = built
                 self._check_embedding_dim(int(embeddings.shape[1]))
-                _write(shard_dir / f"{sid}.safetensors", payload)  # tensors first ...
-                _write(shard_dir / f"{sid}.json", seal(manifest))  # ... then the commit
+                self._commit_shard(sid, payload, manifest)
         return [entry_id for entry_id, _ in plan]
 
     def _plan(
@@ -591,120 +218,7 @@ class FolderStateStore(StateStore):
             plan.append((entry_id, True))
         return plan
 
-    def _shard(
-        self,
-        sid: str,
-        plan: list[tuple[str, bool]],
-        state: ComposableMambaCache,
-        texts: list[str],
-        metadata: list[dict],
-        token_lists: list[list[int]],
-        embeddings: torch.Tensor,
-    ) -> tuple[bytes, dict] | None:
-        """(shard file bytes, manifest) of the rows ``plan`` writes (``None``: none)."""
-        from safetensors.torch import save
-
-        rows = [row for row, (_, new) in enumerate(plan) if new]
-        if not rows:
-            return None
-        tensors: dict[str, torch.Tensor] = {"embeddings": embeddings[rows].contiguous()}
-        shared = {
-            f"A.{layer}": state.A[layer].detach().to("cpu", torch.float32).contiguous()
-            for layer in range(state.num_layers)
-        }
-        tensors.update(shared)
-        records = []
-        for row in rows:
-            entry_id, tokens = plan[row][0], token_lists[row]
-            entry_tensors = self._entry_tensors(state, row, tokens)
-            tensors.update({f"{entry_id}.{name}": t for name, t in entry_tensors.items()})
-            records.append(
-                {
-                    "id": entry_id,
-                    "text": texts[row],
-                    "metadata": metadata[row],
-                    "num_tokens": len(tokens),
-                    "checksum": checksum(entry_tensors),
-                }
-            )
-        payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "kind": "shard",
-            "shard": sid,
-            "fingerprint": self.fingerprint,
-            "shard_size": len(payload),
-            "supersedes": [],
-            "entries": records,
-            "embeddings_checksum": checksum({"embeddings": tensors["embeddings"]}),
-            "shared_checksum": checksum(shared),
-        }
-        return payload, manifest
-
-    def _check_embedding_dim(self, dim: int) -> None:
-        header = self._read_header()
-        if header.get("embedding_dim") is None:
-            header["embedding_dim"] = dim
-            _write(self.path / "store.json", seal(header))
-        elif header["embedding_dim"] != dim:
-            raise ValueError(
-                f"the retriever returned {dim}-dim vectors; the store holds {header['embedding_dim']}-dim ones"
-            )
-        self.header = header
-
     # ------------------------------------------------------------------------------------ read
-    def _shard_path(self, sid: str) -> Path:
-        return self.path / "shards" / f"{check_id(sid, 'shard')}.safetensors"
-
-    def _open_shard(self, sid: str):
-        """(handle, identity) of a committed shard, its size checked against the manifest."""
-        from safetensors import safe_open
-
-        path = self._shard_path(sid)
-        try:
-            identity = _identity(path)
-        except FileNotFoundError:
-            raise ValueError(
-                f"{path} is missing although its manifest exists: the store was damaged (files removed by hand?)"
-            ) from None
-        expected = self._manifests[sid]["shard_size"]
-        if identity[2] != expected:
-            raise ValueError(
-                f"{path} is truncated or corrupted ({identity[2]} bytes, its manifest says {expected}); delete its entries and re-add them"
-            )
-        try:
-            return safe_open(path, framework="pt", device="cpu"), identity
-        except Exception as error:
-            raise ValueError(
-                f"{path} is truncated or corrupted ({error}); delete its entries and re-add them"
-            ) from None
-
-    def _shard_embeddings(self, sid: str) -> torch.Tensor:
-        if sid not in self._embeddings:
-            handle, _ = self._open_shard(sid)
-            with handle:
-                embeddings = self._tensor(handle, sid, "embeddings")
-            manifest = self._manifests[sid]
-            if checksum({"embeddings": embeddings}) != manifest["embeddings_checksum"]:
-                raise ValueError(f"shard {sid} of {self.path}: embeddings do not match their checksum (corrupted file)")
-            if (
-                tuple(embeddings.shape) != (len(manifest["entries"]), self.header.get("embedding_dim"))
-                or embeddings.dtype != torch.float32
-            ):
-                raise ValueError(
-                    f"shard {sid} of {self.path}: embeddings of shape {tuple(embeddings.shape)} do not fit its entries"
-                )
-            self._embeddings[sid] = embeddings
-        return self._embeddings[sid]
-
-    def _tensor(self, handle, sid: str, name: str) -> torch.Tensor:
-        try:
-            return handle.get_tensor(name)
-        except Exception as error:
-            raise ValueError(
-                f"shard {sid} of {self.path}: tensor {name} missing or unreadable ({error}); the file is corrupted"
-            ) from None
-
     def get(self, ids: Sequence[str] | str, device=None) -> list[ComposableMambaCache] | ComposableMambaCache:
         """The states of ``ids`` (one id: one state), read lazily; each entry is checked against its
         checksum the first time this process reads it from its (unchanged) shard file."""
@@ -717,65 +231,6 @@ class FolderStateStore(StateStore):
                 raise KeyError(f"no entries {missing[:5]} in the store at {self.path} (deleted, or never added)")
             out = self._get(ids, device)
         return out[0] if single else out
-
-    def _get(self, ids: list[str], device) -> list[ComposableMambaCache]:
-        by_shard: dict[str, list[str]] = {}
-        for entry_id in ids:
-            by_shard.setdefault(self._entries[entry_id][0], []).append(entry_id)
-        for force in (False, True):  # a second pass, verifying everything, if a file changed while read
-            reads, jobs = {}, []
-            for sid, shard_ids in by_shard.items():
-                handle, identity = self._open_shard(sid)
-                path = self._shard_path(sid)
-                verified = _verified(path, identity)
-                if force:
-                    verified.clear()
-                manifest = self._manifests[sid]
-                with handle:  # the tensors map the file: they stay valid once the handle is closed
-                    A = self._shard_A(handle, sid, manifest["shared_checksum"])
-                    tensors = {
-                        entry_id: self._read_entry_tensors(handle, sid, entry_id, len(A)) for entry_id in shard_ids
-                    }
-                records = {entry_id: manifest["entries"][self._entries[entry_id][1]] for entry_id in shard_ids}
-                jobs += [(sid, records[i], tensors[i], len(A)) for i in shard_ids if i not in verified]
-                reads[sid] = (path, identity, verified, A, tensors, records)
-            _run_all(self._verify_entry, jobs)
-            if all(_identity(path) == identity for path, identity, *_ in reads.values()):
-                break
-        else:
-            raise ValueError(
-                f"shards of {self.path} keep changing while they are read (is another program writing them?)"
-            )
-        states = {}
-        for _, _, verified, A, tensors, records in reads.values():
-            verified.update(tensors)
-            for entry_id, entry_tensors in tensors.items():
-                states[entry_id] = self._state(entry_tensors, records[entry_id], A, device)
-        return [states[i] for i in ids]
-
-    def _shard_A(self, handle, sid: str, expected: str) -> list[torch.Tensor]:
-        # A is the model's (the same in every shard): keep one verified copy per checksum, read no more
-        if expected not in self._A:
-            num_layers = expected_num_layers(self.model.config)
-            A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(num_layers)]
-            if checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != expected:
-                raise ValueError(
-                    f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file)"
-                )
-            if not all(all_finite(a) for a in A):
-                raise ValueError(f"shard {sid} of {self.path}: its A tensors hold NaN/inf")
-            self._A[expected] = A
-        return self._A[expected]
-
-    def _read_entry_tensors(self, handle, sid: str, entry_id: str, num_layers: int) -> dict[str, torch.Tensor]:
-        names = self._entry_tensor_names(num_layers)
-        return {name: self._tensor(handle, sid, f"{entry_id}.{name}") for name in names}
-
-    def _verify_entry(self, sid: str, record: dict, tensors: dict, num_layers: int) -> None:
-        where = f"entry {record['id']} (shard {sid}) of {self.path}"
-        if checksum(tensors) != record["checksum"]:
-            raise ValueError(f"{where}: data does not match its checksum (corrupted); delete and re-add it")
-        self._check_entry_tensors(where, tensors, record["num_tokens"], num_layers)
 
     # ------------------------------------------------------------------------------------ retrieve
     def retrieve(
@@ -842,30 +297,20 @@ class FolderStateStore(StateStore):
                 )
             todo = sorted({i for i in ids if i in self._entries})
             if todo:
-                record = {
-                    "format_version": FORMAT_VERSION,
-                    "kind": "tombstones",
-                    "fingerprint": self.fingerprint,
-                    "ids": todo,
-                }
-                _write(self.path / "deleted" / f"{uuid.uuid4().hex}.json", seal(record))
+                self._write_tombstone(todo)
                 self.refresh()
 
     def compact(self) -> dict:
         """Rewrite shards holding deleted entries without them, finish an interrupted compaction, drop
         orphan files; returns what it did. Safe to kill at any point (see the module docstring)."""
-        removed_entries = rewritten = orphans = superseded_removed = 0
-        shard_dir = self.path / "shards"
+        removed_entries = rewritten = 0
         with self._locked():
             self._manifests.clear()  # re-read and re-verify every manifest from disk
             self._embeddings.clear()
             self.refresh()  # refuses a damaged store before anything is changed
             superseded = {s for m in self._manifests.values() for s in m["supersedes"]}
             # 1. what a killed compaction left: superseded manifests (first: that uncommits them) and shards
-            for sid in sorted(superseded):
-                gone = _remove(shard_dir / f"{sid}.json")
-                gone = _remove(shard_dir / f"{sid}.safetensors") or gone
-                superseded_removed += gone
+            superseded_removed = self._remove_superseded(superseded)
             # 2. rewrite each live shard that holds deleted entries
             for sid in list(self._live_shards):
                 manifest = self._manifests[sid]
@@ -875,84 +320,19 @@ class FolderStateStore(StateStore):
                     continue
                 if keep:
                     self._rewrite_shard(sid, manifest, keep)  # commits a manifest that supersedes sid
-                _remove(shard_dir / f"{sid}.json")
-                _remove(shard_dir / f"{sid}.safetensors")
+                self._drop_shard(sid)
                 removed_entries += dropped
                 rewritten += 1
-            # 3. orphans: tensors without a manifest, temporary files of killed writes (regular files only:
-            # links are never followed, nor removed)
-            committed = {
-                name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and is_id(name[:-5], "shard")
-            }
-            for folder in (shard_dir, self.path / "deleted", self.path):
-                for name in _own_files(folder):
-                    orphan = name.startswith(".tmp-") or (
-                        folder == shard_dir
-                        and name.endswith(".safetensors")
-                        and is_id(name[: -len(".safetensors")], "shard")
-                        and name[: -len(".safetensors")] not in committed
-                    )
-                    if orphan and _remove(folder / name):
-                        orphans += 1
-            # 4. tombstones of entries no manifest lists any more (per-id files, and tombstone files of
-            # which no id is listed)
-            self._manifests.clear()
-            self._embeddings.clear()
-            self.refresh()
-            listed = {r["id"] for m in self._manifests.values() for r in m["entries"]}
-            for name in _own_files(self.path / "deleted"):
-                if (is_id(name, "entry") and name not in listed) or (
-                    name in self._tombstones and not any(i in listed for i in self._tombstones[name])
-                ):
-                    _remove(self.path / "deleted" / name)
-            self.refresh()
+            # 3. orphans: tensors without a manifest, temporary files of killed writes
+            orphans = self._remove_orphans()
+            # 4. tombstones of entries no manifest lists any more
+            self._remove_spent_tombstones()
         return {
             "removed_entries": removed_entries,
             "rewritten_shards": rewritten,
             "orphan_files_removed": orphans,
             "superseded_shards_removed": superseded_removed,
         }
-
-    def _rewrite_shard(self, sid: str, manifest: dict, keep: list[dict]) -> str:
-        """Write a new shard with the ``keep`` entries of ``sid`` (verified first: corruption is never
-        re-checksummed into validity) and commit its manifest, which supersedes ``sid``."""
-        from safetensors.torch import save
-
-        kept = {r["id"] for r in keep}
-        rows = [row for row, r in enumerate(manifest["entries"]) if r["id"] in kept]
-        embeddings = self._shard_embeddings(sid)[rows].contiguous()
-        handle, _ = self._open_shard(sid)
-        with handle:
-            # this file's own A bytes, verified (not a cached copy from another shard)
-            A = [self._tensor(handle, sid, f"A.{layer}") for layer in range(expected_num_layers(self.model.config))]
-            if checksum({f"A.{layer}": a for layer, a in enumerate(A)}) != manifest["shared_checksum"]:
-                raise ValueError(
-                    f"shard {sid} of {self.path}: its A tensors do not match their checksum (corrupted file); compaction stopped"
-                )
-            tensors: dict[str, torch.Tensor] = {"embeddings": embeddings}
-            tensors.update({f"A.{layer}": a for layer, a in enumerate(A)})
-            num_layers = len(A)
-            for record in keep:
-                entry = self._read_entry_tensors(handle, sid, record["id"], num_layers)
-                self._verify_entry(sid, record, entry, num_layers)
-                tensors.update({f"{record['id']}.{name}": t for name, t in entry.items()})
-        payload = save(tensors, metadata={"hf_statecompose_store": "shard"})
-        new_sid = uuid.uuid4().hex
-        new_manifest = {
-            "format_version": FORMAT_VERSION,
-            "kind": "shard",
-            "shard": new_sid,
-            "fingerprint": self.fingerprint,
-            "shard_size": len(payload),
-            "supersedes": sorted({sid, *manifest["supersedes"]}),
-            "entries": keep,
-            "embeddings_checksum": checksum({"embeddings": embeddings}),
-            "shared_checksum": manifest["shared_checksum"],
-        }
-        shard_dir = self.path / "shards"
-        _write(shard_dir / f"{new_sid}.safetensors", payload)
-        _write(shard_dir / f"{new_sid}.json", seal(new_manifest))
-        return new_sid
 
     # ------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -999,15 +379,4 @@ class FolderStateStore(StateStore):
         )
 
 
-def _own_files(folder: Path) -> list[str]:
-    """Names of the regular files in ``folder`` (``lstat``: a link is never followed), sorted."""
-    with os.scandir(folder) as listing:
-        return sorted(item.name for item in listing if item.is_file(follow_symlinks=False))
-
-
-def _nbytes(handle, name: str) -> int:
-    tensor_slice = handle.get_slice(name)
-    count = 1
-    for size in tensor_slice.get_shape():
-        count *= size
-    return count * {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "F64": 8}[tensor_slice.get_dtype()]
+register_backend("folder", FolderStateStore)

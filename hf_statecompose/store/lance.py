@@ -37,15 +37,24 @@ identical copies as one entry and refuses differing ones, naming :meth:`LanceSta
 the row's seal, the state file's metadata and fingerprint, its tensor digest, then dtypes, shapes,
 finite values and ΣΔ >= 0 against the model (as a folder store does).
 No pickle: rows are Arrow columns, states safetensors.
+
+A read-only store (a read-only mount, no write permission) opens and reads; ``add`` (of texts not stored yet),
+``delete``, ``compact``, ``repair`` and ``build_index`` then raise one ``PermissionError`` naming the store, before
+anything is encoded or changed (a local store is checked first; on object storage, by the first write). Lance's
+input/output failures (``RuntimeError: lance error: LanceError(IO) ...``) are a ``PermissionError`` (read-only,
+no permission) or an ``OSError`` with the errno (``ENOSPC``: a full disk) naming the store (:func:`io_error`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import numbers
 import os
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -58,7 +67,7 @@ from ..state.fingerprint import architecture_of
 from ..state.serialization import FORMAT_VERSION as STATE_FORMAT_VERSION
 from ..state.serialization import _check_metadata, _dense, _digest
 from ..state.validation import check_finite, expected_num_layers
-from .base import StateStore, progress_bar
+from .base import StateStore, progress_bar, register_backend
 from .format import (
     FORMAT_VERSION,
     STORAGE_DTYPES,
@@ -135,6 +144,44 @@ def contended(error: BaseException) -> bool:
     """Whether ``error`` is Lance telling a writer that other writers got in first (worth a retry)."""
     text = str(error).lower()
     return any(mark in text for mark in _CONTENTION) or ("_versions/" in text and "not found" in text)
+
+
+# the errno Lance's IO errors carry in their text: "lance error: LanceError(IO): Read-only file system (os error 30) ..."
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def io_error(error: BaseException, where: str, what: str) -> OSError | None:
+    """The clear error for ``error``, which Lance raised while ``what`` on the store ``where``, if it is an
+    input/output failure (``None`` otherwise): a ``PermissionError`` for a read-only file system or missing
+    write permission, an ``OSError`` with ``ENOSPC`` for a full disk (or quota), an ``OSError`` naming the
+    errno for other IO failures. Lance reports them as ``RuntimeError: lance error: LanceError(IO): ...
+    (os error N), .../object_store.rs``; Python's own ``OSError`` subclasses are mapped by their errno."""
+    if isinstance(error, TimeoutError):  # retry_contended's: already clear
+        return None
+    text = str(error)
+    if isinstance(error, OSError) and error.errno is not None:
+        code: int | None = error.errno
+    else:
+        found = _OS_ERROR.search(text)
+        code = int(found.group(1)) if found else None
+        if code is None and "LanceError(IO)" not in text:
+            return None
+    reason = os.strerror(code) if code is not None else (text.strip().splitlines() or ["input/output error"])[0][:160]
+    if code in _READ_ONLY:
+        return PermissionError(
+            code,
+            f"{where} is read-only: {reason} while {what} (a Lance store without write access can be read, not "
+            "created or changed: add, delete, compact and repair need it; copy the store to a writable place)",
+        )
+    if code in _NO_SPACE:
+        return OSError(
+            code,
+            f"{where}: no space left on the device while {what} ({reason}); nothing half-written is visible (every "
+            "Lance commit is atomic): free some space and retry",
+        )
+    return OSError(code if code is not None else errno.EIO, f"{where}: {what} failed: {reason}")
 
 
 def retry_contended(
@@ -225,19 +272,21 @@ class LanceStateStore(StateStore):
                 f"{self.uri} holds a folder store: open it without backend='lance' (or copy it: hf-statecompose store migrate)"
             )
         self._pa = pa
-        self._db = lancedb.connect(
-            self.uri,
-            read_consistency_interval=timedelta(seconds=float(read_consistency_interval)),
-            storage_options=storage_options,
-        )
-        names = set(self._table_names())
+        with self._io_errors("opening the store"):  # (a new local store's folder is made here)
+            self._db = lancedb.connect(
+                self.uri,
+                read_consistency_interval=timedelta(seconds=float(read_consistency_interval)),
+                storage_options=storage_options,
+            )
+            names = set(self._table_names())
         if HEADER_TABLE not in names:
             if STATES_TABLE in names and self._db.open_table(STATES_TABLE).count_rows() > 0:
                 raise ValueError(
                     f"the Lance store at {self.uri} holds a {STATES_TABLE} table but no {HEADER_TABLE}: restore it from a backup "
                     "(a store is never re-adopted without its header: another model would read its states wrongly)"
                 )
-            self._create(model, tokenizer_info, storage_dtype or "fp32", info)
+            with self._io_errors("creating the store"):
+                self._create(model, tokenizer_info, storage_dtype or "fp32", info)
         self.header, self._A = self._read_header()
         check_opened_header(self.header, self.uri, self.fingerprint, self.retriever_name, tokenizer_info, storage_dtype)
         self.storage_dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
@@ -504,6 +553,8 @@ class LanceStateStore(StateStore):
         for n, entry_id in enumerate(ids):
             first.setdefault(entry_id, n)  # a text repeated in this call: stored once
         todo = [n for entry_id, n in first.items() if entry_id not in stored]
+        if todo:  # (texts all stored: nothing to write, as in a folder store)
+            self._check_writable("add")
         progress = progress_bar(len(todo), show_progress)
         try:
             for start in range(0, len(todo), batch_size):
@@ -560,6 +611,7 @@ class LanceStateStore(StateStore):
         stored (a retried, repeated or concurrent write never duplicates an entry)."""
         if rows.num_rows == 0:
             return
+        self._check_writable("writing entries")
         self._keyed()
         rows = rows.cast(self._schema(self.embedding_dim))
         if skip_existing:
@@ -570,10 +622,46 @@ class LanceStateStore(StateStore):
             self._retrying("adding entries", lambda: self.table.add(rows))
 
     def _retrying(self, what: str, operation: Callable):
-        """``operation()`` (one Lance commit), retried while other writers' commits conflict with it."""
-        return retry_contended(
-            operation, what, f"the Lance store at {self.uri}", attempts=self.write_attempts, refresh=self.refresh
-        )
+        """``operation()`` (one Lance commit), retried while other writers' commits conflict with it; an
+        input/output failure is a ``PermissionError`` / ``OSError`` naming the store (:func:`io_error`)."""
+        with self._io_errors(what):
+            return retry_contended(
+                operation, what, f"the Lance store at {self.uri}", attempts=self.write_attempts, refresh=self.refresh
+            )
+
+    @contextlib.contextmanager
+    def _io_errors(self, what: str):
+        """Raise Lance's input/output failures inside as :func:`io_error` does (the raw error is not chained:
+        its text is the reason given)."""
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001 - lancedb raises IO failures as RuntimeError / OSError
+            clear = io_error(error, f"the Lance store at {self.uri}", what)
+            if clear is None:
+                raise
+            raise clear from None
+
+    def _check_writable(self, what: str) -> None:
+        """A ``PermissionError`` naming the store if it is local and read-only (a read-only mount, no write
+        permission), before anything is encoded or changed: Lance itself writes nothing when it has nothing to
+        do (a ``compact`` of a compacted table would return normally), and fails mid-way otherwise. A store on
+        object storage is checked by its first write (:meth:`_io_errors`)."""
+        if "://" in self.uri and not self.uri.startswith("file://"):
+            return
+        root = self.uri[len("file://") :] if self.uri.startswith("file://") else self.uri
+        table = os.path.join(root, f"{STATES_TABLE}.lance")
+        for folder in (root, table, os.path.join(table, "_versions"), os.path.join(table, "data")):
+            if os.path.isdir(folder) and not os.access(folder, os.W_OK):
+                try:
+                    read_only_fs = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+                except OSError:
+                    read_only_fs = False
+                code = errno.EROFS if read_only_fs else errno.EACCES
+                raise PermissionError(
+                    code,
+                    f"the Lance store at {self.uri} is read-only: {os.strerror(code)} ({folder}); {what} needs write "
+                    "access (reads work: copy the store to a writable place to change it)",
+                )
 
     def _keyed(self) -> None:
         """Make ``id`` the table's primary key (:data:`PRIMARY_KEY`) before this store first writes, if
@@ -704,6 +792,7 @@ class LanceStateStore(StateStore):
         anything changes; ``missing_ok=True`` deletes the others."""
         _, ids = self._check_one_or_many(ids)
         wanted = sorted(set(ids))
+        self._check_writable("delete")
 
         def delete():  # the check and the commit, repeated together if another writer gets in first
             found = self._rows(wanted, ["id"])
@@ -744,7 +833,9 @@ class LanceStateStore(StateStore):
             )
         else:
             config = HnswSq(distance_type="cosine", num_partitions=num_partitions)
-        self.table.create_index("vector", config=config, replace=True)
+        self._check_writable("building the index")
+        with self._io_errors("building the index"):
+            self.table.create_index("vector", config=config, replace=True)
 
     def compact(self, keep_versions_for: timedelta | float = 60.0) -> dict:
         """Rewrite fragments without deleted rows and merge small ones (Lance ``optimize``), update the
@@ -759,6 +850,7 @@ class LanceStateStore(StateStore):
             ):
                 raise ValueError(f"keep_versions_for must be >= 0 seconds or a timedelta, got {keep_versions_for!r}")
             keep_versions_for = timedelta(seconds=float(keep_versions_for))
+        self._check_writable("compact")
         fragments_before, physical_before, rows = self._retrying("compact", self._fragment_counts)
         built = False
         if rows >= self.index_threshold and not self._has_index():
@@ -788,6 +880,7 @@ class LanceStateStore(StateStore):
         them. Returns ``{"entries", "duplicated", "removed_copies", "unverifiable", "still_duplicated"}``
         (the last non-empty only if other processes kept moving rows, e.g. compacting, meanwhile)."""
         batch_size = check_count(batch_size, "batch_size", 1)
+        self._check_writable("repair")
         self._keyed()
         counts = self._retrying(
             "repair",
@@ -888,6 +981,9 @@ class LanceStateStore(StateStore):
 
     def __repr__(self):
         return f"LanceStateStore({self.uri!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
+
+
+register_backend("lance", LanceStateStore)  # (the package registers it by module path: imported on first use)
 
 
 def read_lance_header(uri: str, storage_options: dict | None = None) -> dict | None:
