@@ -80,9 +80,7 @@ def _bad_positions(state, case):
 
 
 def test_the_padded_batch_is_what_the_violations_edit(padded):
-    assert torch.equal(
-        padded.attention_layers[0].positions, torch.tensor([[0, 1, 2, 3, 4, 5], [-1, -1, 0, 1, 2, 3]])
-    )
+    assert torch.equal(padded.attention_layers[0].positions, torch.tensor([[0, 1, 2, 3, 4, 5], [-1, -1, 0, 1, 2, 3]]))
 
 
 @pytest.mark.parametrize("case", list(VIOLATIONS))

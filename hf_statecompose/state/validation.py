@@ -62,7 +62,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
 def _check_layer_values(state, where: str) -> None:
     """Every layer's values, as :func:`check_state` lists them, with one host sync for the whole state (a
     flag per check, stacked and read once); only on a failure are the checks run one by one, in order, to name
-    the first problem. Per layer: SSM state, conv window and ΣΔ finite, ΣΔ >= 0, A finite and < 0."""
+    the first problem. Per layer: SSM state, conv window and ΣΔ finite, ΣΔ >= 0, A finite and <= 0."""
     with torch.no_grad():
         checks = []  # (flag: a 0-d bool tensor, True = passed; exact(): whether it passed; problem(): the error)
         for i, layer in enumerate(state.state_layers):
@@ -94,13 +94,14 @@ def _check_layer_values(state, where: str) -> None:
             )
             checks.append(
                 (
-                    _finite_flag(A) & (A < 0).all(),
-                    functools.partial(lambda a: all_finite(a) and bool((a < 0).all()), A),
+                    _finite_flag(A) & (A <= 0).all(),
+                    functools.partial(lambda a: all_finite(a) and bool((a <= 0).all()), A),
                     functools.partial(
                         lambda i, a: _refuse(
                             where,
                             (
-                                f"layer {i} A must be finite and negative (it is -exp(A_log)), got max {float(a.max()):.3g}"
+                                f"layer {i} A must be finite and <= 0 (it is -exp(A_log): -0.0 where A_log is -inf, "
+                                f"a decay of 1), got max {float(a.max()):.3g}"
                             ),
                         ),
                         i,
@@ -378,7 +379,8 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
       batch size ``B >= 1`` for every layer: SSM ``[B, ...]``, conv ``[B, C, K]``, ΣΔ ``[B, D or H]``,
       ``A`` ``[D, N]`` or ``[H]``, ``num_tokens`` ``[B]``, ``token_ids`` ``[B, T]``;
     * values: SSM state and conv window finite; ΣΔ finite and ``>= 0`` (a decay ``exp(A·ΣΔ)`` above 1
-      would amplify the context); ``A`` finite and ``< 0``; ``num_tokens >= 0``; ``token_ids`` in
+      would amplify the context); ``A`` finite and ``<= 0`` (``-exp(A_log)``: ``-0.0``, a decay of exactly 1,
+      where a model's ``A_log`` is ``-inf``); ``num_tokens >= 0``; ``token_ids`` in
       ``[-1, vocab_size)``, left padded with -1, and as many real ids per row as ``num_tokens``;
     * the architecture's extra tensors (SeRpEnt's resampling state): present in every layer, dtypes and
       shapes from the description, values checked by it (:func:`check_extras`).
