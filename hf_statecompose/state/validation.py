@@ -325,7 +325,9 @@ def check_key_positions(positions: torch.Tensor, where: str = "positions", *, la
             else f"row {row}'s key positions jump from {previous} to {value} (no key at {previous + 1})"
         )
         top = int(ordered[row, -1])
-        overflow = " (and its last position + 1, where a query would start, overflows int64)" if top == _INT64_MAX else ""
+        overflow = (
+            " (and its last position + 1, where a query would start, overflows int64)" if top == _INT64_MAX else ""
+        )
         refuse(
             f"{name} are not positions an encode or composition makes: {what}{overflow}; a query would start at "
             f"the wrong position (RoPE keys, wrong logits); expected {KEY_POSITIONS_INVARIANT}"
