@@ -467,7 +467,7 @@ def test_text_and_metadata_that_utf8_cannot_encode_are_refused_naming_them(backe
         ),
         (
             {"texts": ["a"], "metadata": [{"tags": ["ok", {"deep": "x\udfff"}]}]},
-            r"metadata of text 0 key 'tags'\]\[1\]\['deep' holds",
+            r"metadata of text 0 at \['tags'\]\[1\]\['deep'\] holds a lone surrogate \('\\udfff' in 'x\\udfff'\)",
         ),
         (
             {"texts": ["a"], "metadata": [{"bad\ud83d key": 1}]},

@@ -101,11 +101,19 @@ def _unencodable(value, path: tuple = ()):
 def check_utf8(value, what: str) -> None:
     """Every string in ``value`` (nested dict keys and values, list items) encodes as UTF-8, as the store writes its
     JSON; else a ValueError naming ``what`` and the key that holds the string (a lone surrogate)."""
+    try:  # one encode in the common case; the walk only names the culprit
+        (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
     found = _unencodable(value)
     if found is None:
         return
     path, text = found
-    where = f" key {']['.join(map(repr, path))}" if path else ""
+    if len(path) == 1 and isinstance(path[0], str):
+        where = f" key {path[0]!r}"
+    else:
+        where = f" at {''.join(f'[{key!r}]' for key in path)}" if path else ""
     bad = next(c for c in text if 0xD800 <= ord(c) <= 0xDFFF)
     raise ValueError(
         f"{what}{where} holds a lone surrogate ({bad!a} in {text!a:.60}), which UTF-8 cannot encode: the store writes "
