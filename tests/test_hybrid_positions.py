@@ -185,3 +185,47 @@ def test_a_continued_states_query_starts_after_the_last_position(model):
     full = model(torch.cat([ids(5, seed=3), query], dim=-1)).logits[:, -1]
     composed = model(query, past_states=[state]).logits[:, -1]
     assert torch.allclose(composed, full, atol=1e-4)
+
+
+def _reference_valid(positions) -> bool:
+    """The invariant, row by row in plain Python: -1 only before the first key, the keys' positions a set 0 .. m."""
+    for row in positions.tolist():
+        keys = [p for p in row if p != -1]
+        if any(p < -1 for p in row) or row[len(row) - len(keys) :] != keys:
+            return False
+        if sorted(set(keys)) != list(range(len(set(keys)))):
+            return False
+    return True
+
+
+def test_the_check_agrees_with_a_plain_reference_on_random_positions():
+    """check_key_positions (a fast path for slot-ordered rows, a sort for repeated positions) accepts exactly what
+    the row-by-row reference accepts, on fresh random rows: encoded, concatenated, shared, continued, then perturbed."""
+    generator = torch.Generator().manual_seed(29)
+
+    def randint(low, high):
+        return int(torch.randint(low, high, (1,), generator=generator))
+
+    verdicts = {True: 0, False: 0}
+    for _ in range(400):
+        batch, rows = randint(1, 4), []
+        for _ in range(batch):
+            blocks = [torch.arange(randint(0, 6)) for _ in range(randint(1, 4))]
+            if randint(0, 2):  # shared: every block from 0; else concatenated
+                row = torch.cat(blocks)
+            else:
+                row = torch.arange(sum(len(b) for b in blocks))
+            rows.append(row)
+        width = max(len(r) for r in rows) + randint(0, 3)
+        positions = torch.stack([torch.cat([torch.full((width - len(r),), -1), r]) for r in rows])
+        if randint(0, 2) and positions.numel():  # perturb one slot
+            flat = positions.view(-1)
+            flat[randint(0, flat.numel())] = [-1, -2, 0, 1, 7, 10**9, INT64_MAX][randint(0, 7)]
+        expected = _reference_valid(positions)
+        verdicts[expected] += 1
+        if expected:
+            check_key_positions(positions, "random")
+        else:
+            with pytest.raises(ValueError):
+                check_key_positions(positions, "random")
+    assert min(verdicts.values()) > 50  # both verdicts are exercised

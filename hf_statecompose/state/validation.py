@@ -288,13 +288,20 @@ def check_key_positions(positions: torch.Tensor, where: str = "positions", *, la
 
     So per row: values ``>= -1``; no ``-1`` after a key; sorted, the keys' positions start at 0 and step by 0 or 1.
     This bounds the last position by the number of keys (``m + 1 <= L``): no gap, no offset beyond the context, and
-    the query's first position ``m + 1`` cannot overflow int64. One host sync when the positions pass.
+    the query's first position ``m + 1`` cannot overflow int64. One host sync when the positions pass (two for
+    repeated positions, ``"shared"``: they take the sort).
     ``refuse(problem)`` raises (default: the "altered or not written by hf_statecompose" error naming ``where``)."""
     refuse = functools.partial(_refuse, where) if refuse is None else refuse
     name = "key positions" if layer is None else f"layer {layer} (attention) positions"
     if positions.dim() != 2 or positions.numel() == 0:
         return
     with torch.no_grad():
+        # fast path, what encode, concat and continuation make: per row -1 ... -1, 0, 1, 2, ... in slot order (each slot
+        # the previous one + 1, or -1 after -1, the slot before the first taken as -1); a chain from 0 by steps of 1
+        # cannot reach int64's end, so the wrap-around of ``positions - previous`` never passes a bad value
+        previous = torch.nn.functional.pad(positions[:, :-1], (1, 0), value=-1)
+        if bool(((positions - previous == 1) | ((positions == -1) & (previous == -1))).all()):
+            return
         real = positions >= 0
         ordered = positions.sort(dim=-1).values
         # the step from the previous position (the first from -1): 0 (a repeat, shared placement), 1 (the next), or
