@@ -325,11 +325,11 @@ def check_key_positions(positions: torch.Tensor, where: str = "positions", *, la
         bad = (steps < 0) | (steps > 1)
         row = int(bad.any(-1).nonzero()[0, 0])
         column = int(bad[row].nonzero()[0, 0])
-        previous, value = (int(ordered[row, column - 1]) if column else -1), int(ordered[row, column])
+        before, value = (int(ordered[row, column - 1]) if column else -1), int(ordered[row, column])
         what = (
             f"row {row}'s first key position is {value}, not 0"
-            if previous < 0
-            else f"row {row}'s key positions jump from {previous} to {value} (no key at {previous + 1})"
+            if before < 0
+            else f"row {row}'s key positions jump from {before} to {value} (no key at {before + 1})"
         )
         top = int(ordered[row, -1])
         overflow = (
