@@ -273,7 +273,7 @@ CRAFTED = [
         r"layer 1 SSM state has (per-row )?shape",
     ),
     ("negative ΣΔ", _set("delta_sum.0", lambda t: -t - 1), "ΣΔ has negative entries"),
-    ("A positive", _set("A.1", lambda t: -t), "layer 1 A (must be finite and negative|is not this model's)"),
+    ("A positive", _set("A.1", lambda t: -t), "layer 1 A (must be finite and <= 0|is not this model's)"),
     ("nan state", _set("ssm.0", lambda t: t * float("nan")), "SSM state contains NaN"),
     ("architecture mamba", lambda t, m: m.update(architecture="mamba"), "metadata says 'mamba'"),
     ("layers", lambda t, m: m.update(num_layers=3), "config has 2 layers, the metadata says 3"),

@@ -115,6 +115,18 @@ ENTRY_CRAFTS = {
         "positions are not 0 ..",
     ),
     "float positions": (_set("attn.positions.1", lambda p: p.double()), "positions are not 0 .."),
+    # issue 29: what no encode makes (a gap, an offset beyond the context, a last position whose + 1 overflows int64)
+    "a gap in the positions": (
+        _set("attn.positions.1", lambda p: p.index_fill(1, torch.tensor([3]), 9)),
+        "positions are not 0 ..",
+    ),
+    "positions far beyond the context": (_set("attn.positions.1", lambda p: p + 10**9), "positions are not 0 .."),
+    "a position at int64's max": (
+        _set(
+            "attn.positions.1", lambda p: p.index_fill(1, torch.tensor([p.shape[1] - 1]), torch.iinfo(torch.int64).max)
+        ),
+        "positions are not 0 ..",
+    ),
 }
 
 
@@ -168,6 +180,12 @@ def test_lance_entries_with_crafted_keys_are_refused(models, tmp_path):
     ]
     for edit, message in (
         (_set("attn.positions.1", lambda p: p + 1), r"positions are not 0 \.\."),
+        (_set("attn.positions.1", lambda p: p.index_fill(1, torch.tensor([3]), 9)), r"positions are not 0 \.\."),
+        (_set("attn.positions.1", lambda p: p + 10**9), r"positions are not 0 \.\."),
+        (
+            _set("attn.positions.1", lambda p: p.index_fill(1, torch.tensor([2]), torch.iinfo(torch.int64).max)),
+            r"positions are not 0 \.\.",
+        ),
         (_set("attn.values.1", lambda v: v[..., :4].contiguous()), "values are torch.float32"),
         (lambda t: t.pop("attn.keys.1"), "it should not"),
     ):

@@ -133,7 +133,7 @@ IN_MEMORY = [
     ("float64 SSM state", _float64_ssm, "layer 1 SSM state is torch.float64, (expected torch.float32|states.0. is)"),
     ("num_tokens", _num_tokens_off, "token_ids hold .* ids per row but num_tokens says"),
     ("token id", _token_ids_bad, r"token_ids hold ids outside \[-1,"),
-    ("A", _positive_A, "layer 0 A must be finite and negative"),
+    ("A", _positive_A, "layer 0 A must be finite and <= 0"),
 ]
 
 

@@ -93,8 +93,8 @@ CRAFTED = [
         _set("delta_sum.1", lambda t: t.index_fill(1, torch.tensor([0]), float("nan"))),
         "ΣΔ contains NaN",
     ),
-    ("positive A", _set("A.1", lambda t: -t), "A must be finite and negative"),
-    ("nan A", _set("A.0", lambda t: t.index_fill(0, torch.tensor([0]), float("nan"))), "A must be finite and negative"),
+    ("positive A", _set("A.1", lambda t: -t), "A must be finite and <= 0"),
+    ("nan A", _set("A.0", lambda t: t.index_fill(0, torch.tensor([0]), float("nan"))), "A must be finite and <= 0"),
     ("num_tokens int32", _set("num_tokens", lambda t: t.int()), "num_tokens must be an int64"),
     ("num_tokens negative", _set("num_tokens", lambda t: -t), "negative counts"),
     ("num_tokens vs token_ids", _set("num_tokens", lambda t: t + 1), "num_tokens says"),
@@ -140,7 +140,7 @@ def test_the_untouched_file_loads(model, saved, state):
 
 @pytest.mark.parametrize("scale", [2.0, 1.001])
 def test_A_that_is_not_the_models_is_refused(model, saved, scale):
-    # still finite and negative, so only the model can tell
+    # still finite and <= 0, so only the model can tell
     crafted = _craft(saved, _set("A.1", lambda t: t * scale))
     loaded = ComposableMambaCache.load(crafted)
     with pytest.raises(ValueError, match="layer 1 A is not this model's -exp\\(A_log\\)"):

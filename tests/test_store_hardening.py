@@ -450,3 +450,37 @@ def test_a_damaged_manifest_that_a_live_one_supersedes_is_ignored_then_removed(t
     assert sorted(reader.ids()) == sorted(ids[1:])
     assert reader.stats()["superseded_shards"] == 1 and reader.compact()["superseded_shards_removed"] == 1
     assert not old.exists() and sorted(reader.ids()) == sorted(ids[1:])
+
+
+@pytest.mark.parametrize("backend", ["folder", "lance"])
+def test_text_and_metadata_that_utf8_cannot_encode_are_refused_naming_them(backend, tmp_path):
+    """A lone surrogate (``"\\ud800"``, e.g. from a bad decode) survives Python's JSON but not the store's UTF-8: a
+    ValueError naming the text or the metadata key, before anything is written (issue 29)."""
+    if backend == "lance":
+        pytest.importorskip("lancedb")
+    model = tiny_model("mamba")
+    store = make_store(tmp_path / "s", model, backend=backend)
+    cases = [
+        (
+            {"texts": ["a", "b"], "metadata": [{}, {"note": "\ud800"}]},
+            r"metadata of text 1 key 'note' holds a lone surrogate \('\\ud800'",
+        ),
+        (
+            {"texts": ["a"], "metadata": [{"tags": ["ok", {"deep": "x\udfff"}]}]},
+            r"metadata of text 0 at \['tags'\]\[1\]\['deep'\] holds a lone surrogate \('\\udfff' in 'x\\udfff'\)",
+        ),
+        (
+            {"texts": ["a"], "metadata": [{"bad\ud83d key": 1}]},
+            r"metadata of text 0 key 'bad\\ud83d key' holds a lone surrogate",
+        ),
+        ({"texts": ["fine", "bro\ud800ken"]}, r"text 1 holds a lone surrogate \('\\ud800' in 'bro\\ud800ken'\)"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message + ".*UTF-8 cannot encode"):
+            store.add(show_progress=False, **kwargs)
+    assert len(store) == 0
+    with pytest.raises(ValueError, match=r"info key 'who' holds a lone surrogate"):
+        make_store(tmp_path / "t", model, backend=backend, info={"who": "\ud800"})
+    # a proper pair (an emoji) and other non-ASCII text are fine
+    store.add(["a"], metadata=[{"note": "\U0001f600 é"}], show_progress=False)
+    assert store.entries()[0].metadata == {"note": "\U0001f600 é"}

@@ -28,6 +28,7 @@ from .. import compat
 from .architectures import architecture as layout_of
 from .cache import ComposableMambaCache
 from .layers import ComposableAttentionLayer, ComposableSSMAttentionLayer, ComposableSSMLayer
+from .validation import check_key_positions
 
 
 def _new_layer(kind: str):
@@ -98,7 +99,27 @@ class ComposableHybridCache(ComposableMambaCache):
         return layers[0].keys.shape[-2] if layers and layers[0].has_keys else 0
 
     def set_positions(self, positions: torch.Tensor) -> None:
-        """Record ``positions`` ``[B, L]`` (-1 for padding) as every attention layer's."""
+        """Record ``positions`` ``[B, L]`` (-1 for padding) as every attention layer's, checked first: int64, one per
+        key slot of the layers' keys (when they hold keys), on their device, and positions an encode or composition
+        makes (:func:`~.validation.check_key_positions`: per row left padding, then ``0 .. m`` without a gap)."""
+        where = "set_positions(positions)"
+
+        def refuse(problem: str):
+            raise ValueError(f"{where}: {problem}")
+
+        if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or positions.dim() != 2:
+            refuse(
+                "positions must be an int64 tensor [B, L] (-1 for padding), got "
+                f"{getattr(positions, 'dtype', type(positions).__name__)} {tuple(getattr(positions, 'shape', ()))}"
+            )
+        keyed = next((layer for layer in self.attention_layers if layer.has_keys), None)
+        if keyed is not None:
+            expected = (keyed.keys.shape[0], keyed.keys.shape[-2])
+            if tuple(positions.shape) != expected:
+                refuse(f"positions have shape {tuple(positions.shape)}, the keys {expected} ([B, L]: one per key slot)")
+            if positions.device != keyed.keys.device:
+                refuse(f"positions are on {positions.device}, the keys on {keyed.keys.device}")
+        check_key_positions(positions, where, refuse=refuse)
         for layer in self.attention_layers:
             layer.positions = positions
 

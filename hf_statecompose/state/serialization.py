@@ -317,7 +317,7 @@ def load_state(path, model=None, device=None):
     The layout must be safetensors (pickles and torch.save files are refused, never opened), the
     metadata well formed, the tensor bytes must match the recorded digest, and every tensor must fit the
     schema (:func:`~.validation.check_state`: names, dtypes, shapes consistent with the recorded config,
-    the metadata and each other, finite values, ``ΣΔ >= 0``, ``A < 0``). With ``model``, the shapes come
+    the metadata and each other, finite values, ``ΣΔ >= 0``, ``A <= 0``). With ``model``, the shapes come
     from the model's config, each layer's ``A`` must be the model's ``-exp(A_log)``, and fingerprint,
     dtype and device must match (:func:`~.validation.check_against_model`).
 

@@ -62,7 +62,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
 def _check_layer_values(state, where: str) -> None:
     """Every layer's values, as :func:`check_state` lists them, with one host sync for the whole state (a
     flag per check, stacked and read once); only on a failure are the checks run one by one, in order, to name
-    the first problem. Per layer: SSM state, conv window and ΣΔ finite, ΣΔ >= 0, A finite and < 0."""
+    the first problem. Per layer: SSM state, conv window and ΣΔ finite, ΣΔ >= 0, A finite and <= 0."""
     with torch.no_grad():
         checks = []  # (flag: a 0-d bool tensor, True = passed; exact(): whether it passed; problem(): the error)
         for i, layer in enumerate(state.state_layers):
@@ -94,13 +94,14 @@ def _check_layer_values(state, where: str) -> None:
             )
             checks.append(
                 (
-                    _finite_flag(A) & (A < 0).all(),
-                    functools.partial(lambda a: all_finite(a) and bool((a < 0).all()), A),
+                    _finite_flag(A) & (A <= 0).all(),
+                    functools.partial(lambda a: all_finite(a) and bool((a <= 0).all()), A),
                     functools.partial(
                         lambda i, a: _refuse(
                             where,
                             (
-                                f"layer {i} A must be finite and negative (it is -exp(A_log)), got max {float(a.max()):.3g}"
+                                f"layer {i} A must be finite and <= 0 (it is -exp(A_log): -0.0 where A_log is -inf, "
+                                f"a decay of 1), got max {float(a.max()):.3g}"
                             ),
                         ),
                         i,
@@ -203,7 +204,8 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
     """A hybrid state's attention layers (:mod:`.hybrid_cache`): in every one, keys and values in the recorded
     model dtype (or bfloat16 / float16 when stored so), of shape ``[B, kv heads, L, head dim]`` from the config
     with one ``L`` for all layers, finite; ``positions`` int64 ``[B, L]``, the same in every layer, -1 exactly at
-    the padding slots, which come first in a row (left padding), the others ``>= 0``; on the states' device."""
+    the padding slots, which come first in a row (left padding), the others positions an encode, composition or
+    continuation makes (:func:`check_key_positions`: ``0 .. m`` without a gap); on the states' device."""
     layout = architecture(state.architecture)
     batch = state.batch_size if batch is None else batch
     device = state.device if device is None else device
@@ -253,21 +255,90 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
             _refuse(where, f"layer {i} (attention) positions are on {positions.device}, the states on {device}")
         if first_positions is None:
             first_positions = positions
-            real = positions >= 0
-            if (positions < -1).any():
-                _refuse(where, f"layer {i} (attention) positions hold values below -1 (-1 marks padding)")
-            if length > 1 and (real[:, :-1] & ~real[:, 1:]).any():  # type: ignore[operator]  # length: set by the keys above
-                raise ValueError(
-                    f"{where}: layer {i} (attention) keys are not left padded (a padding slot after a real key): a cache "
-                    "continued from a left-padded query holds that padding between its keys and cannot be a state; "
-                    "encode the contexts (hsc.encode) and compose those, or continue with unpadded queries"
-                )
+            check_key_positions(positions, where, layer=i)
         elif not torch.equal(positions, first_positions):
             _refuse(
                 where,
                 f"layer {i} (attention) positions differ from layer {state.attention_layer_indices[0]}'s: every "
                 "attention layer caches the same tokens",
             )
+
+
+_INT64_MAX = torch.iinfo(torch.int64).max
+
+KEY_POSITIONS_INVARIANT = (
+    "per row, -1 (padding) only before the first key and the keys' positions, as a set, exactly 0, 1, ..., m with "
+    "m + 1 <= the number of keys (every context is encoded from position 0; concatenation places the next context "
+    "right after, attention='shared' and continuation repeat or extend them without a gap)"
+)
+
+
+def check_key_positions(positions: torch.Tensor, where: str = "positions", *, layer: int | None = None, refuse=None):
+    """The positions of a hybrid state's keys ``[B, L]`` (int64, shape and device checked by the caller) are ones an
+    encode, a composition or a continuation can make (:data:`KEY_POSITIONS_INVARIANT`):
+
+    * encode: per row ``-1`` for each left-padding slot, then ``0, 1, ..., n - 1``;
+    * composition (:mod:`hf_statecompose.composition.attention`): ``"concat"`` moves each state by the total span
+      (last position + 1) of the states before it, so the row stays ``0 .. m`` without a gap; ``"shared"`` keeps
+      each state at its own ``0 .. n_k - 1``: positions repeat, their set is ``0 .. max n_k - 1``; the padding of
+      every state is gathered at the row's left;
+    * continuation (generate / forward from a state: the attention layers' ``update`` in :mod:`hf_statecompose.compat`
+      and the generation's record of the query's positions): the new keys take ``m + 1, m + 2, ...`` (a left-padded
+      query leaves -1 slots between keys: refused, such a cache is not a state).
+
+    So per row: values ``>= -1``; no ``-1`` after a key; sorted, the keys' positions start at 0 and step by 0 or 1.
+    This bounds the last position by the number of keys (``m + 1 <= L``): no gap, no offset beyond the context, and
+    the query's first position ``m + 1`` cannot overflow int64. One host sync when the positions pass (two for
+    repeated positions, ``"shared"``: they take the sort).
+    ``refuse(problem)`` raises (default: the "altered or not written by hf_statecompose" error naming ``where``)."""
+    refuse = functools.partial(_refuse, where) if refuse is None else refuse
+    name = "key positions" if layer is None else f"layer {layer} (attention) positions"
+    if positions.dim() != 2 or positions.numel() == 0:
+        return
+    with torch.no_grad():
+        # fast path, what encode, concat and continuation make: per row -1 ... -1, 0, 1, 2, ... in slot order (each slot
+        # the previous one + 1, or -1 after -1, the slot before the first taken as -1); a chain from 0 by steps of 1
+        # cannot reach int64's end, so the wrap-around of ``positions - previous`` never passes a bad value
+        previous = torch.nn.functional.pad(positions[:, :-1], (1, 0), value=-1)
+        if bool(((positions - previous == 1) | ((positions == -1) & (previous == -1))).all()):
+            return
+        real = positions >= 0
+        ordered = positions.sort(dim=-1).values
+        # the step from the previous position (the first from -1): 0 (a repeat, shared placement), 1 (the next), or
+        # -1 -> 0 (the first key); anything else is a gap, an offset, a value below -1 or an int64 wrap-around
+        steps = torch.diff(ordered, dim=-1, prepend=ordered.new_full((ordered.shape[0], 1), -1))
+        flags = torch.stack(
+            [(positions < -1).any(), (real[:, :-1] & ~real[:, 1:]).any(), ((steps < 0) | (steps > 1)).any()]
+        )
+        if not bool(flags.any()):
+            return
+        below, right, jump = (bool(f) for f in flags)
+    if below:
+        refuse(f"{name} hold values below -1 (-1 marks padding)")
+    if right:
+        raise ValueError(
+            f"{where}: {name} are not left padded (a padding slot after a real key): a cache "
+            "continued from a left-padded query holds that padding between its keys and cannot be a state; "
+            "encode the contexts (hsc.encode) and compose those, or continue with unpadded queries"
+        )
+    if jump:
+        bad = (steps < 0) | (steps > 1)
+        row = int(bad.any(-1).nonzero()[0, 0])
+        column = int(bad[row].nonzero()[0, 0])
+        before, value = (int(ordered[row, column - 1]) if column else -1), int(ordered[row, column])
+        what = (
+            f"row {row}'s first key position is {value}, not 0"
+            if before < 0
+            else f"row {row}'s key positions jump from {before} to {value} (no key at {before + 1})"
+        )
+        top = int(ordered[row, -1])
+        overflow = (
+            " (and its last position + 1, where a query would start, overflows int64)" if top == _INT64_MAX else ""
+        )
+        refuse(
+            f"{name} are not positions an encode or composition makes: {what}{overflow}; a query would start at "
+            f"the wrong position (RoPE keys, wrong logits); expected {KEY_POSITIONS_INVARIANT}"
+        )
 
 
 def expected_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -317,7 +388,8 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
       batch size ``B >= 1`` for every layer: SSM ``[B, ...]``, conv ``[B, C, K]``, ΣΔ ``[B, D or H]``,
       ``A`` ``[D, N]`` or ``[H]``, ``num_tokens`` ``[B]``, ``token_ids`` ``[B, T]``;
     * values: SSM state and conv window finite; ΣΔ finite and ``>= 0`` (a decay ``exp(A·ΣΔ)`` above 1
-      would amplify the context); ``A`` finite and ``< 0``; ``num_tokens >= 0``; ``token_ids`` in
+      would amplify the context); ``A`` finite and ``<= 0`` (``-exp(A_log)``: ``-0.0``, a decay of exactly 1,
+      where a model's ``A_log`` is ``-inf``); ``num_tokens >= 0``; ``token_ids`` in
       ``[-1, vocab_size)``, left padded with -1, and as many real ids per row as ``num_tokens``;
     * the architecture's extra tensors (SeRpEnt's resampling state): present in every layer, dtypes and
       shapes from the description, values checked by it (:func:`check_extras`).

@@ -30,6 +30,7 @@ from .format import (
     all_finite,
     check_count,
     check_id,
+    check_utf8,
     checked_json,
     tokenizer_record,
 )
@@ -250,6 +251,7 @@ class StateStore:
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"text {i} is empty or not a string; every entry needs some text to encode")
+            check_utf8(text, f"text {i}")
         for i, m in enumerate(metadata):
             if m is not None and not isinstance(m, dict):
                 raise TypeError(f"metadata of text {i} must be a dict (or None), got {type(m).__name__}")

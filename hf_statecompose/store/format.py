@@ -75,7 +75,50 @@ def checked_json(value, what: str):
         ) from None
     if not same:
         raise TypeError(f"{what} would change when stored as JSON (non-str keys or tuples?); use str keys and lists")
+    check_utf8(value, what)
     return value
+
+
+def _unencodable(value, path: tuple = ()):
+    """``(key path, string)`` of the first string (a dict key or a value, nested) that UTF-8 cannot encode (a lone
+    surrogate such as ``"\\ud800"``), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path, value
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        if isinstance(key, str) and _unencodable(key) is not None:
+            return (*path, key), key
+        found = _unencodable(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def check_utf8(value, what: str) -> None:
+    """Every string in ``value`` (nested dict keys and values, list items) encodes as UTF-8, as the store writes its
+    JSON; else a ValueError naming ``what`` and the key that holds the string (a lone surrogate)."""
+    try:  # one encode in the common case; the walk only names the culprit
+        (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    found = _unencodable(value)
+    if found is None:
+        return
+    path, text = found
+    if len(path) == 1 and isinstance(path[0], str):
+        where = f" key {path[0]!r}"
+    else:
+        where = f" at {''.join(f'[{key!r}]' for key in path)}" if path else ""
+    bad = next(c for c in text if 0xD800 <= ord(c) <= 0xDFFF)
+    raise ValueError(
+        f"{what}{where} holds a lone surrogate ({bad!a} in {text!a:.60}), which UTF-8 cannot encode: the store writes "
+        "UTF-8 JSON; decode the text properly (e.g. bytes.decode('utf-8', errors='replace')) or drop the character"
+    )
 
 
 # ------------------------------------------------------------------------------------ sealed JSON
