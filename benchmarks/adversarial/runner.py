@@ -16,7 +16,20 @@ import warnings
 
 import torch
 
-from . import api, cli, files, memory, ray_args, store
+from . import (
+    api,
+    attention_kwarg,
+    cli,
+    files,
+    fingerprint,
+    lance_errors,
+    memory,
+    positions,
+    ray_args,
+    registry,
+    small,
+    store,
+)
 from .cli import cli_setup
 from .common import CASE_TIMEOUT, OUTCOMES, ROOT, Context, classify_exception, run_forked
 from .store import run_store_case
@@ -25,9 +38,13 @@ from .store import run_store_case
 # before it stay as they were). Each is a module with CATEGORY (one letter, the case ids' prefix), NAME (for
 # --family), TITLE, RUNNERS (case kind -> runner(ctx, params) -> outcome) and generate(rng, scale, backends).
 FAMILIES = [files, memory, api, store, cli, ray_args]
+# issue 29: the extension points (registry, key positions, fingerprint, Lance errors, attention=, small ones)
+FAMILIES += [registry, positions, fingerprint, lance_errors, attention_kwarg, small]
 CATEGORIES = {family.CATEGORY: family.TITLE for family in FAMILIES}
 FAMILY_NAMES = {family.NAME: family.CATEGORY for family in FAMILIES}
 RUNNERS = {kind: runner for family in FAMILIES for kind, runner in family.RUNNERS.items()}
+# kinds that start Ray, build a model, trace with dynamo or open a Lance store in each case
+SLOW_KINDS = ("ray", "fingerprint", "lance_errors", "positions", "attention_kwarg", "small")
 IN_PARENT = ("store", "cli")  # these fork their own children (writers, kills, CLI)
 
 
@@ -60,7 +77,8 @@ def run_case(ctx, case, quiet=True) -> dict:
         timeout = 180 if params["mutation"].startswith(("kill", "concurrent", "forged", "symlink")) else 90
         result = run_forked(lambda: run_store_case(ctx, params), timeout, quiet=quiet)
     else:
-        result = run_forked(lambda: RUNNERS[kind](ctx, params), 120 if kind == "ray" else CASE_TIMEOUT, quiet=quiet)
+        timeout = 120 if kind in SLOW_KINDS else CASE_TIMEOUT
+        result = run_forked(lambda: RUNNERS[kind](ctx, params), timeout, quiet=quiet)
     result["seconds"] = round(time.monotonic() - started, 3)
     return result
 
