@@ -162,12 +162,15 @@ def test_disable_restores_the_stock_classes_exactly(arch):
 
 
 def test_enabled_methods_keep_the_stock_signature(model):
-    """transformers inspects forward's parameters; they stay the stock ones, plus past_states and composition."""
+    """transformers inspects forward's parameters; they stay the stock ones, plus past_states, composition and
+    attention."""
     stock = _stock_class(model.config.model_type)
     for name in ("forward", "generate"):
         ours = inspect.signature(getattr(model, name)).parameters
         theirs = inspect.signature(getattr(stock, name)).parameters
-        assert [p for p in ours if p not in ("past_states", "composition")] == [p for p in theirs if p != "self"]
+        assert [p for p in ours if p not in ("past_states", "composition", "attention")] == [
+            p for p in theirs if p != "self"
+        ]
         assert ours["past_states"].kind is inspect.Parameter.KEYWORD_ONLY
     with pytest.raises(ValueError, match="not used by the model"):  # stock kwarg validation still runs
         model.generate(random_ids(3), max_new_tokens=2, not_an_argument=1)

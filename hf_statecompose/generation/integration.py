@@ -6,7 +6,7 @@ What ``enable`` changes, and why it changes nothing else:
   (:mod:`hf_statecompose.models`) only when its cache is a ``ComposableMambaCache``; any other
   call goes to the stock forward untouched (SeRpEnt-Mamba's mixers always run on its cache: they stay);
 * the model's class is swapped for a subclass of its stock class (same name, same module, made once per
-  stock class) whose ``forward`` and ``generate`` take ``past_states=`` / ``composition=``. Without
+  stock class) whose ``forward`` and ``generate`` take ``past_states=`` / ``composition=`` / ``attention=``. Without
   ``past_states`` they call the stock methods with the same arguments. With ``past_states`` the query is
   checked (a ``[batch, length]`` tensor, length >= 1, a left-padded 0/1 mask), the states are checked,
   composed into a fresh ``ComposableMambaCache`` with one row per query row (expanded for beams / return
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .. import compat
+from ..composition.attention import ATTENTION_POLICIES
 from ..composition.composer import StateComposer
 from ..models import disable_state_path, enable_state_path, get_backend, set_backend, using_backend  # noqa: F401
 from ..models.encode import check_vocabulary
@@ -117,7 +118,8 @@ def _rebind_instance_forwards(model):
 
 
 def _with_states_signature(method, stock_method):
-    """``method`` documented and introspected as ``stock_method`` plus ``past_states`` / ``composition``:
+    """``method`` documented and introspected as ``stock_method`` plus ``past_states`` / ``composition`` /
+    ``attention``:
     transformers inspects ``forward``'s parameters (``_validate_model_kwargs`` and others)."""
     # name and doc only: no __wrapped__ (introspection would skip this method) and no copied attributes
     functools.update_wrapper(method, stock_method, updated=())
@@ -128,6 +130,7 @@ def _with_states_signature(method, stock_method):
     extra = [
         inspect.Parameter("past_states", inspect.Parameter.KEYWORD_ONLY, default=None),
         inspect.Parameter("composition", inspect.Parameter.KEYWORD_ONLY, default="picaso_r"),
+        inspect.Parameter("attention", inspect.Parameter.KEYWORD_ONLY, default=None),
     ]
     method.__signature__ = signature.replace(parameters=parameters[:at] + extra + parameters[at:])
     return method
@@ -139,8 +142,9 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
         # the stock methods are looked up at each call, so that later patches of the stock class still apply
         forward_signature = inspect.signature(stock.forward)
 
-        def forward(self, *args, past_states=None, composition="picaso_r", **kwargs):
+        def forward(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
             if past_states is None:
+                _refuse_attention_without_states(attention)
                 if any(isinstance(kwargs.get(name), ComposableMambaCache) for name in compat.CACHE_NAMES):
                     refuse_layer_checkpointing(self)
                 return stock.forward(self, *args, **kwargs)
@@ -148,6 +152,7 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
             named = _by_name(forward_signature, self, args, kwargs)
             if compat.cache_given(named):
                 raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
+            composition = composer_for(composition, attention)
             batch = _check_query(named, ("input_ids",), self)
             compat.pop_cache(named)
             composed = compose_for_batch(self, past_states, composition, batch, model_inputs=named)
@@ -167,12 +172,14 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
         if hasattr(stock, "generate"):
             generate_signature = inspect.signature(stock.generate)
 
-            def generate(self, *args, past_states=None, composition="picaso_r", **kwargs):
+            def generate(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
                 if past_states is None:
+                    _refuse_attention_without_states(attention)
                     return stock.generate(self, *args, **kwargs)
                 named = _by_name(generate_signature, self, args, kwargs)
                 if compat.cache_given(named):
                     raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
+                composition = composer_for(composition, attention)
                 batch = _check_query(named, ("inputs", "input_ids"), self)
                 config = named.get("generation_config") or self.generation_config
                 _check_inferred_mask(named, config)
@@ -198,6 +205,35 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
 
 
 # ---------------------------------------------------------------------------------------------- compose
+def composer_for(composition, attention: str | None = None):
+    """``composition`` (a method name or a :class:`StateComposer`) with the ``attention=`` placement of a
+    ``generate`` / ``forward`` call: ``composition="soup", attention="shared"`` is
+    ``StateComposer("soup", attention="shared")``. ``attention=None`` (the default) keeps ``composition`` as it is;
+    a composer whose own ``attention`` differs from the one given is refused (which one was meant is unknown)."""
+    if attention is None:
+        return composition
+    if not isinstance(attention, str) or attention not in ATTENTION_POLICIES:
+        raise ValueError(
+            f"attention={attention!r} is not an attention placement; choose one of {', '.join(ATTENTION_POLICIES)} "
+            "(hybrid models: how the states' keys are placed, see StateComposer)"
+        )
+    if isinstance(composition, StateComposer):
+        if composition.attention != attention:
+            raise ValueError(
+                f"attention={attention!r} conflicts with composition={composition!r}, whose attention is "
+                f"{composition.attention!r}: pass the placement in one place (StateComposer(..., attention=...) "
+                "or attention= with a method name)"
+            )
+        return composition
+    return StateComposer(composition, attention=attention)
+
+
+def _refuse_attention_without_states(attention) -> None:
+    """``attention=`` places the composed states' keys: without ``past_states`` there is nothing to place."""
+    if attention is not None:
+        raise ValueError("attention= places the keys of past_states; pass it with past_states (or leave it out)")
+
+
 def _is_hybrid(state) -> bool:
     return bool(getattr(state, "attention_layer_indices", ()))
 

@@ -1,6 +1,6 @@
 """What this package's own causal LMs (SeRpEnt-Mamba, COFFEE) share around their backbone: the state cache in
-``generate()``, the refusal of ``past_states`` before ``hf_statecompose.enable``, and the LM head's loss and
-outputs.
+``generate()``, the body of ``forward`` (the refusal of ``past_states`` before ``hf_statecompose.enable``, the
+backbone, the LM head's logits, loss and outputs).
 
 Their modeling files import this module absolutely (``hf_statecompose.models.causal_lm``), so the copies that
 ``save_pretrained`` writes for ``trust_remote_code`` keep working.
@@ -37,6 +37,45 @@ class StateCacheGenerationMixin(compat.CacheGenerationMixin):
         # hsc.enable's generate consumes past_states before it calls this one: here they mean "never enabled"
         refuse_past_states(self, kwargs, "generate")
         return super().generate(*args, **kwargs)
+
+    def _hsc_logits(self, hidden_states):
+        """Float32 logits of ``hidden_states`` (the positions kept): the linear LM head; a model whose logits come
+        otherwise (COFFEE's distances to the embeddings) overrides this."""
+        return self.lm_head(hidden_states.to(self.lm_head.weight.dtype)).float()
+
+    def _causal_lm_forward(
+        self,
+        output_class,
+        input_ids,
+        attention_mask,
+        inputs_embeds,
+        cache,
+        labels,
+        output_hidden_states,
+        return_dict,
+        use_cache,
+        logits_to_keep,
+        kwargs: dict,
+    ):
+        """The body of the causal LMs' ``forward`` (their signatures and docs stay in their modeling files):
+        ``past_states`` refused before ``enable``, the cache under either name, the backbone, the logits of the last
+        ``logits_to_keep`` positions (0: all; or the given indices), then :meth:`_lm_outputs`."""
+        refuse_past_states(self, kwargs)
+        cache = compat.resolve_cache(cache, kwargs)  # `cache_params`, the name before transformers 5.24, works too
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.backbone(
+            input_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            use_cache=use_cache,
+            attention_mask=attention_mask,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self._hsc_logits(hidden_states[:, keep])
+        return self._lm_outputs(outputs, logits, labels, return_dict, output_class, **kwargs)
 
     def _lm_outputs(self, outputs, logits, labels, return_dict, output_class, **kwargs):
         """Loss (next-token, shifted inside; -100 ignored) and the output of ``forward``, as transformers'

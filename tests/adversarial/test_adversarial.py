@@ -12,6 +12,16 @@ import torch
 import hf_statecompose as hsc
 
 FORBIDDEN = ("silent", "lost", "hang")
+CATEGORIES = "abcdefghijkl"  # a-f: issue 21's families; g-l: issue 29's (registry ... small ones)
+# families whose fixes land on other branches of issue 29: their silent cases are reported, not yet forbidden (the
+# lead empties this once the fixes are merged and the trial is rerun)
+PENDING_FIXES = {
+    "g": "method registry checks (item 4)",
+    "h": "key position invariant (item 5)",
+    "i": "fingerprint of parametrizations, compiled and offloaded models (item 6)",
+    "j": "Lance store errors (item 7)",
+    "l": "A_log = -inf, metadata surrogates (item 9)",
+}
 
 
 def _listing(report, outcomes):
@@ -25,8 +35,8 @@ def _listing(report, outcomes):
 def test_trial_covers_every_category_and_both_backends(ci_report):
     print("\n" + ci_report["stdout"])
     table = ci_report["table"]
-    assert 150 <= ci_report["cases"] <= 300, ci_report["cases"]
-    for category in "abcdef":
+    assert 150 <= ci_report["cases"] <= 320, ci_report["cases"]
+    for category in CATEGORIES:
         assert table[category]["cases"] > 0, category
     assert ci_report["backends"] == ["folder", "lance"]
     names = {c["case"] for c in ci_report["by_case"]}
@@ -38,8 +48,10 @@ def test_trial_covers_every_category_and_both_backends(ci_report):
     )
 
 
-@pytest.mark.parametrize("category", list("abcdef"))
+@pytest.mark.parametrize("category", list(CATEGORIES))
 def test_no_silent_lost_or_hung_case(ci_report, category):
+    if category in PENDING_FIXES:
+        pytest.skip(f"category {category}: pending {PENDING_FIXES[category]}")
     row = ci_report["table"][category]
     unclear = [c for c in ci_report["non_clean"] if c["category"] == category and c["outcome"] == "unclear"]
     if unclear:

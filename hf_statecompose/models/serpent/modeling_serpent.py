@@ -493,23 +493,19 @@ class SeRpEntMambaForCausalLM(SeRpEntMambaPreTrainedModel, StateCacheGenerationM
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
             Compute the logits of the last ``logits_to_keep`` positions only (0: all), or of the given indices.
         """
-        refuse_past_states(self, kwargs)
-        cache = compat.resolve_cache(cache, kwargs)  # `cache_params`, the name before transformers 5.24, works too
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        outputs = self.backbone(
+        return self._causal_lm_forward(
+            SeRpEntMambaCausalLMOutput,
             input_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-            use_cache=use_cache,
-            attention_mask=attention_mask,
+            attention_mask,
+            inputs_embeds,
+            cache,
+            labels,
+            output_hidden_states,
+            return_dict,
+            use_cache,
+            logits_to_keep,
+            kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep].to(self.lm_head.weight.dtype)).float()
-
-        return self._lm_outputs(outputs, logits, labels, return_dict, SeRpEntMambaCausalLMOutput, **kwargs)
 
 
 def _register_auto_models() -> None:
