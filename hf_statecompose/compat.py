@@ -279,9 +279,11 @@ def is_tracing(tensor=None) -> bool:
     this runs on every op call, eager decoding included."""
     import torch
 
+    from . import _torch_compat
+
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return True
-    return tensor is not None and isinstance(tensor, torch._subclasses.FakeTensor)
+    return tensor is not None and _torch_compat.is_fake_tensor(tensor)
 
 
 def _make_ssm_layer_base():

@@ -247,6 +247,51 @@ def test_the_internals_check_would_catch_a_violation(tmp_path):
     assert [p for p in _INTERNALS if re.search(p, code)] == [r"\brecurrent_states\b"]
 
 
+# what only the torch adapter (hf_statecompose/_torch_compat.py) may name: torch's private namespaces anywhere in
+# the package; in the fingerprint also the private tensor / storage / compiled-module attributes it reads
+_TORCH_PRIVATES = [r"\btorch\._[A-Za-z]", r"\b_C\.", r"\b_lazy_clone\b", r"\b_is_cow_tensor\b"]
+_TORCH_PRIVATE_ATTRIBUTES = [r"\._cdata\b", r"\._version\b", r"\b_orig_mod\b"]
+
+
+def _torch_privates(path: pathlib.Path) -> list[str]:
+    code = _code_without_docstrings(path)
+    patterns = _TORCH_PRIVATES + (_TORCH_PRIVATE_ATTRIBUTES if path.name == "fingerprint.py" else [])
+    return [
+        f"{path.name}:{code[: match.start()].count(chr(10)) + 1}: {match.group(0)}"
+        for pattern in patterns
+        for match in re.finditer(pattern, code)
+    ]
+
+
+def test_only_the_torch_adapter_calls_torch_privates():
+    offenders = [
+        offender
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not (path.name == "_torch_compat.py" and path.parent == PACKAGE)
+        for offender in _torch_privates(path)
+    ]
+    assert not offenders, "torch privates outside hf_statecompose/_torch_compat.py:\n" + "\n".join(offenders)
+    assert _torch_privates(PACKAGE / "_torch_compat.py")  # the adapter does name them: the scan sees them
+
+
+def test_the_torch_privates_check_would_catch_a_violation(tmp_path):
+    probe = tmp_path / "fingerprint.py"
+    probe.write_text(
+        '"""torch._lazy_clone in a docstring is fine"""\n'
+        "a = torch._C._is_cow_tensor(t)  # torch._x in a comment too\n"
+        "b = torch._lazy_clone(t)\n"
+        "c = t._version\n"
+    )
+    assert [offender.split(": ")[1] for offender in _torch_privates(probe)] == [
+        "torch._C",
+        "torch._l",
+        "_C.",
+        "_lazy_clone",
+        "_is_cow_tensor",
+        "._version",
+    ]
+
+
 def test_every_guarded_class_exists_in_the_installed_transformers():
     import importlib
 

@@ -243,3 +243,50 @@ def test_threads_share_one_fingerprint(path, reads):
         thread.join()
     assert not errors and set(seen) == {expected}
     assert reads["full"] <= 2  # the cache=False hash and one refresh (threads wait for the one in progress)
+
+
+def _volatile(model):
+    """The in_proj weight of layer 0 read through a writable pointer at two checks in a row: checked by its
+    contents from then on (as a kernel that takes writable pointers to it at every forward)."""
+    before = model_fingerprint(model)
+    for _ in range(2):
+        _weight(model).detach().numpy()
+        assert model_fingerprint(model) == before
+    assert "layers.0.mixer.in_proj.weight" in fingerprint._lookup(model).volatile
+    return before
+
+
+def test_a_swap_of_two_elements_in_a_volatile_weight_is_seen(monkeypatch):
+    """Two swapped elements (row sums kept, away from any strided sample) in a weight the cache checks by its
+    contents: the checksum is exact, not sampled."""
+    monkeypatch.setattr(fingerprint, "_ARMED_ABOVE", 128)
+    model = tiny_model("mamba2")
+    before = _volatile(model)
+    weight = _weight(model).data
+    row = weight[1]
+    i, j = 3, 3 + 1 + int(torch.argmax((row[4:] != row[3]).int()))  # two different values in one row
+    row[i], row[j] = row[j].clone(), row[i].clone()
+    assert model_fingerprint(model) != before
+    assert model_fingerprint(model) == model_fingerprint(model, cache=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_content_checksum_sees_every_single_change_and_swap(dtype):
+    """The checksum's promise on fresh random tensors (more than one chunk): any one element changed by one unit
+    in the last place, any two different elements swapped (within a chunk and across chunks), a copy equal."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1200, 1000, generator=generator).to(dtype)
+    flat_size = x.numel()
+    base = fingerprint._content_checksum([x])
+    assert fingerprint._content_checksum([x.clone()]) == base
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    picks = torch.randint(0, flat_size, (60, 2), generator=generator).tolist() + [[7, 7 + fingerprint._CHECKSUM_CHUNK]]
+    for i, j in picks:
+        changed = x.clone().reshape(-1)
+        changed.view(bits)[i] += 1  # one unit in the last place
+        assert fingerprint._content_checksum([changed.reshape(x.shape)]) != base
+        swapped = x.clone().reshape(-1)
+        if swapped[i] == swapped[j]:
+            continue
+        swapped[i], swapped[j] = swapped[j].clone(), swapped[i].clone()
+        assert fingerprint._content_checksum([swapped.reshape(x.shape)]) != base, (i, j)

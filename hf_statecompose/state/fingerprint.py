@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import compat
+from .. import _torch_compat, compat
 from .architectures import ARCHITECTURES
 
 # the fingerprint of a cache made while a graph is traced (torch.compile / torch.export): the weights are
@@ -125,55 +125,98 @@ def config_summary(config) -> dict:
 
 
 def _state_shaping_tensors(model: torch.nn.Module):
+    """``(name, tensor)`` for every tensor that shapes the states, as the forward uses it: a parametrized tensor
+    (``torch.nn.utils.parametrize``) is computed through its parametrizations (``module.weight``, named as the
+    plain tensor), not read from ``parametrizations.weight.original``: a parametrization's own Python state (a
+    scale set after encoding) changes the weight the forward uses, so it changes the fingerprint."""
+    named, _ = _collect(model)
+    yield from named
+
+
+def _collect(model: torch.nn.Module) -> tuple[list, frozenset]:
+    """The state-shaping tensors (see :func:`_state_shaping_tensors`) and the names of those computed through a
+    parametrization (a new tensor at each access: checked by their contents, never by identity)."""
     backbone = base_model_of(model)
-    for name, tensor in list(backbone.named_parameters()) + list(backbone.named_buffers()):
-        if name.startswith("norm_f."):
-            continue  # acts after the last layer: does not shape the states
-        yield name, tensor
+    parametrized = [
+        (prefix, module)
+        for prefix, module in backbone.named_modules()
+        if torch.nn.utils.parametrize.is_parametrized(module)
+    ]
+    hidden = tuple(f"{prefix}.parametrizations." if prefix else "parametrizations." for prefix, _ in parametrized)
+    named = [
+        (name, tensor)
+        for name, tensor in list(backbone.named_parameters()) + list(backbone.named_buffers())
+        if not name.startswith("norm_f.")  # acts after the last layer: does not shape the states
+        and not (hidden and name.startswith(hidden))  # a parametrization's inputs: the computed tensor stands for them
+    ]
+    computed = []
+    _refuse_meta(model, named)
+    with torch.no_grad():
+        for prefix, module in parametrized:
+            if prefix == "norm_f" or prefix.startswith("norm_f."):
+                continue
+            for tensor_name in module.parametrizations:
+                name = f"{prefix}.{tensor_name}" if prefix else tensor_name
+                named.append((name, getattr(module, tensor_name).detach()))
+                computed.append(name)
+    return named, frozenset(computed)
 
 
-_SAMPLES_PER_TENSOR = 64
-_EXACT_BELOW = 4096  # tensors this small (norms, biases, D, Mamba-2's A_log) enter the checksum whole
+def _refuse_meta(model, named: list) -> None:
+    """Offloaded weights (accelerate's ``cpu_offload``, ``from_pretrained`` / ``dispatch_model`` with a
+    ``device_map`` that offloads to ``"cpu"`` or ``"disk"``) sit on the meta device and are loaded by hooks at each
+    forward: there are no bytes to hash, nor a device to put states on. Refused in one line, naming offload."""
+    meta = [name for name, tensor in named if tensor.is_meta]
+    if meta:
+        raise ValueError(
+            f"{type(model).__name__} has weights on the meta device (no data: {meta[0]}"
+            f"{f' and {len(meta) - 1} more' if len(meta) > 1 else ''}), as offloading leaves them (accelerate's "
+            "cpu_offload, or a device_map that offloads to 'cpu' / 'disk'); hf_statecompose does not encode or compose "
+            "states with offloaded weights (their bytes name the model): load the model without offload"
+        )
+
+
+# the content checksum's weights: w_j = 2·j·K + 1 (odd) for the j-th element of a chunk; the chunk starting at
+# element c adds 2·c·K·Σx (so element i's weight is 2·i·K + 1 in the whole tensor, whichever chunk it is in)
+_CHECKSUM_K = 0x2851F42D4C957F2D
+_CHECKSUM_CHUNK = 1 << 20
+_CHECKSUM_WEIGHTS: dict = {}  # device -> the int64 weights of one chunk (8 MB), made once
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _content_checksum(tensors) -> bytes:
-    """A cheap content checksum of ``tensors``, computed on their device in one pass over the weights:
-    small tensors whole, larger ones as one sum per row (first dimension) plus the exact bits of 64
-    evenly strided elements; hashed on the host.
+    """An exact content checksum of ``tensors``, computed on their device in one pass over their bits (int64
+    arithmetic, wrapping): per tensor, over each element's bit pattern ``x_i``, ``Σ x_i`` and ``Σ x_i · (2·i·K + 1)``
+    (``K`` odd); hashed on the host.
 
-    The cache's check for large tensors whose storage cannot be copy-on-write (shared memory) or that lose
-    it on every forward (``volatile``; see the comment above ``_ARMED_ABOVE``): ``p.data.copy_(w)``,
-    ``p.data[i] = x`` and ``p.data.mul_(s)`` go through ``.data``, whose version counter is not the
-    parameter's, so only the contents can tell. A change to one element shows in its row's sum
-    unless it is below that sum's rounding (float32 rows: about 1e-7 of the row's sum, 16-bit rows:
-    about 1/256, their sums stay in their dtype because CPU reductions of 16-bit tensors into float32
-    are some 20 times slower); changes that keep every row sum (a permutation within a row, tiny
-    roundings) are caught by the sample unless they spare every sampled element. Missing them would
-    take a deliberate edit; ``model_fingerprint(model, cache=False)`` always hashes every byte.
+    The cache's check for large tensors it cannot make copy-on-write or that lose it on every forward (shared
+    memory, ``volatile``, parametrized ones, a torch without copy-on-write; see the comment above
+    ``_ARMED_ABOVE``): ``p.data.copy_(w)``, ``p.data[i] = x`` and ``p.data.mul_(s)`` go through ``.data``, whose
+    version counter is not the parameter's, so only the contents can tell. What it sees, whatever the values (no
+    rounding: bit patterns, not float sums): a change to any one element (its weight is odd, so invertible modulo
+    2^64) and, in tensors of 16- or 32-bit elements and fewer than 2^31 of them, a swap of any two elements (the
+    plain sum is kept, the weighted one moves by (a - b)·2·(i - j)·K, which has fewer than 64 factors of two). Several changes at once
+    go unseen only if they cancel modulo 2^64 in both sums: a deliberate construction, not an edit.
+    ``model_fingerprint(model, cache=False)`` hashes every byte. Costs about ten times the old sampled checksum
+    (row sums plus 64 sampled elements, which missed a swap within a row that spared the samples):
+    ``benchmarks/fingerprint_speed.py``.
     """
     parts = []
     with torch.no_grad():
         for tensor in tensors:
-            data = tensor.detach()
-            if data.numel() == 0:
-                continue
-            if data.numel() <= _EXACT_BELOW or data.dim() < 2:
-                flat = data.reshape(-1)
-                if data.numel() > _EXACT_BELOW:  # a long 1-D buffer: sum plus sample
-                    parts.append(_float_bits(flat.sum().reshape(1)))
-                    parts.append(_float_bits(flat[:: flat.numel() // _SAMPLES_PER_TENSOR][:_SAMPLES_PER_TENSOR]))
-                else:
-                    parts.append(_float_bits(flat))
-                continue
-            if data.dtype == torch.float16:
-                # the same bits as bfloat16: fp16 reductions are slow on CPUs; a bijection loses nothing
-                data = data.view(torch.bfloat16)
-            rows = data.reshape(data.shape[0], -1)
-            parts.append(
-                _float_bits(rows.sum(-1) if rows.dtype.is_floating_point else rows.sum(-1, dtype=torch.float64))
-            )
             flat = tensor.detach().reshape(-1)
-            parts.append(_float_bits(flat[:: max(1, flat.numel() // _SAMPLES_PER_TENSOR)][:_SAMPLES_PER_TENSOR]))
+            if flat.numel() == 0:
+                continue
+            bits = flat.view(_BITS[flat.element_size()]) if flat.dtype != torch.bool else flat.view(torch.uint8)
+            weights = _CHECKSUM_WEIGHTS.get(flat.device)
+            if weights is None:
+                chunk = torch.arange(_CHECKSUM_CHUNK, dtype=torch.int64, device=flat.device)
+                weights = _CHECKSUM_WEIGHTS[flat.device] = chunk * (2 * _CHECKSUM_K) + 1
+            for start in range(0, bits.numel(), _CHECKSUM_CHUNK):
+                x = bits[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+                plain = x.sum()
+                weighted = (x * weights[: x.numel()]).sum() + plain * _wrapped(2 * start * _CHECKSUM_K)
+                parts.append(torch.stack([plain, weighted]))
     if not parts:
         return b""
     by_device: dict = {}
@@ -186,12 +229,10 @@ def _content_checksum(tensors) -> bytes:
     return digest.digest()
 
 
-def _float_bits(values: torch.Tensor) -> torch.Tensor:
-    """``values`` as int32 bit patterns of float32 (exact for 16-bit floats; NaN equals NaN)."""
-    if values.dtype == torch.float64 or not values.dtype.is_floating_point:
-        values = values.to(torch.float64).view(torch.int64)
-        return torch.stack([values & 0xFFFFFFFF, values >> 32], -1).reshape(-1).to(torch.int32)
-    return values.to(torch.float32).view(torch.int32)
+def _wrapped(value: int) -> int:
+    """``value`` modulo 2^64 as a signed int64 (two's complement)."""
+    value %= 1 << 64
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _full_fingerprint(model, architecture: str) -> str:
@@ -205,7 +246,7 @@ def _full_fingerprint(model, architecture: str) -> str:
         data = tensor.detach()
         if data.device.type != "cpu":
             data = data.cpu()
-        elif _is_cow(data):
+        elif _torch_compat.is_copy_on_write(data):
             data = data.clone()  # numpy() asks for a writable pointer: it would end the cache's copy-on-write sentinel
         data = data.contiguous()
         if data.dtype == torch.bfloat16:
@@ -225,8 +266,9 @@ def _full_fingerprint(model, architecture: str) -> str:
 #   of it, under ``no_grad`` too: optimizer steps, ``load_state_dict``, ``init``);
 # * writes through ``.data`` (``p.data.mul_(2)``, ``p.data[i] = x``, ``p.data.copy_(w)``: ``.data`` has its own
 #   version counter, so ``_version`` misses them) are caught by a copy-on-write sentinel: after hashing, each
-#   large tensor's storage is made lazily copy-on-write (``torch._lazy_clone``, whose clone is dropped at once,
-#   so nothing is copied and no memory is held). PyTorch materializes such a storage on the first access that
+#   large tensor's storage is made lazily copy-on-write (``hf_statecompose._torch_compat``, the one module that
+#   calls torch's privates: ``torch._lazy_clone``, whose clone is dropped at once, so nothing is copied and no
+#   memory is held). PyTorch materializes such a storage on the first access that
 #   may write it, through any alias (``.data``, ``detach()``, views, ``data_ptr()``, ``numpy()``), and a
 #   materialized storage is no longer copy-on-write: ``torch._C._is_cow_tensor`` says whether anything could
 #   have written the tensor since it was hashed. Reads (matmuls, embeddings) keep it. A tensor found
@@ -239,13 +281,20 @@ def _full_fingerprint(model, architecture: str) -> str:
 #   kernels ask for writable pointers to several of them on every forward): their exact bytes are compared
 #   with a copy kept at the refresh, on their device, at every check;
 # * storages that cannot be copy-on-write (shared memory: ``share_memory_()``; allocators without a plain
-#   deleter) fall back to the content checksum (:func:`_content_checksum`) for that tensor.
+#   deleter; every storage on a torch without copy-on-write) fall back to the content checksum
+#   (:func:`_content_checksum`, exact since issue 29: any one changed element, any two swapped ones) for that
+#   tensor, as do volatile tensors;
+# * parametrized tensors (``torch.nn.utils.parametrize``) are hashed as the forward uses them (computed through
+#   their parametrizations, so a parametrization's Python state counts) and, being a new tensor at each access,
+#   are computed again and checked by their contents (exact bytes when small, the checksum otherwise) at each
+#   check;
+# * offloaded weights (meta tensors loaded by hooks at each forward) are refused (:func:`_refuse_meta`).
 #
 # Blind spot (the full hash is the only remedy; ``refresh_fingerprint(model)`` runs it): writes that bypass
 # PyTorch's tensor API into memory that was already reachable before the fingerprint was taken: a numpy array
 # / DLPack capsule / raw ``data_ptr()`` of a weight obtained before the check and written through after it, a
-# CUDA graph replay that writes weights, another process writing a shared-memory weight (the checksum path:
-# sums and samples, as before).
+# CUDA graph replay that writes weights. A parametrization whose output changes with no change to its inputs or
+# Python state is computed again at each check, so it is seen too.
 _ARMED_ABOVE = 4096
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Cached
 _CACHE_LOCK = threading.Lock()
@@ -260,6 +309,7 @@ class _Cached:
         "armed",
         "checked",
         "checksum",
+        "computed",
         "config",
         "fingerprint",
         "identity",
@@ -271,11 +321,13 @@ class _Cached:
         "volatile",
     )
 
-    def __init__(self, fingerprint, architecture, config, named, identity, volatile, lost=frozenset()):
+    def __init__(self, fingerprint, architecture, config, named, computed, identity, volatile, lost=frozenset()):
         self.fingerprint, self.architecture, self.config, self.volatile = fingerprint, architecture, config, volatile
         self.lost = lost  # armed tensors found materialized at the check that led to this refresh
         self.names = tuple(name for name, _ in named)
-        self.refs = tuple(weakref.ref(t) for _, t in named)  # weak: a replaced parameter is freed as usual
+        self.computed = computed  # parametrized: a new tensor at each access, checked by its contents only
+        # weak: a replaced parameter is freed as usual (a computed tensor's is dead at once, and never compared)
+        self.refs = tuple(weakref.ref(t) for _, t in named)
         self.identity = identity
         self.small = [i for i, (_, t) in enumerate(named) if _is_small(t)]
         self.small_bytes = _exact_bytes([named[i][1] for i in self.small])
@@ -283,31 +335,51 @@ class _Cached:
         for i, (name, t) in enumerate(named):
             if _is_small(t):
                 continue
-            (self.armed if name not in volatile and _arm(t) else self.checked).append(i)
+            armable = name not in volatile and name not in computed
+            (self.armed if armable and _torch_compat.make_copy_on_write(t) else self.checked).append(i)
         self.checksum = _content_checksum([named[i][1] for i in self.checked])
 
-    def still_valid(self, architecture, config, named) -> bool | None:
+    def still_valid(self, architecture, config, named, computed) -> bool | None:
         """True when nothing changed; False when something did (or may have); None when an armed tensor
         was materialized with nothing else changed (it may have been written through ``.data``)."""
         if architecture != self.architecture or config != self.config or len(named) != len(self.names):
             return False
+        if computed != self.computed:
+            return False
         for (name, t), expected_name, ref, expected in zip(named, self.names, self.refs, self.identity):
-            if name != expected_name or ref() is not t or _identity(t) != expected:
+            if name != expected_name:
+                return False
+            if name in computed:  # a parametrized tensor: its contents are checked below (small or checksum)
+                if _identity(t, computed=True) != expected:
+                    return False
+                continue
+            if ref() is not t or _identity(t) != expected:
                 return False
         if not _same_bytes(_exact_bytes([named[i][1] for i in self.small]), self.small_bytes):
             return False
         if self.checked and _content_checksum([named[i][1] for i in self.checked]) != self.checksum:
             return False
         for i in self.armed:
-            if not _is_cow(named[i][1]):
+            if not _torch_compat.is_copy_on_write(named[i][1]):
                 return None
         return True
 
 
-def _identity(t: torch.Tensor) -> tuple:
+def _identity(t: torch.Tensor, computed: bool = False) -> tuple:
     """What identifies a tensor's contents without reading them; no access here materializes a copy-on-write
-    storage (``untyped_storage()`` and its ``_cdata`` do not; ``data_ptr()`` would)."""
-    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+    storage (its storage object's address does not; ``data_ptr()`` would). A computed (parametrized) tensor is new
+    at each access: only its shape, dtype and device."""
+    if computed:
+        return (tuple(t.shape), t.dtype, t.device)
+    return (
+        _torch_compat.storage_id(t),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+        t.device,
+        _torch_compat.version(t),
+    )
 
 
 def _exact_bytes(tensors) -> dict:
@@ -326,26 +398,8 @@ def _same_bytes(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[device], b[device]) for device in a)
 
 
-def _is_cow(t: torch.Tensor) -> bool:
-    """Whether ``t``'s storage is (still) lazily copy-on-write."""
-    return bool(torch._C._is_cow_tensor(t))  # type: ignore[attr-defined]  # private: not in torch's type stubs
-
-
 def _is_small(t: torch.Tensor) -> bool:
     return t.dim() <= 1 or t.numel() <= _ARMED_ABOVE
-
-
-def _arm(t: torch.Tensor) -> bool:
-    """Make ``t``'s storage lazily copy-on-write (nothing copied; see the comment above); False where the
-    storage cannot be (shared memory, a custom allocator, a tensor subclass, a torch without it)."""
-    if _is_cow(t):
-        return True
-    try:
-        with torch.no_grad():
-            torch._lazy_clone(t.detach())
-        return _is_cow(t)
-    except (RuntimeError, TypeError, NotImplementedError):  # "Expected storage != nullptr": not copy-on-write-able
-        return False
 
 
 def _lookup(model) -> _Cached | None:
@@ -369,32 +423,36 @@ def model_fingerprint(model: torch.nn.Module, *, cache: bool = True) -> str:
     of a weight) is in the comment above ``_ARMED_ABOVE``, and :func:`refresh_fingerprint` covers it.
     ``cache=False`` always hashes everything (and leaves the cache alone).
     """
+    if torch.compiler.is_compiling():  # a compiled forward with past_states: hash the real weights, eagerly
+        return _torch_compat.call_eagerly(model_fingerprint, model, cache=cache)
+    model = _torch_compat.unwrap_compiled(model)  # torch.compile(model): the weights are the wrapped model's
     architecture = architecture_of(model)
     if not cache:
         return _full_fingerprint(model, architecture)
     config = json.dumps(config_summary(model.config), sort_keys=True)
-    named = list(_state_shaping_tensors(model))
+    named, computed = _collect(model)
     cached = _lookup(model)
-    valid = cached.still_valid(architecture, config, named) if cached is not None else False
+    valid = cached.still_valid(architecture, config, named, computed) if cached is not None else False
     if cached is not None and valid:
         return cached.fingerprint
-    return _refresh(model, architecture, config, named, cached, materialized=valid is None)
+    return _refresh(model, architecture, config, named, computed, cached, materialized=valid is None)
 
 
-def _refresh(model, architecture, config, named, cached, materialized: bool) -> str:
+def _refresh(model, architecture, config, named, computed, cached, materialized: bool) -> str:
     with _REFRESH_LOCK:
         current = _lookup(model)
-        if current is not None and current is not cached and current.still_valid(architecture, config, named):
+        if current is not None and current is not cached and current.still_valid(architecture, config, named, computed):
             return current.fingerprint  # another thread refreshed it meanwhile
         volatile = set(cached.volatile) if cached is not None else set()
         lost: frozenset[str] = frozenset()
         if materialized:  # armed tensors that lost copy-on-write with nothing else changed: twice in a row (a kernel
             # that asks for writable pointers on every forward, not a one-off save or numpy()): checksum from now on
-            lost = frozenset(cached.names[i] for i in cached.armed if not _is_cow(named[i][1]))
+            lost = frozenset(cached.names[i] for i in cached.armed if not _torch_compat.is_copy_on_write(named[i][1]))
             volatile |= lost & cached.lost
-        identity = tuple(_identity(t) for _, t in named)  # before the hash: an edit during it shows at the next check
+        # before the hash: an edit during it shows at the next check
+        identity = tuple(_identity(t, computed=name in computed) for name, t in named)
         fingerprint = _full_fingerprint(model, architecture)
-        entry = _Cached(fingerprint, architecture, config, named, identity, volatile, lost)
+        entry = _Cached(fingerprint, architecture, config, named, computed, identity, volatile, lost)
         try:
             with _CACHE_LOCK:
                 _CACHE[model] = entry
