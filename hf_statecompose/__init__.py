@@ -5,7 +5,8 @@ Importing the package is light (no torch): the public names below are imported o
 run when (and if) the module it needs is imported by anyone:
 
 * lm-eval's model registry gets the model ``statecompose`` (when ``lm_eval.api.registry`` is imported);
-* transformers' stock Mamba / Mamba-2 ``forward`` and ``generate`` refuse ``past_states=`` with a
+* the stock ``forward`` and ``generate`` of the transformers models in the architecture table
+  (:mod:`hf_statecompose.state.architectures`) refuse ``past_states=`` with a
   ``ValueError`` naming :func:`enable` (a model that was never enabled would silently ignore them);
 * transformers' ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM`` learn the SeRpEnt-Mamba model
   (``model_type = "serpent_mamba"``) and the COFFEE models (``model_type = "coffee"``, also with
@@ -18,6 +19,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from . import _guard, compat
+from .state import architectures as _architectures
 
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers (at run time, __getattr__ imports them)
     from .attribution import Attribution, leave_one_out
@@ -167,7 +169,7 @@ def _register_lm_eval_model(_module=None) -> None:
 
 def _install_encoder(_module=None) -> None:
     """``ComposableMambaCache.encode`` runs through the models layer, which the data layer cannot import:
-    load it as soon as the state layer is, however it was reached (``from hf_statecompose.state import ...``).
+    load it as soon as the cache is, however it was reached (``from hf_statecompose.state import ...``).
     Safe at that point: models imports only ops and state, never a layer that may be half-imported."""
     importlib.import_module(f"{__name__}.models")
 
@@ -198,9 +200,10 @@ def _register_coffee_models(_module=None) -> None:
 
 
 compat.warn_if_untested()  # once, if the installed transformers is outside the tested range
-_guard.install(compat.GUARDED)
+# the classes the architecture table names (no torch imported), each guard inside transformers' deprecation wrappers
+_guard.install(_architectures.guarded_classes(), wrap=compat.wrap_inside_deprecations)
 _guard.when_imported("lm_eval.api.registry", _register_lm_eval_model)
-_guard.when_imported(f"{__name__}.state", _install_encoder)
+_guard.when_imported(f"{__name__}.state.cache", _install_encoder)
 _guard.when_imported("transformers.models.auto.configuration_auto", _register_serpent_config)
 _guard.when_imported("transformers.models.auto.modeling_auto", _register_serpent_models)
 _guard.when_imported("transformers.models.auto.configuration_auto", _register_coffee_config)

@@ -21,10 +21,14 @@ import threading
 
 logger = logging.getLogger("hf_statecompose")
 
-# transformers module -> the classes whose stock forward / generate must refuse past_states (set by install(),
-# from hf_statecompose.compat.GUARDED: the names of transformers' modules are the adapter's to know)
+# module -> the classes whose stock forward / generate must refuse past_states (set by install(), from the
+# architecture table: hf_statecompose.state.architectures.guarded_classes())
 GUARDED: dict[str, tuple[str, ...]] = {}
 _MARK = "_hf_statecompose_guard"
+# how a guard is put around a stock method: (method, make_guard) -> the guarded method. install() is given
+# hf_statecompose.compat.wrap_inside_deprecations, which puts the guard inside transformers' deprecation wrappers, so
+# that their warnings keep pointing at the caller's line (the names of transformers' internals are the adapter's)
+_wrap = None
 
 
 class _PostImportFinder:
@@ -112,12 +116,18 @@ def _refusing(cls, method: str) -> None:
     if original is None or getattr(original, _MARK, False):
         return
 
-    @functools.wraps(original)
-    def guarded(self, *args, **kwargs):
-        if kwargs.get("past_states") is not None:
-            raise ValueError(refusal(type(self).__name__, method))
-        return original(self, *args, **kwargs)
+    def guard(inner):
+        @functools.wraps(inner)
+        def guarded(self, *args, **kwargs):
+            if kwargs.get("past_states") is not None:
+                raise ValueError(refusal(type(self).__name__, method))
+            return inner(self, *args, **kwargs)
 
+        return guarded
+
+    # the guard adds a frame between the caller and the stock method: placed inside the method's own wrappers
+    # (_wrap), a warning those wrappers give about the caller's arguments still points at the caller's line
+    guarded = guard(original) if _wrap is None else _wrap(original, guard)
     setattr(guarded, _MARK, True)
     setattr(cls, method, guarded)
 
@@ -133,8 +143,13 @@ def refuse_past_states(module) -> None:
             _refusing(cls, "generate")
 
 
-def install(guarded: dict[str, tuple[str, ...]]) -> None:
-    """Guard the classes ``guarded`` names (module -> class names) when (and if) their module is imported."""
-    GUARDED.update(guarded)
+def install(guarded: dict[str, tuple[str, ...]], wrap=None) -> None:
+    """Guard the classes ``guarded`` names (module -> class names) when (and if) their module is imported.
+    ``wrap(method, make_guard)``, if given (once is enough), puts each guard inside the method's own wrappers."""
+    global _wrap
+    if wrap is not None:
+        _wrap = wrap
+    for module, names in guarded.items():
+        GUARDED[module] = tuple(dict.fromkeys(GUARDED.get(module, ()) + tuple(names)))
     for name in guarded:
         when_imported(name, refuse_past_states)

@@ -147,7 +147,7 @@ def _load_model(spec: str):
         return enable(model.eval()), tokenizer
     except (ValueError, TypeError, AttributeError) as error:
         raise CommandLineError(
-            f"--model {spec!r}: {type(model).__name__} is not a Mamba / Mamba-2 model ({_text(error)})"
+            f"--model {spec!r}: {type(model).__name__} is not a model hf_statecompose supports ({_text(error)})"
         ) from error
 
 

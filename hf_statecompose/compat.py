@@ -19,8 +19,10 @@ What it covers:
   (``hf_statecompose.state.layers``) add what composition needs and extend the batch operations, so that
   transformers' own ``reorder_cache`` / ``offload`` / ``prefetch`` / ``reset`` keep every tensor of a layer
   consistent by construction.
-* **The mixers** (:data:`MIXER_MODULES`, :func:`mixer_classes`) and the classes whose stock ``forward`` /
-  ``generate`` must refuse ``past_states`` (:data:`GUARDED`).
+* **Where transformers' models live** (:func:`modeling_module`, :func:`load_class`): the architecture table
+  (``state/architectures.py``) names, per architecture, the model classes whose stock ``forward`` / ``generate``
+  must refuse ``past_states`` and the mixer class that ``enable`` swaps; this module turns those names into
+  transformers' modules and classes.
 * **The generation hook** (:class:`CacheGenerationMixin`): the private ``generate()`` methods that this
   package's own causal LMs override to keep their state cache.
 * **Quiet entry points** (:func:`quiet_transformers`): the command line, the demo and ``load_demo`` run without
@@ -43,6 +45,7 @@ import importlib
 import inspect
 import logging
 import re
+import types
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
@@ -52,38 +55,24 @@ logger = logging.getLogger("hf_statecompose")
 TESTED_TRANSFORMERS = ("5.23", "5.25")
 TESTED_TRANSFORMERS_TEXT = f">={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}"
 
-# transformers module -> the Mamba-family classes whose stock forward / generate must refuse past_states
-GUARDED: dict[str, tuple[str, ...]] = {
-    "transformers.models.mamba.modeling_mamba": ("MambaModel", "MambaForCausalLM"),
-    "transformers.models.mamba2.modeling_mamba2": ("Mamba2Model", "Mamba2ForCausalLM"),
-    "transformers.models.falcon_mamba.modeling_falcon_mamba": ("FalconMambaModel", "FalconMambaForCausalLM"),
-    # the hybrids (Mamba layers + attention layers)
-    "transformers.models.jamba.modeling_jamba": ("JambaModel", "JambaForCausalLM"),
-    "transformers.models.zamba2.modeling_zamba2": ("Zamba2Model", "Zamba2ForCausalLM"),
-    "transformers.models.bamba.modeling_bamba": ("BambaModel", "BambaForCausalLM"),
-    "transformers.models.granitemoehybrid.modeling_granitemoehybrid": (
-        "GraniteMoeHybridModel",
-        "GraniteMoeHybridForCausalLM",
-    ),
-    "transformers.models.nemotron_h.modeling_nemotron_h": ("NemotronHModel", "NemotronHForCausalLM"),
-    "transformers.models.falcon_h1.modeling_falcon_h1": ("FalconH1Model", "FalconH1ForCausalLM"),
-}
+# transformers' models live in transformers.models.<folder>.modeling_<folder>: the architecture table
+# (hf_statecompose/state/architectures.py) names its transformers rows' modules through modeling_module()
+_MODELING_MODULE = "transformers.models.{0}.modeling_{0}"
 
-# model_type -> (module, mixer class) of transformers' stock mixers that the state-aware path replaces
-MIXER_MODULES = {
-    "mamba": ("transformers.models.mamba.modeling_mamba", "MambaMixer"),
-    "mamba2": ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"),
-    "falcon_mamba": ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer"),
-    "jamba": ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),
-    "zamba2": ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"),
-    "bamba": ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
-    "granitemoehybrid": (
-        "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
-        "GraniteMoeHybridMambaLayer",
-    ),
-    "nemotron_h": ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
-    "falcon_h1": ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
-}
+
+def modeling_module(folder: str) -> str:
+    """The module of transformers' model ``folder`` (``"mamba2"`` -> ``transformers.models.mamba2.modeling_mamba2``)."""
+    return _MODELING_MODULE.format(folder)
+
+
+def load_class(module: str, name: str):
+    """Class ``name`` of ``module`` (a modeling module of transformers' or of this package), or None if the
+    installed release lacks it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):  # a release without that model
+        return None
+
 
 # the names a cache travels under: `cache` (transformers >= 5.24, every family), `cache_params` (the Mamba family
 # before 5.24), `past_key_values` (the hybrids, as every attention model, before 5.24)
@@ -208,15 +197,49 @@ def cache_output(cls):
 
 
 @functools.cache
-def mixer_classes() -> dict:
-    """model_type -> transformers' stock mixer class, for the architectures the installed release has."""
-    out = {}
-    for model_type, (module, name) in MIXER_MODULES.items():
-        try:
-            out[model_type] = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):  # a release without that model
-            continue
-    return out
+def _deprecation_wrapper_code():
+    """The code object of the wrapper that transformers' ``deprecate_kwarg`` puts around a method (every such
+    wrapper shares it; its closure holds the wrapped function as ``func``), or None where it has no such wrapper."""
+    try:
+        from transformers.utils.deprecation import deprecate_kwarg
+    except ImportError:  # pragma: no cover - both tested releases have it
+        return None
+    code = deprecate_kwarg("old", "999.0", new_name="new")(lambda new=None: new).__code__
+    return code if "func" in code.co_freevars else None
+
+
+def _is_deprecation_wrapper(function) -> bool:
+    code = _deprecation_wrapper_code()
+    return code is not None and getattr(function, "__code__", None) is code and function.__closure__ is not None
+
+
+def wrap_inside_deprecations(function, wrap):
+    """``wrap(inner)`` put where ``function``'s own body is: inside the wrappers of transformers' ``deprecate_kwarg``
+    that ``function`` has (transformers 5.24 renames ``cache_params`` / ``past_key_values`` to ``cache`` with them),
+    as a copy of those wrappers (``function`` itself is not changed). Their ``FutureWarning`` (``stacklevel=2``) then
+    points at the line that called the method, the user's, not at this package's wrapper; and ``wrap`` sees the
+    arguments under their new names. Without such wrappers: ``wrap(function)``."""
+    if not _is_deprecation_wrapper(function):
+        return wrap(function)
+    at = function.__code__.co_freevars.index("func")
+    cells = list(function.__closure__)
+    inner = wrap_inside_deprecations(cells[at].cell_contents, wrap)
+    cells[at] = types.CellType(inner)
+    copy = types.FunctionType(
+        function.__code__, function.__globals__, function.__name__, function.__defaults__, tuple(cells)
+    )
+    functools.update_wrapper(copy, function)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__wrapped__ = inner  # introspection (inspect.signature) sees wrap's function
+    return copy
+
+
+def without_deprecations(function):
+    """``function`` without the wrappers of transformers' ``deprecate_kwarg`` (for a method whose caller is already
+    inside copies of them: :func:`wrap_inside_deprecations`)."""
+    while _is_deprecation_wrapper(function):
+        function = function.__closure__[function.__code__.co_freevars.index("func")].cell_contents
+    return function
 
 
 # transformers' advice when a CUDA kernel package (mamba_ssm, causal_conv1d) is missing and its reference PyTorch

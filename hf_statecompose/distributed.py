@@ -63,7 +63,7 @@ def _checkpoint_config(spec):
     """The config of the model that ``spec`` names (a demo name or a checkpoint folder), read without its
     weights; ``ValueError`` naming the problem when it names none, or not a model that states compose for."""
     from .demo import DEMO_DIR, DEMO_SPECS, checkpoint_problem
-    from .state.fingerprint import SUPPORTED_MODEL_TYPES
+    from .state.architectures import ARCHITECTURES, supported_text
 
     if not isinstance(spec, (str, os.PathLike)):
         raise TypeError(f"model_path must be a demo name, a checkpoint folder or a callable, got {type(spec).__name__}")
@@ -79,9 +79,9 @@ def _checkpoint_config(spec):
         raise ValueError(
             f"model {os.fspath(spec)!r}: its config.json does not load ({error}); fix or re-save the checkpoint"
         ) from None
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    if config.model_type not in ARCHITECTURES:
         raise ValueError(
-            f"model {os.fspath(spec)!r} is a {config.model_type!r} model, not one of {', '.join(sorted(SUPPORTED_MODEL_TYPES))}: "
+            f"model {os.fspath(spec)!r} is a {config.model_type!r} model, not one of {supported_text()}: "
             "its states cannot be stored or composed"
         )
     return config

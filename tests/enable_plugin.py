@@ -1,11 +1,11 @@
-"""pytest plugin (``-p enable_plugin``, with this folder importable): every Mamba, Mamba-2, FalconMamba and hybrid
-(Jamba, Zamba2, Bamba, GraniteMoeHybrid, NemotronH, FalconH1) model that the tests of the session build is
-``hf_statecompose.enable``d as soon as it is built.
+"""pytest plugin (``-p enable_plugin``, with this folder importable): every model of transformers' that the
+architecture table guards (``hf_statecompose.state.architectures.guarded_classes()``: Mamba, Mamba-2, FalconMamba, the
+hybrids) that the tests of the session build is ``hf_statecompose.enable``d as soon as it is built.
 
 test_transformers_suites.py runs transformers' own test modules for those models once without and once with this
 plugin: ``enable`` must change nothing for calls without ``past_states``, so the outcomes must be the same.
 
-How: the ``__init__`` of each class in :data:`hf_statecompose.compat.GUARDED` (MambaModel, MambaForCausalLM, ...,
+How: the ``__init__`` of each class that ``guarded_classes()`` names (MambaModel, MambaForCausalLM, ...,
 JambaModel, ...) is wrapped so that the outermost model built (a causal LM, not the backbone it builds inside) is
 enabled when its ``__init__`` returns, as a user would enable it right after ``from_pretrained`` / ``from_config``. At the end the
 plugin writes how many models it enabled to the file named by ``HSC_ENABLED_COUNT_FILE`` (if set).
@@ -19,7 +19,7 @@ import os
 import threading
 
 import hf_statecompose as hsc
-from hf_statecompose import compat
+from hf_statecompose.state.architectures import guarded_classes
 
 COUNT_FILE_ENV = "HSC_ENABLED_COUNT_FILE"
 _building = threading.local()  # how deep we are in wrapped __init__ calls, per thread
@@ -44,7 +44,7 @@ def _enabling_init(original):
 
 
 def pytest_configure(config):
-    for module_name, class_names in compat.GUARDED.items():
+    for module_name, class_names in guarded_classes().items():
         try:
             module = importlib.import_module(module_name)
         except ImportError:  # a transformers release without that model

@@ -274,7 +274,7 @@ def test_a_checkpoint_that_is_not_mamba_is_refused(built, capsys, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((demo_tokenizer / name).read_bytes())
     code, _, err = run_main(["build", tmp_path / "s", built / "passages.jsonl", "--model", folder], capsys)
-    assert_user_error(code, err, "GPT2LMHeadModel is not a Mamba / Mamba-2 model")
+    assert_user_error(code, err, "GPT2LMHeadModel is not a model hf_statecompose supports")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{}")
     (tmp_path / "broken" / "tokenizer.json").write_bytes((demo_tokenizer / "tokenizer.json").read_bytes())

@@ -1,6 +1,7 @@
 """Bad input gets a clear ValueError / TypeError naming the problem and the fix."""
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -197,9 +198,11 @@ def test_bad_encode_input(model):
 
 def test_other_architectures_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(
-        TypeError, match=r"supports transformers' Mamba, Mamba-2, FalconMamba and hybrid .*got model_type 'gpt2'"
-    ):
+    from hf_statecompose.state.architectures import supported_text
+
+    # the supported architectures, every row of the architecture table, listed by name and model_type
+    assert "Falcon-H1 ('falcon_h1')" in supported_text() and "COFFEE ('coffee')" in supported_text()
+    with pytest.raises(TypeError, match=re.escape(f"supports {supported_text()}; got model_type 'gpt2'")):
         hsc.enable(gpt2)
 
 

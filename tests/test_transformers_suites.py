@@ -1,6 +1,9 @@
-"""transformers' own Mamba, Mamba-2 and FalconMamba test modules, and those of the hybrids (Jamba, Zamba2, Bamba,
-GraniteMoeHybrid, NemotronH, FalconH1), give the same outcomes with every model they build
-``hf_statecompose.enable``d (``enable_plugin.py``) as without: same tests passed, failed and skipped.
+"""transformers' own test modules of every transformers architecture in the architecture table (Mamba, Mamba-2,
+FalconMamba; the hybrids Jamba, Zamba2, Bamba, GraniteMoeHybrid, NemotronH, FalconH1) give the same outcomes with every
+model they build ``hf_statecompose.enable``d (``enable_plugin.py``) as without: same tests passed, failed and skipped.
+Warnings are on in both runs (transformers' own pytest settings, not ``-W ignore``): the tests that check for the
+deprecation warning of an old argument name (``test_bc_cache_name_forward``: ``cache_params``, the path the plugin's
+wrappers take) compare like the others.
 
 Both runs are pytest subprocesses on ``$HSC_TRANSFORMERS_TESTS/models/<model>/test_modeling_<model>.py`` (see
 ``transformers_testsuite.py``), side by side, each reporting its outcomes as JUnit XML. A test that fails stock must
@@ -22,15 +25,23 @@ from pathlib import Path
 
 import pytest
 
+from hf_statecompose.state.architectures import ARCHITECTURES
+
 from transformers_testsuite import COMMON_FILES, MODEL_SUITE_FILES, missing_reason, transformers_tests_dir
 
-MODULES = (
-    "models/mamba/test_modeling_mamba.py",
-    "models/mamba2/test_modeling_mamba2.py",
-    "models/falcon_mamba/test_modeling_falcon_mamba.py",
-)
-HYBRIDS = ("jamba", "zamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1")
-HYBRID_MODULES = tuple(f"models/{model_type}/test_modeling_{model_type}.py" for model_type in HYBRIDS)
+
+def _suites(hybrid: bool) -> tuple[str, ...]:
+    """transformers' test modules of the table's transformers architectures (its model folders), pure SSM or hybrid."""
+    folders = [
+        row.model_module.split(".")[2]
+        for row in ARCHITECTURES.values()
+        if not row.is_own and row.is_hybrid == hybrid and row.model_module.startswith("transformers.models.")
+    ]
+    return tuple(f"models/{folder}/test_modeling_{folder}.py" for folder in folders)
+
+
+MODULES = _suites(hybrid=False)
+HYBRID_MODULES = _suites(hybrid=True)
 # what this test runs of the hybrids' suites by default (pytest -k): all but the torch.compile tests, the eager-vs-SDPA
 # parametrizations and the dtype save / load round trips, the slowest three quarters (each passes the same stock and
 # enabled in the full run); HSC_TRANSFORMERS_SUITES=full runs every test
@@ -67,6 +78,8 @@ def start_suite(tmp_path: Path, enabled: bool, modules=MODULES, keyword: str | N
         # the two runs go side by side, one thread each (tiny models: threads buy little)
         "OMP_NUM_THREADS": "1",
     }
+    # warnings on, as transformers' own settings have them: tests that check for a warning must see it
+    env.pop("PYTHONWARNINGS", None)
     command = [
         sys.executable,
         "-m",
@@ -74,8 +87,6 @@ def start_suite(tmp_path: Path, enabled: bool, modules=MODULES, keyword: str | N
         "-q",
         "-p",
         "no:cacheprovider",
-        "-W",
-        "ignore",
         *(["-p", "enable_plugin"] if enabled else []),
         *(["-k", keyword] if keyword else []),
         f"--junitxml={tmp_path / f'{mode}.xml'}",

@@ -1,4 +1,4 @@
-"""``enable(model)``: ``past_states=`` for ``generate`` and ``forward`` of Mamba / Mamba-2 / SeRpEnt-Mamba / COFFEE and hybrid models.
+"""``enable(model)``: ``past_states=`` for ``generate`` and ``forward`` of the models of the architecture table.
 
 What ``enable`` changes, and why it changes nothing else:
 
@@ -74,8 +74,9 @@ def is_enabled(model) -> bool:
 
 
 def enable(model, backend: str | None = None):
-    """Teach a Mamba / Mamba-2 / FalconMamba / SeRpEnt-Mamba / COFFEE or hybrid (Jamba, Zamba2, Bamba, GraniteMoeHybrid,
-    NemotronH, FalconH1) model ``past_states=`` (idempotent; returns the model).
+    """Teach a model of a supported architecture ``past_states=`` (idempotent; returns the model). The supported
+    architectures are the rows of the architecture table (:data:`hf_statecompose.state.architectures.ARCHITECTURES`,
+    listed in the docs' support table); any other model is refused with a ``TypeError`` that lists them.
 
     Calls without ``past_states`` behave exactly as before. ``backend`` (``"auto"``, ``"torch"`` or
     ``"triton"``, see :mod:`hf_statecompose.ops.backends`) picks the kernels of the state-aware path;
@@ -85,7 +86,7 @@ def enable(model, backend: str | None = None):
     (``isinstance`` checks still hold); :func:`disable` gives the stock class back.
     """
     inner = _transformers_model(model)
-    architecture_of(inner)  # a clear TypeError for models that are not Mamba / Mamba-2
+    architecture_of(inner)  # a clear TypeError, listing the supported architectures, for any other model
     enable_state_path(inner, backend)
     if not isinstance(inner, _EnabledModel):
         inner.__class__ = _enabled_class(type(inner))
@@ -147,7 +148,7 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
                 _refuse_attention_without_states(attention)
                 if any(isinstance(kwargs.get(name), ComposableMambaCache) for name in compat.CACHE_NAMES):
                     refuse_layer_checkpointing(self)
-                return stock.forward(self, *args, **kwargs)
+                return compat.without_deprecations(stock.forward)(self, *args, **kwargs)
             refuse_layer_checkpointing(self)
             named = _by_name(forward_signature, self, args, kwargs)
             if compat.cache_given(named):
@@ -158,12 +159,16 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
             composed = compose_for_batch(self, past_states, composition, batch, model_inputs=named)
             named.update(compat.cache_kwargs(composed, hybrid=_is_hybrid(composed)))
             named["use_cache"] = True
-            out = stock.forward(self, **named)
+            out = compat.without_deprecations(stock.forward)(self, **named)
             _record_appended_positions(composed, named)
             return out
 
+        # forward and generate run inside copies of the stock methods' deprecation wrappers (and call the stock
+        # methods without theirs): transformers' warnings about a deprecated argument name point at the caller's line
         namespace = {
-            "forward": _with_states_signature(forward, stock.forward),
+            "forward": compat.wrap_inside_deprecations(
+                stock.forward, lambda _: _with_states_signature(forward, stock.forward)
+            ),
             "_hsc_stock_class": stock,
             "__module__": stock.__module__,
             "__qualname__": stock.__qualname__,
@@ -175,7 +180,7 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
             def generate(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
                 if past_states is None:
                     _refuse_attention_without_states(attention)
-                    return stock.generate(self, *args, **kwargs)
+                    return compat.without_deprecations(stock.generate)(self, *args, **kwargs)
                 named = _by_name(generate_signature, self, args, kwargs)
                 if compat.cache_given(named):
                     raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
@@ -195,11 +200,13 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
                 cache = composed.repeat_interleave(expand) if expand > 1 else composed
                 named.update(compat.cache_kwargs(cache, hybrid=_is_hybrid(composed)))
                 named["use_cache"] = True
-                out = stock.generate(self, **named)
+                out = compat.without_deprecations(stock.generate)(self, **named)
                 _record_appended_positions(cache, named)
                 return out
 
-            namespace["generate"] = _with_states_signature(generate, stock.generate)
+            namespace["generate"] = compat.wrap_inside_deprecations(
+                stock.generate, lambda _: _with_states_signature(generate, stock.generate)
+            )
         _ENABLED_CLASSES[stock] = type(stock.__name__, (_EnabledModel, stock), namespace)
     return _ENABLED_CLASSES[stock]
 

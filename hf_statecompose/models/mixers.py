@@ -3,6 +3,8 @@
 :func:`enable_state_path` swaps each transformers mixer's class for a subclass whose ``forward`` runs
 our initial-state-aware path (``mamba.py`` / ``mamba2.py`` beside this file) when the cache it is given (``cache``,
 ``cache_params`` before transformers 5.24) is a ``ComposableMambaCache``; any other call goes to the stock forward untouched.
+Which forward runs for which stock mixer class is the architecture table's (``mixer_class`` / ``mixer_forward`` of
+each row in ``state/architectures.py``).
 
 The subclasses are made at run time (one per stock mixer class, cached), so pickle cannot find them by
 name: each reduces itself to :func:`_new_state_aware_mixer` and the stock class, importable names that
@@ -17,32 +19,17 @@ package's cache: it is left as it is, and reads the backend from its ``_hsc_back
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import torch
 
 from .. import compat
 from ..ops.backends import check_backend_name
-from ..state.architectures import architecture
+from ..state.architectures import ARCHITECTURES, architecture
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of, base_model_of
-from .falcon_h1 import falcon_h1_mixer_forward
-from .mamba import mamba_mixer_forward
-from .mamba2 import mamba2_mixer_forward
 
-# model_type -> our initial-state-aware forward of that architecture's stock mixer (compat.mixer_classes())
-_PATH_FOR_MODEL_TYPE = {
-    "mamba": mamba_mixer_forward,
-    "mamba2": mamba2_mixer_forward,
-    "falcon_mamba": mamba_mixer_forward,
-    # the hybrids' Mamba mixers
-    "jamba": mamba_mixer_forward,
-    "zamba2": mamba2_mixer_forward,
-    "bamba": mamba2_mixer_forward,
-    "granitemoehybrid": mamba2_mixer_forward,
-    "nemotron_h": mamba2_mixer_forward,
-    "falcon_h1": falcon_h1_mixer_forward,
-}
 _COMPOSABLE_MIXER_CLASSES: dict[type, type] = {}
 
 
@@ -108,12 +95,27 @@ def ssm_mixers(model) -> list:
     return [mixer for mixer in (layout.mixer_of(block) for block in backbone.layers) if mixer is not None]
 
 
+def stock_mixer_classes(imported_only: bool = False) -> dict:
+    """model_type -> the stock mixer class that ``enable`` swaps, for every row of the architecture table that has
+    one and whose model the installed transformers has (``imported_only``: only the rows whose module is imported
+    already, without importing the others)."""
+    classes = {
+        name: row.stock_mixer_class()
+        for name, row in ARCHITECTURES.items()
+        if row.mixer_class is not None and (not imported_only or row.model_module in sys.modules)
+    }
+    return {name: cls for name, cls in classes.items() if cls is not None}
+
+
 def _path_for(mixer_class: type):
-    """Our forward for a stock mixer class (or None if it is not one we know)."""
-    for model_type, stock in compat.mixer_classes().items():
-        if issubclass(mixer_class, stock):
-            return _PATH_FOR_MODEL_TYPE[model_type]
-    return None
+    """Our forward for a stock mixer class (or None if it is not one we know): the ``mixer_forward`` of the row whose
+    stock mixer it is (or, failing that, the first row whose stock mixer it subclasses). A mixer's class and its
+    bases are imported: the rows of modules not imported yet cannot be its."""
+    stock = stock_mixer_classes(imported_only=True)
+    found = next((name for name, cls in stock.items() if cls is mixer_class), None)
+    if found is None:
+        found = next((name for name, cls in stock.items() if issubclass(mixer_class, cls)), None)
+    return None if found is None else ARCHITECTURES[found].mixer_forward_function()
 
 
 def enable_state_path(model, backend: str | None = None):
@@ -134,8 +136,8 @@ def enable_state_path(model, backend: str | None = None):
             continue
         if _path_for(base) is None:
             raise TypeError(
-                f"unsupported mixer {base.__name__}; expected transformers' "
-                f"{', '.join(cls.__name__ for cls in compat.mixer_classes().values())}"
+                f"unsupported mixer {base.__name__}; expected one of the architecture table's: "
+                f"{', '.join(cls.__name__ for cls in stock_mixer_classes().values())}"
             )
         mixer.__class__ = _composable_mixer_class(base)
     return model

@@ -11,6 +11,17 @@ value checks.
 
 Every function of a config here reads only plain config entries (no derived properties), so that a config
 rebuilt from a state file's JSON, or the JSON itself seen through attributes, answers the same.
+
+Each row also holds what the rest of the package knows about the architecture: its display name, the module and
+model classes that define it (for transformers' models, the classes whose stock ``forward`` / ``generate`` refuse
+``past_states`` until :func:`hf_statecompose.enable`), the stock SSM mixer class that ``enable`` swaps and the
+state-aware forward it runs, and its line in the docs' support table. ``compat``'s loader, the guard, the mixer
+dispatch (``models/mixers.py``), ``fingerprint.architecture_of`` / ``base_model_of``, the error messages that list
+what is supported and the docs' table (:func:`support_table`) are derived from the rows: adding an architecture is
+adding its row (:func:`register`, or an entry of :data:`ARCHITECTURES` here).
+
+Importing this module is light (no torch: the functions that need it import it when called), because the root
+package reads the rows on ``import hf_statecompose`` to guard transformers' classes.
 """
 
 from __future__ import annotations
@@ -20,9 +31,12 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
+from .. import compat
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,44 @@ class Architecture:
     attention_shape: Callable[[Any], tuple] | None = None
     # how many dims of a head RoPE rotates (0: attention without positional encoding)
     rotary_dims: Callable[[Any], int] = field(default=lambda c: 0)
+    # ---- what the rest of the package knows about the architecture (enable, its guard, errors, docs)
+    display_name: str = ""  # as the docs and the error messages name it ("Mamba-2", "Falcon-H1")
+    # the module that defines the models (for transformers' own: compat.modeling_module(<its models/ folder>))
+    model_module: str = ""
+    model_classes: tuple[str, ...] = ()  # in model_module: the bare model and the causal LM
+    # whether the stock forward / generate of model_classes must refuse past_states until enabled (transformers'
+    # models, whose **kwargs would swallow it: hf_statecompose/_guard.py); this package's own models refuse it themselves
+    guarded: bool = True
+    # the stock SSM mixer class (in model_module) that enable swaps for a state-aware subclass, and the forward
+    # ("module:function") that subclass runs on this package's cache; None: the model's mixers run on the cache
+    # themselves (SeRpEnt-Mamba, COFFEE)
+    mixer_class: str | None = None
+    mixer_forward: str | None = None
+    # the docs' support table: what composing these states does
+    composition_note: str = "every method"
+
+    @property
+    def is_own(self) -> bool:
+        """Whether the architecture is this package's own (not one of transformers' models)."""
+        return self.model_module.startswith(f"{__package__.split('.')[0]}.")
+
+    def label(self) -> str:
+        """``Display (`model_type`)``, as the docs and the error messages name the architecture."""
+        return f"{self.display_name or self.name} (`{self.name}`{', this package' if self.is_own else ''})"
+
+    def stock_mixer_class(self) -> type | None:
+        """The stock mixer class that ``enable`` swaps (None if the row has none, or the installed transformers
+        lacks the model)."""
+        if self.mixer_class is None:
+            return None
+        return compat.load_class(self.model_module, self.mixer_class)
+
+    def mixer_forward_function(self) -> Callable:
+        """The state-aware forward of :attr:`mixer_forward` (``"module:function"``), imported."""
+        if self.mixer_forward is None:
+            raise TypeError(f"{self.name} has no state-aware mixer forward: its mixers run on the cache themselves")
+        module, _, function = self.mixer_forward.partition(":")
+        return getattr(importlib.import_module(module), function)
 
     @property
     def is_hybrid(self) -> bool:
@@ -99,11 +151,21 @@ class Architecture:
         return cls.__module__ == f"{__package__}.{self.cache_module}" and cls.__qualname__ == self.cache_class_name
 
 
+def _torch():
+    import torch
+
+    return torch
+
+
 def _mixer_A_log(backbone, v):
     return getattr(getattr(backbone.layers[v], "mixer", None), "A_log", None)
 
 
 # ---------------------------------------------------------------------------------------------- Mamba, Mamba-2
+# the state-aware mixer forwards (hf_statecompose.models: imported by the mixer dispatch, models/mixers.py)
+_MAMBA_FORWARD = "hf_statecompose.models.mamba:mamba_mixer_forward"
+_MAMBA2_FORWARD = "hf_statecompose.models.mamba2:mamba2_mixer_forward"
+
 MAMBA = Architecture(
     name="mamba",
     per_element_decay=True,
@@ -113,11 +175,23 @@ MAMBA = Architecture(
     A_log_of=_mixer_A_log,
     cache_module="cache",
     cache_class_name="ComposableMambaCache",
+    display_name="Mamba",
+    model_module=compat.modeling_module("mamba"),
+    model_classes=("MambaModel", "MambaForCausalLM"),
+    mixer_class="MambaMixer",
+    mixer_forward=_MAMBA_FORWARD,
 )
 
 # FalconMamba (transformers' falcon_mamba, e.g. falcon-mamba-7b): Mamba-1 with weightless RMS norms on Δ, B and C
 # inside the mixer; its states are Mamba-1 states in every respect
-FALCON_MAMBA = dataclasses.replace(MAMBA, name="falcon_mamba")
+FALCON_MAMBA = dataclasses.replace(
+    MAMBA,
+    name="falcon_mamba",
+    display_name="FalconMamba",
+    model_module=compat.modeling_module("falcon_mamba"),
+    model_classes=("FalconMambaModel", "FalconMambaForCausalLM"),
+    mixer_class="FalconMambaMixer",
+)
 
 
 def _mamba2_state_shapes(c):
@@ -135,6 +209,11 @@ MAMBA2 = Architecture(
     A_log_of=_mixer_A_log,
     cache_module="cache",
     cache_class_name="ComposableMambaCache",
+    display_name="Mamba-2",
+    model_module=compat.modeling_module("mamba2"),
+    model_classes=("Mamba2Model", "Mamba2ForCausalLM"),
+    mixer_class="Mamba2Mixer",
+    mixer_forward=_MAMBA2_FORWARD,
 )
 
 
@@ -187,6 +266,8 @@ def _check_resampling_values(extras: dict, v: int, refuse, *, config, num_tokens
 
     Across layers (every layer and branch sees the same real tokens, so the same number of valid slots):
     :func:`_check_resampling_across_layers`."""
+    import torch
+
     clock, times, valid = extras["clocks"], extras["window_times"], extras["window_valid"]
     one, least, window = SERPENT_CLOCK_ONE, _min_clock_step(config, v), valid.shape[1]
     if (clock < 0).any():
@@ -256,6 +337,8 @@ def _check_resampling_across_layers(layers: list, refuse) -> None:
     neighbours (per row) as the first one's."""
     if len(layers) < 2:
         return
+    import torch
+
     counts = torch.stack([extras["window_valid"].sum(1) for extras in layers])  # [layers, B]
     differ = counts != counts[:1]
     if bool(differ.any()):
@@ -277,27 +360,27 @@ SERPENT_MAMBA = Architecture(
     cache_module="serpent_cache",
     cache_class_name="ComposableSeRpEntCache",
     extras=(
-        ExtraTensor("clocks", "resample.clock", "resampling clock", lambda c: (), lambda d: torch.int64),
+        ExtraTensor("clocks", "resample.clock", "resampling clock", lambda c: (), lambda d: _torch().int64),
         ExtraTensor(
             "window_inputs",
             "resample.inputs",
             "resampling window inputs",
             lambda c: (c.resample_window, c.hidden_size),
-            lambda d: torch.promote_types(d, torch.float32),
+            lambda d: _torch().promote_types(d, _torch().float32),
         ),
         ExtraTensor(
             "window_times",
             "resample.times",
             "resampling window times",
             lambda c: (c.resample_window,),
-            lambda d: torch.int64,
+            lambda d: _torch().int64,
         ),
         ExtraTensor(
             "window_valid",
             "resample.valid",
             "resampling window valid mask",
             lambda c: (c.resample_window,),
-            lambda d: torch.bool,
+            lambda d: _torch().bool,
         ),
         ExtraTensor(
             "last_outputs",
@@ -309,6 +392,11 @@ SERPENT_MAMBA = Architecture(
     ),
     check_extra_values=_check_resampling_values,
     check_extras_across_layers=_check_resampling_across_layers,
+    display_name="SeRpEnt-Mamba",
+    model_module="hf_statecompose.models.serpent.modeling_serpent",
+    model_classes=("SeRpEntMambaModel", "SeRpEntMambaForCausalLM"),
+    guarded=False,  # refuses past_states itself (models/causal_lm.py)
+    composition_note="every method; the resampling state is the last context's",
 )
 
 
@@ -341,6 +429,11 @@ COFFEE = Architecture(
     A_log_of=_coffee_A_log,
     cache_module="cache",
     cache_class_name="ComposableMambaCache",
+    display_name="COFFEE",
+    model_module="hf_statecompose.models.coffee.modeling_coffee",
+    model_classes=("CoffeeModel", "CoffeeForCausalLM"),
+    guarded=False,  # refuses past_states itself (models/causal_lm.py)
+    composition_note="every method (an approximation under state feedback)",
 )
 
 # ---------------------------------------------------------------------------------------------- hybrids
@@ -395,7 +488,26 @@ def _bamba_kinds(c):
     return tuple("attention" if i in attention else "ssm" for i in range(c.num_hidden_layers))
 
 
-def _mamba2_hybrid(name, *, heads, head_dim, state, groups, kernel, kinds, mixer_paths, attention_shape, rotary_dims):
+_HYBRID_NOTE = "SSM layers by the method, attention keys of all contexts"
+
+
+def _mamba2_hybrid(
+    name,
+    *,
+    heads,
+    head_dim,
+    state,
+    groups,
+    kernel,
+    kinds,
+    mixer_paths,
+    attention_shape,
+    rotary_dims,
+    display_name,
+    model_classes,
+    mixer_class,
+    mixer_forward=_MAMBA2_FORWARD,
+):
     def shapes(c):
         h, p, n, g = getattr(c, heads), getattr(c, head_dim), getattr(c, state), getattr(c, groups)
         return (h, p, n), (h * p + 2 * g * n, getattr(c, kernel))
@@ -413,6 +525,12 @@ def _mamba2_hybrid(name, *, heads, head_dim, state, groups, kernel, kinds, mixer
         mixer_paths=mixer_paths,
         attention_shape=attention_shape,
         rotary_dims=rotary_dims,
+        display_name=display_name,
+        model_module=compat.modeling_module(name),
+        model_classes=model_classes,
+        mixer_class=mixer_class,
+        mixer_forward=mixer_forward,
+        composition_note=_HYBRID_NOTE,
     )
 
 
@@ -440,6 +558,9 @@ BAMBA = _mamba2_hybrid(
     mixer_paths=(("mamba",),),
     attention_shape=_kv_shape,
     rotary_dims=lambda c: int(_head_dim(c) * _rope_fraction(c)),
+    display_name="Bamba",
+    model_classes=("BambaModel", "BambaForCausalLM"),
+    mixer_class="BambaMixer",
 )
 GRANITE_MOE_HYBRID = _mamba2_hybrid(
     "granitemoehybrid",
@@ -452,6 +573,9 @@ GRANITE_MOE_HYBRID = _mamba2_hybrid(
     mixer_paths=(("mamba",),),
     attention_shape=_kv_shape,
     rotary_dims=lambda c: _head_dim(c) if getattr(c, "position_embedding_type", None) == "rope" else 0,
+    display_name="Granite-4.0-H",
+    model_classes=("GraniteMoeHybridModel", "GraniteMoeHybridForCausalLM"),
+    mixer_class="GraniteMoeHybridMambaLayer",
 )
 NEMOTRON_H = _mamba2_hybrid(
     "nemotron_h",
@@ -464,6 +588,9 @@ NEMOTRON_H = _mamba2_hybrid(
     mixer_paths=(("mixer",),),
     attention_shape=_kv_shape,
     rotary_dims=lambda c: 0,
+    display_name="Nemotron-H",
+    model_classes=("NemotronHModel", "NemotronHForCausalLM"),
+    mixer_class="NemotronHMamba2Mixer",
 )
 FALCON_H1 = _mamba2_hybrid(
     "falcon_h1",
@@ -476,6 +603,10 @@ FALCON_H1 = _mamba2_hybrid(
     mixer_paths=(("mamba",),),
     attention_shape=_kv_shape,
     rotary_dims=_head_dim,
+    display_name="Falcon-H1",
+    model_classes=("FalconH1Model", "FalconH1ForCausalLM"),
+    mixer_class="FalconH1Mixer",
+    mixer_forward="hf_statecompose.models.falcon_h1:falcon_h1_mixer_forward",
 )
 ZAMBA2 = _mamba2_hybrid(
     "zamba2",
@@ -488,6 +619,9 @@ ZAMBA2 = _mamba2_hybrid(
     mixer_paths=(("mamba",), ("mamba_decoder", "mamba")),
     attention_shape=lambda c: (getattr(c, "num_key_value_heads", None) or c.num_attention_heads, c.attention_head_dim),
     rotary_dims=lambda c: c.attention_head_dim if getattr(c, "use_mem_rope", False) else 0,
+    display_name="Zamba2",
+    model_classes=("Zamba2Model", "Zamba2ForCausalLM"),
+    mixer_class="Zamba2MambaMixer",
 )
 
 
@@ -507,6 +641,12 @@ JAMBA = Architecture(
     layer_kinds=_jamba_kinds,
     mixer_paths=(("mamba",),),
     attention_shape=_kv_shape,
+    display_name="Jamba",
+    model_module=compat.modeling_module("jamba"),
+    model_classes=("JambaModel", "JambaForCausalLM"),
+    mixer_class="JambaMambaMixer",
+    mixer_forward=_MAMBA_FORWARD,
+    composition_note=_HYBRID_NOTE,
 )
 
 
@@ -528,9 +668,110 @@ HYBRIDS = tuple(
 for _a in HYBRIDS:  # the A_log lookup closes over the first object: point it at the final one
     object.__setattr__(_a, "A_log_of", _hybrid_A_log_of(_a))
 
+# the architecture table: model_type -> its row. Read it, never copy it: rows registered later (:func:`register`)
+# are known everywhere that reads it
 ARCHITECTURES: dict[str, Architecture] = {
-    a.name: a for a in (MAMBA, MAMBA2, FALCON_MAMBA, SERPENT_MAMBA, COFFEE, *HYBRIDS)
+    a.name: a for a in (MAMBA, MAMBA2, FALCON_MAMBA, *HYBRIDS, SERPENT_MAMBA, COFFEE)
 }
+
+
+def _row_problems(row) -> list[str]:
+    """What is wrong with a row that :func:`register` is given (empty: nothing)."""
+    if not isinstance(row, Architecture):
+        return [f"a row is an Architecture, got {type(row).__name__}"]
+    problems = []
+    if not (isinstance(row.name, str) and row.name.isidentifier()):
+        problems.append(f"name must be a model_type (an identifier, e.g. 'mamba2'), got {row.name!r}")
+    if not (isinstance(row.display_name, str) and row.display_name.strip()):
+        problems.append(f"display_name must be a non-empty string (what the docs call it), got {row.display_name!r}")
+    if not (isinstance(row.model_module, str) and all(part.isidentifier() for part in row.model_module.split("."))):
+        problems.append(f"model_module must be a dotted module name, got {row.model_module!r}")
+    if not (
+        isinstance(row.model_classes, tuple)
+        and row.model_classes
+        and all(isinstance(name, str) and name.isidentifier() for name in row.model_classes)
+    ):
+        problems.append(f"model_classes must be a non-empty tuple of class names, got {row.model_classes!r}")
+    if (row.mixer_class is None) != (row.mixer_forward is None):
+        problems.append(
+            "mixer_class and mixer_forward come together (the stock mixer and the forward that replaces it) or not at "
+            f"all (the mixers run on the cache themselves), got {row.mixer_class!r} and {row.mixer_forward!r}"
+        )
+    elif row.mixer_forward is not None:
+        module, colon, function = str(row.mixer_forward).partition(":")
+        if not (isinstance(row.mixer_class, str) and row.mixer_class.isidentifier()):
+            problems.append(f"mixer_class must be a class name, got {row.mixer_class!r}")
+        if not (isinstance(row.mixer_forward, str) and colon and function.isidentifier() and module):
+            problems.append(f"mixer_forward must be 'module:function', got {row.mixer_forward!r}")
+    if not callable(row.num_state_layers) or not callable(row.state_shapes) or not callable(row.decay_shapes):
+        problems.append("num_state_layers, state_shapes and decay_shapes must be functions of the config")
+    return problems
+
+
+def register(row: Architecture) -> Architecture:
+    """Add ``row`` to the architecture table (:data:`ARCHITECTURES`), checked: a name not taken, a display name,
+    the module and classes of the models, the mixer class and its forward together. Its classes' stock
+    ``forward`` / ``generate`` refuse ``past_states`` until enabled (if ``row.guarded``) from then on; ``enable``,
+    ``encode``, state files, stores, the error messages and :func:`support_table` know it. Returns ``row``."""
+    problems = _row_problems(row)
+    if problems:
+        raise ValueError("not an architecture row: " + "; ".join(problems))
+    if row.name in ARCHITECTURES:
+        raise ValueError(f"architecture {row.name!r} is already registered ({ARCHITECTURES[row.name].label()})")
+    ARCHITECTURES[row.name] = row
+    if row.guarded:
+        from .. import _guard
+
+        _guard.install({row.model_module: row.model_classes})
+    return row
+
+
+def unregister(name: str) -> Architecture:
+    """Remove architecture ``name`` from the table (the guard of its classes, if any, stays: they keep refusing
+    ``past_states``). Returns the row."""
+    if not isinstance(name, str) or name not in ARCHITECTURES:
+        raise ValueError(f"no architecture {name!r} is registered; hf_statecompose knows {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES.pop(name)
+
+
+def guarded_classes() -> dict[str, tuple[str, ...]]:
+    """module -> the classes in it whose stock ``forward`` / ``generate`` must refuse ``past_states`` (the guard's
+    table: ``hf_statecompose/_guard.py``)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for row in ARCHITECTURES.values():
+        if row.guarded:
+            out[row.model_module] = tuple(dict.fromkeys(out.get(row.model_module, ()) + row.model_classes))
+    return out
+
+
+def supported_text() -> str:
+    """The supported architectures, for error messages: ``Mamba ('mamba'), Mamba-2 ('mamba2'), ...``."""
+    return ", ".join(f"{row.display_name or row.name} ({row.name!r})" for row in ARCHITECTURES.values())
+
+
+def supported_classes_text() -> str:
+    """The model classes of every architecture, for error messages: ``MambaModel / MambaForCausalLM, ...``."""
+    return ", ".join(" / ".join(row.model_classes) for row in ARCHITECTURES.values())
+
+
+SUPPORT_TABLE_HEADER = (
+    "| model (`model_type`) | `past_states` in `forward` / `generate` | one state + query = context + query "
+    "| composition | state files, stores |\n|---|---|---|---|---|"
+)
+
+
+def support_table() -> str:
+    """The docs' support table (README.md, docs/index.md), one line per kind of support, from the rows:
+    architectures that compose alike share a line, in the table's order. ``tests/test_architecture_table.py``
+    checks that the docs carry this table."""
+    lines: dict[tuple, list[Architecture]] = {}
+    for row in ARCHITECTURES.values():
+        lines.setdefault((row.composition_note, row.is_hybrid), []).append(row)
+    body = [
+        f"| {', '.join(row.label() for row in rows)} | yes | exact | {note} | {'yes, with keys' if hybrid else 'yes'} |"
+        for (note, hybrid), rows in lines.items()
+    ]
+    return "\n".join([SUPPORT_TABLE_HEADER, *body])
 
 
 def check_extra_tensors(
@@ -552,6 +793,8 @@ def check_extra_tensors(
     lets the values be checked against the token counts, ``encoded`` says that the state is as encoded (it
     carries its token ids). ``refuse(problem)`` raises. Shared by the state validation and the store's entry
     checks."""
+    import torch
+
     for extra in layout.extras:
         tensor = extras.get(extra.attribute)
         if not isinstance(tensor, torch.Tensor):
@@ -589,8 +832,7 @@ def check_extra_tensors(
 
 
 def architecture(name: str | None) -> Architecture:
-    """The description of architecture ``name`` (``"mamba"``, ``"mamba2"``, ``"falcon_mamba"``, ``"serpent_mamba"``,
-    ``"coffee"``)."""
+    """The row of architecture ``name`` (a ``model_type``: ``"mamba"``, ``"mamba2"``, ...; :data:`ARCHITECTURES`)."""
     layout = ARCHITECTURES.get(name) if isinstance(name, str) else None
     if layout is None:
         raise ValueError(f"unknown architecture {name!r}; hf_statecompose knows {', '.join(map(repr, ARCHITECTURES))}")

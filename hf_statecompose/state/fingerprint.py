@@ -19,16 +19,14 @@ from typing import Any
 import torch
 
 from .. import _torch_compat, compat
-from .architectures import ARCHITECTURES
+from .architectures import ARCHITECTURES, supported_classes_text, supported_text
 
 # the fingerprint of a cache made while a graph is traced (torch.compile / torch.export): the weights are
 # symbolic there (FakeTensors, no bytes to hash), so such a state names no model and no model accepts it
 TRACED_FINGERPRINT = ""
 
-# model_type -> architecture (SeRpEnt-Mamba: hf_statecompose.models.serpent, one Mamba-1 state per layer and
-# branch; COFFEE: hf_statecompose.models.coffee, one flattened state per layer); what each architecture's
-# states hold: .architectures
-SUPPORTED_MODEL_TYPES = {name: name for name in ARCHITECTURES}
+# model_type -> its row: the architecture table itself (.architectures), so that a row registered later is supported
+SUPPORTED_MODEL_TYPES = ARCHITECTURES
 
 # config entries that do not change the states (runtime flags, bookkeeping, generation defaults)
 _CONFIG_KEYS_IGNORED = {
@@ -58,8 +56,8 @@ _CONFIG_KEYS_IGNORED = {
 
 
 def base_model_of(model: torch.nn.Module) -> Any:
-    """The backbone (``model.backbone`` for the LM classes, the model itself for the bare ones) of a Mamba,
-    Mamba-2 or SeRpEnt-Mamba model."""
+    """The backbone (``model.backbone`` for the LM classes, the model itself for the bare ones, ``model.model`` for
+    a hybrid's) of a model of the architecture table."""
     # peft wraps the model: PeftModel.base_model (LoraModel).model is the transformers model
     inner: Any = model  # modules reached through attributes (torch types them Tensor | Module)
     for _ in range(3):
@@ -72,9 +70,8 @@ def base_model_of(model: torch.nn.Module) -> Any:
             break
         inner = getattr(inner, "model", inner)
     raise TypeError(
-        f"{type(model).__name__} is not a Mamba, Mamba-2, SeRpEnt-Mamba, COFFEE or hybrid model (no `.backbone.layers` / "
-        "`.model.layers`); pass a MambaForCausalLM, Mamba2ForCausalLM, SeRpEntMambaForCausalLM, CoffeeForCausalLM, a "
-        "hybrid's ForCausalLM (Jamba, Zamba2, Bamba, GraniteMoeHybrid, NemotronH, FalconH1) or their bare models"
+        f"{type(model).__name__} is not a model hf_statecompose supports (no `.backbone.layers` / `.model.layers`); "
+        f"pass one of {supported_classes_text()}"
     )
 
 
@@ -100,14 +97,11 @@ def architecture_of(model: torch.nn.Module) -> str:
     model_type = getattr(config, "model_type", None)
     if model_type in REFUSED_MODEL_TYPES:
         raise TypeError(f"hf_statecompose does not compose {model_type!r} states: {REFUSED_MODEL_TYPES[model_type]}")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in ARCHITECTURES:
         raise TypeError(
-            "hf_statecompose supports transformers' Mamba, Mamba-2, FalconMamba and hybrid (Jamba, Zamba2, Bamba, "
-            "GraniteMoeHybrid, NemotronH, FalconH1) models and its own SeRpEnt-Mamba and "
-            f"COFFEE (model_type {', '.join(map(repr, SUPPORTED_MODEL_TYPES))}), got model_type {model_type!r} "
-            f"({type(model).__name__})"
+            f"hf_statecompose supports {supported_text()}; got model_type {model_type!r} ({type(model).__name__})"
         )
-    return SUPPORTED_MODEL_TYPES[model_type]
+    return model_type
 
 
 def config_summary(config) -> dict:

@@ -78,6 +78,7 @@ from hf_statecompose import compat
 from hf_statecompose.models.causal_lm import StateCacheGenerationMixin, refuse_past_states
 from hf_statecompose.models.mamba import selective_ssm
 from hf_statecompose.ops import backends
+from hf_statecompose.state.architectures import architecture
 from hf_statecompose.state.serpent_cache import CLOCK_BITS, CLOCK_ONE, ComposableSeRpEntCache
 
 from .configuration_serpent import SeRpEntMambaConfig
@@ -86,7 +87,7 @@ from .configuration_serpent import SeRpEntMambaConfig
 def _mamba_mixer_class():
     # transformers' Mamba modules are imported on use: this module is imported by a post-import hook of
     # transformers' auto classes, which can run while transformers is half way through importing them
-    return compat.mixer_classes()["mamba"]
+    return architecture("mamba").stock_mixer_class()
 
 
 def branch_ssm_config(config: SeRpEntMambaConfig):
