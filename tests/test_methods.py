@@ -1,10 +1,13 @@
 """The composition-method registry (hf_statecompose/ops/compose/methods.py) is the one place a method is described:
 every other list of methods derives from it, the C enum and the Triton kernel ids agree with it, and a method
-added at run time (one registry entry) composes through the reference, torch and composer paths. Also: the C
+added at run time (one registry entry) composes through the reference, torch and composer paths, register refuses
+what can be known before composing and a registered weight function's output is checked at compose; every entry's
+order_invariant and exact claims are tested (parametrised over the registry at collection). Also: the C
 sources of the CPU kernels are plain .c files that a C compiler accepts as they are, and state/'s modules
 import one way only."""
 
 import ast
+import itertools
 import re
 import shutil
 import subprocess
@@ -19,7 +22,8 @@ from hf_statecompose import cli
 from hf_statecompose.composition import MODEL_BASED_METHODS, MODEL_FREE_METHODS, StateComposer
 from hf_statecompose.ops import backends
 from hf_statecompose.ops.compose import compose_ssm_ref, compose_ssm_torch, methods
-from hf_statecompose.ops.compose.methods import METHODS, CompositionMethod
+from hf_statecompose.ops.compose import weights as weight_functions
+from hf_statecompose.ops.compose.methods import EXACT_CLAIMS, KERNEL_METHODS, METHODS, CompositionMethod
 
 from helpers import random_ids, tiny_model
 
@@ -54,6 +58,7 @@ def test_the_cli_reads_the_registry_without_torch():
 def test_the_c_enum_and_the_triton_ids_are_the_registrys():
     ids = {name: m.kernel_id for name, m in METHODS.items() if m.kernel_id is not None}
     assert sorted(ids.values()) == list(range(len(ids)))  # dense: the kernels switch on 0..k-1
+    assert KERNEL_METHODS == {k: name for name, k in ids.items()}  # what register accepts is what the kernels do
     source = (CSRC / "compose_ssm.c").read_text(encoding="utf-8")
     enum = re.search(r"enum\s*\{([^}]*)\}", source).group(1)
     c_ids = {key.strip().lower(): int(value) for key, value in (item.split("=") for item in enum.split(","))}
@@ -141,7 +146,7 @@ def test_a_method_is_known_only_while_registered():
 def test_register_refuses_what_the_kernels_cannot_tell_apart(first_method):
     with pytest.raises(ValueError, match="'first' exists already"):
         methods.register(first_method)
-    with pytest.raises(ValueError, match="kernel_id 2 is taken"):
+    with pytest.raises(ValueError, match="kernel_id 2 computes the weights of 'caso', not the method's own"):
         methods.register(
             CompositionMethod("last", "x", weights=_first_weights, delta_sum="total", conv="last", kernel_id=2)
         )
@@ -155,6 +160,232 @@ def test_register_refuses_what_the_kernels_cannot_tell_apart(first_method):
         CompositionMethod("bad", "x", weights=_first_weights, delta_sum="median", conv="mean")
     with pytest.raises(TypeError, match="CompositionMethod"):
         methods.register("first")
+    assert "last" not in METHODS
+
+
+def _toy(**fields):
+    """A model-free toy method (CASO's weights through a function of its own: no kernel, checked at compose)."""
+    return CompositionMethod(
+        **{"name": "toy", "summary": "x", "weights": _own_caso, "delta_sum": "total", "conv": "last", **fields}
+    )
+
+
+def _own_caso(log_decays):
+    return weight_functions.caso_weights(log_decays)
+
+
+@pytest.mark.parametrize("kernel_id", [5, 99, -1, True, 2.0, "2"])
+def test_a_kernel_id_no_kernel_implements_is_refused(kernel_id):
+    """The issue's case: kernel_id 5 was registered and composing ignored the method's weights."""
+    with pytest.raises(ValueError, match=f"kernel_id {re.escape(repr(kernel_id))} is not implemented by a kernel"):
+        _toy(kernel_id=kernel_id)
+    methods.register(_toy())  # the same method without the kernel_id is taken
+    methods.unregister("toy")
+
+
+@pytest.mark.parametrize("alias,builtin", [("my_caso", "caso"), ("my_picaso_s", "picaso_s"), ("my_soup", "soup")])
+def test_an_alias_of_a_builtin_runs_on_its_kernel_and_nothing_else_may(alias, builtin):
+    """A kernel_id is taken with the weights its kernel computes (the same function, by name or object), so an
+    alias of a built-in method composes as it does on every path; with its own weights (even equal ones) it is
+    refused, since the kernel would not call them."""
+    spec = METHODS[builtin]
+    fields = dict(weights=spec.weights, fixed_weights=spec.fixed_weights, delta_sum=spec.delta_sum, conv=spec.conv)
+    with pytest.raises(ValueError, match=f"computes the weights of {builtin!r}|its weights must be soup's"):
+        methods.register(CompositionMethod(alias, "x", **{**fields, "weights": _own_caso}, kernel_id=spec.kernel_id))
+    methods.register(CompositionMethod(alias, "x", **fields, kernel_id=spec.kernel_id))
+    try:
+        g = torch.Generator().manual_seed(2)
+        for shape, a_shape in (((2, 3, 5), (3, 5)), ((2, 3, 4, 5), (3,))):
+            states = [torch.randn(shape, generator=g) for _ in range(3)]
+            delta, A = torch.rand(3, *shape[:2], generator=g), -torch.rand(a_shape, generator=g)
+            for compose in (compose_ssm_ref, compose_ssm_torch, backends.compose_ssm):
+                torch.testing.assert_close(compose(states, delta, A, alias), compose(states, delta, A, builtin))
+    finally:
+        methods.unregister(alias)
+
+
+@pytest.mark.parametrize(
+    "weights,error,message",
+    [
+        ("missing.module:fn", ValueError, r"weights='missing.module:fn' does not resolve \(ModuleNotFoundError"),
+        ("hf_statecompose.ops.compose.weights:nope", ValueError, "does not resolve \\(AttributeError"),
+        ("math:pi", TypeError, "weights='math:pi' is float, not callable"),
+        (42, TypeError, "weights must be a function of the log decays or its name 'module:function', got 42"),
+        ("caso_weights", TypeError, "its name 'module:function', got 'caso_weights'"),
+    ],
+)
+def test_a_weights_spec_that_does_not_resolve_is_refused_at_register(weights, error, message):
+    with pytest.raises(error, match=message):
+        methods.register(_toy(weights=weights))
+    assert "toy" not in METHODS
+    methods.register(_toy(weights=f"{__name__}:_own_caso"))  # a spec that resolves is taken
+    methods.unregister("toy")
+
+
+def test_register_refuses_contradictory_or_mistyped_fields():
+    with pytest.raises(ValueError, match="order_invariant=True with conv='last'"):
+        _toy(order_invariant=True)
+    with pytest.raises(ValueError, match="not exact always"):
+        _toy(exact="always (by definition)")
+    with pytest.raises(ValueError, match="needs delta_sum='total' and conv='last'"):
+        _toy(exact=EXACT_CLAIMS[1], conv="mean")
+    with pytest.raises(ValueError, match="exact must be one of 'n = 1'"):
+        _toy(exact="for short contexts")
+    with pytest.raises(TypeError, match="summary must be a non-empty str"):
+        _toy(summary=3)
+    with pytest.raises(TypeError, match="order_invariant must be True or False"):
+        _toy(order_invariant="yes", conv="mean")
+    with pytest.raises(ValueError, match="identifier"):
+        _toy(name=["toy"])
+    with pytest.raises(ValueError, match="fixed_weights='uniform' composes with 1/n; its weights must be soup's"):
+        methods.register(_toy(fixed_weights="uniform", delta_sum="uniform", conv="mean"))
+    _toy(exact=EXACT_CLAIMS[1])  # the same claim with a concatenation's ΣΔ and window is taken
+
+
+def test_unregister_takes_a_name():
+    with pytest.raises(TypeError, match=r"unregister takes a method's name \(a str\), got list \['x'\]"):
+        methods.unregister(["x"])
+    with pytest.raises(KeyError, match="no registered composition method 'x'"):
+        methods.unregister("x")
+
+
+def test_the_registry_is_changed_only_through_register():
+    with pytest.raises(TypeError):
+        METHODS["toy"] = _toy()  # type: ignore[index]
+    assert "toy" not in METHODS
+
+
+# bad outputs of a weight function, each refused at compose: (function of the log decays, error, message)
+_BAD_WEIGHTS = {
+    "negative": (lambda ld: -weight_functions.soup_weights(ld), ValueError, "negative weights"),
+    "sum 0": (torch.zeros_like, ValueError, r"off 1|below Π"),
+    "sum 2": (lambda ld: 2 * weight_functions.soup_weights(ld), ValueError, r"off 1|below Π"),
+    "1e30": (lambda ld: torch.full_like(ld, 1e30), ValueError, r"off 1|above 1"),
+    "shape [n]": (lambda ld: torch.full(ld.shape[:1], 1 / ld.shape[0]), ValueError, r"shape \(3,\) for log decays"),
+    "int dtype": (lambda ld: torch.ones_like(ld, dtype=torch.int64), TypeError, "int64 weights; weights must be"),
+    "NaN": (lambda ld: torch.full_like(ld, float("nan")), ValueError, "NaN or inf weights"),
+}
+
+
+@pytest.mark.parametrize("delta_sum", ["uniform", "total"])
+@pytest.mark.parametrize("fault", list(_BAD_WEIGHTS))
+def test_a_weight_functions_bad_output_is_refused_at_compose(fault, delta_sum):
+    function, error, message = _BAD_WEIGHTS[fault]
+    methods.register(_toy(weights=function, delta_sum=delta_sum, conv="mean"))
+    try:
+        g = torch.Generator().manual_seed(3)
+        for shape, a_shape in (((2, 3, 5), (3, 5)), ((2, 3, 4, 5), (3,))):
+            states = [torch.randn(shape, generator=g) for _ in range(3)]
+            delta, A = torch.rand(3, *shape[:2], generator=g), -torch.rand(a_shape, generator=g)
+            for compose in (compose_ssm_ref, compose_ssm_torch, backends.compose_ssm):
+                with pytest.raises(error, match=f"the weight function of method 'toy' returned .*({message})"):
+                    compose(states, delta, A, "toy")
+    finally:
+        methods.unregister("toy")
+
+
+def test_a_bad_weight_function_is_refused_by_the_composer_too():
+    model = tiny_model("mamba", layers=1)
+    g = torch.Generator().manual_seed(4)
+    states = [hsc.ComposableMambaCache.encode(model, random_ids(5, generator=g)) for _ in range(3)]
+    methods.register(_toy(weights=_BAD_WEIGHTS["sum 2"][0], delta_sum="uniform", conv="mean"))
+    try:
+        with pytest.raises(ValueError, match="the weight function of method 'toy' returned weights whose sum"):
+            StateComposer("toy").compose(states)
+    finally:
+        methods.unregister("toy")
+    methods.register(_toy(weights=_first_weights, delta_sum="uniform", conv="mean"))  # a good one composes
+    try:
+        assert torch.equal(StateComposer("toy").compose(states).ssm_states[0], states[0].ssm_states[0])
+    finally:
+        methods.unregister("toy")
+
+
+# --- the order_invariant and exact claims, for every method of the registry (parametrised at collection) ---
+
+
+def _user_weights(spec, n):
+    if not spec.user_weights:
+        return None
+    return [0.2, 0.3, 0.5] if n == 3 else [1.0]
+
+
+def _compose(name, states, model, weights=None):
+    spec = METHODS[name]
+    composer = StateComposer(name, weights=weights if weights is not None else _user_weights(spec, len(states)))
+    return composer.compose(states, model=model if spec.reencodes else None)
+
+
+def _close(a, b, rtol=1e-4, atol=1e-5) -> bool:
+    return all(
+        torch.allclose(x, y, rtol=rtol, atol=atol)
+        for i in range(a.num_layers)
+        for x, y in ((a.ssm_states[i], b.ssm_states[i]), (a.conv_states[i], b.conv_states[i]))
+    ) and all(torch.allclose(a.log_decay(i), b.log_decay(i), rtol=rtol, atol=atol) for i in range(a.num_layers))
+
+
+def _order_invariant(name, arch) -> bool:
+    """Whether composing 3 states of a tiny ``arch`` in every order gives one state (user weights move along)."""
+    model = tiny_model(arch, layers=2)
+    g = torch.Generator().manual_seed(5)
+    states = [hsc.ComposableMambaCache.encode(model, random_ids(4 + 3 * k, generator=g)) for k in range(3)]
+    weights = [0.2, 0.3, 0.5] if METHODS[name].user_weights else None
+    first = _compose(name, states, model, weights)
+    for order in list(itertools.permutations(range(3)))[1:]:
+        w = None if weights is None else [weights[k] for k in order]
+        if not _close(_compose(name, [states[k] for k in order], model, w), first):
+            return False
+    return True
+
+
+def _exact_up_to(name, arch) -> str | None:
+    """The strongest claim of EXACT_CLAIMS that holds for ``name`` on a tiny ``arch``, checked against ``concat``
+    (and ``concat`` against encoding the concatenated tokens); None if not even one state composes to itself."""
+    holds = None
+    for claim, (layers, conv_kernel, n) in zip(EXACT_CLAIMS, ((2, 4, 1), (1, 1, 3), (2, 4, 3))):
+        model = tiny_model(arch, layers=layers, conv_kernel=conv_kernel)
+        contexts = [random_ids(length, generator=torch.Generator().manual_seed(length)) for length in (9, 4, 13)[:n]]
+        states = [hsc.ComposableMambaCache.encode(model, c) for c in contexts]
+        concat = StateComposer("concat").compose(states, model=model)
+        assert _close(concat, hsc.ComposableMambaCache.encode(model, torch.cat(contexts, 1)))
+        if not _close(_compose(name, states, model), concat):
+            return holds
+        holds = claim
+    return holds
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+@pytest.mark.parametrize("name", list(METHODS))
+@torch.no_grad()
+def test_every_methods_order_invariant_flag_is_true(name, arch):
+    """order_invariant=True: every permutation of the states composes to the same state; False: some does not
+    (the docs' table says no more and no less)."""
+    assert _order_invariant(name, arch) == METHODS[name].order_invariant
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+@pytest.mark.parametrize("name", list(METHODS))
+@torch.no_grad()
+def test_every_methods_exact_claim_is_the_one_that_holds(name, arch):
+    """``exact``: the method equals concat where it claims to (one state; one SSM layer without conv leakage; any
+    model) and not in the next setting up (the claim is the strongest that holds)."""
+    assert _exact_up_to(name, arch) == METHODS[name].exact
+
+
+@torch.no_grad()
+def test_the_claim_checks_catch_a_false_claim():
+    """The two checks above fail for a method claiming what it does not do: CASO's weights flagged order-invariant
+    (its window the mean), PICASO-R's claiming CASO's exactness."""
+    methods.register(_toy(conv="mean", order_invariant=True))
+    try:
+        assert not _order_invariant("toy", "mamba")
+    finally:
+        methods.unregister("toy")
+    methods.register(_toy(weights=lambda ld: weight_functions.picaso_r_weights(ld), exact=EXACT_CLAIMS[1]))
+    try:
+        assert _exact_up_to("toy", "mamba") == "n = 1" != METHODS["toy"].exact
+    finally:
+        methods.unregister("toy")
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")

@@ -1,4 +1,5 @@
-"""Composition weights vs a float64 brute force over orders; stability; gradients."""
+"""Composition weights vs a float64 brute force over orders; stability; gradients; the weight rule every method's
+weights obey (``CompositionMethod.weights``), which ``check_weights`` enforces on registered weight functions."""
 
 import itertools
 import math
@@ -6,7 +7,16 @@ import math
 import pytest
 import torch
 
-from hf_statecompose.ops.compose.weights import caso_weights, picaso_r_weights, picaso_s_weights, soup_weights
+from hf_statecompose.ops.compose.methods import METHODS
+from hf_statecompose.ops.compose.weights import (
+    WEIGHT_FUNCTIONS,
+    caso_weights,
+    check_weights,
+    picaso_r_weights,
+    picaso_s_weights,
+    soup_weights,
+    weight_tolerance,
+)
 
 
 def brute_force(decays: torch.Tensor, orders) -> torch.Tensor:
@@ -109,3 +119,69 @@ def test_picaso_s_large_n_against_symmetric_polynomial_form():
 def test_gradcheck_float64(fn):
     log_a = (-torch.rand(4, 3, dtype=torch.float64) * 3).requires_grad_(True)
     assert torch.autograd.gradcheck(fn, (log_a,))
+
+
+def _rule_error(W, log_decays, rule) -> float:
+    """How far ``W`` is from the weight rule ``rule``, in float64 (the largest violation of any of its parts)."""
+    W, ld = W.double(), log_decays.double()
+    if rule != "total":
+        return float((W.sum(0) - 1).abs().max())
+    zero = torch.zeros_like(ld[:1])
+    others = torch.cat([zero, torch.cumsum(ld[:-1], 0)]) + torch.cat(
+        [torch.flip(torch.cumsum(torch.flip(ld[1:], [0]), 0), [0]), zero]
+    )
+    identity = (-torch.expm1(ld) * W).sum(0) + torch.expm1(ld.sum(0))
+    return max(float((W - 1).max()), float((torch.exp(others) - W).max()), float(identity.abs().max()))
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHT_FUNCTIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_builtin_weights_obey_the_weight_rule_well_inside_its_tolerance(name, dtype):
+    """The rule check_weights applies to registered weight functions holds for the package's own ones (so it does
+    not refuse a correct method), at every extreme decay and up to n = 200, within a tenth of the tolerance."""
+    rule = METHODS[name].delta_sum
+    for n in (1, 2, 3, 5, 16, 64, 200):
+        a = torch.cat([_decays(n, seed=30 + n), 1 - torch.rand(n, 2, dtype=torch.float64) * 1e-3], 1)
+        log_a = torch.log(a).to(dtype)
+        W = WEIGHT_FUNCTIONS[name](log_a)
+        check_weights(W, log_a, rule, name)
+        assert _rule_error(W, log_a, rule) <= weight_tolerance(n, dtype) / 10, (name, n)
+
+
+def test_the_rule_for_total_holds_for_any_mixture_of_orders_and_not_beyond():
+    """delta_sum='total': every order's fold (and so any mean of orders) passes; a convex mix of states that is no
+    concatenation (the soup's 1/n with decays < 1) is refused by the identity."""
+    import itertools
+
+    a = torch.rand(4, 5, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 0.9
+    orders = list(itertools.permutations(range(4)))
+    for order in orders[::5]:
+        check_weights(brute_force(a, [order]), torch.log(a), "total")
+    check_weights(brute_force(a, orders[3:17]), torch.log(a), "total")
+    with pytest.raises(ValueError, match="1 − Π_k a_k"):
+        check_weights(torch.full_like(a, 0.25).clamp_min(torch.prod(a, 0) / a), torch.log(a), "total")
+
+
+def _faults(log_a):
+    n = log_a.shape[0]
+    return {
+        "negative": (-soup_weights(log_a), ValueError, "negative weights"),
+        "sum 0": (torch.zeros_like(log_a), ValueError, r"off 1|below Π"),
+        "sum 2": (soup_weights(log_a) * 2, ValueError, r"off 1|below Π"),
+        "1e30": (torch.full_like(log_a, 1e30), ValueError, r"off 1|above 1"),
+        "shape [n]": (torch.full((n,), 1 / n), ValueError, r"shape \(3,\) for log decays of shape \(3, 4\)"),
+        "int": (torch.ones_like(log_a, dtype=torch.int64), TypeError, "torch.int64 weights; weights must be floating"),
+        "NaN": (torch.full_like(log_a, float("nan")), ValueError, "NaN or inf"),
+        "not a tensor": ([1 / n] * n, TypeError, "list, not a tensor"),
+    }
+
+
+@pytest.mark.parametrize("rule", ["uniform", "user", "total"])
+@pytest.mark.parametrize("fault", list(_faults(torch.zeros(3, 4))))
+def test_check_weights_refuses_each_fault(rule, fault):
+    log_a = torch.log(torch.rand(3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.9 + 0.05)
+    W, error, message = _faults(log_a)[fault]
+    with pytest.raises(error, match=message):
+        check_weights(W, log_a, rule, "toy")
+    good = soup_weights(log_a) if rule != "total" else picaso_r_weights(log_a)
+    check_weights(good, log_a, rule, "toy")  # the same call without the fault passes

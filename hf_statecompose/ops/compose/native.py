@@ -40,12 +40,14 @@ import torch
 
 from ... import compat
 from .. import _native
-from .methods import METHODS
+from .methods import KERNEL_METHODS, METHODS
 from .reference import _check_inputs
 from .weights import _gauss_legendre_01
 
 NAME = "compose_ssm"
 SOURCE = _native.read_source(NAME)  # csrc/<NAME>.c
+
+_PICASO_S = next(k for k, name in KERNEL_METHODS.items() if name == "picaso_s")  # its kernel takes the nodes
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
@@ -102,8 +104,9 @@ def compose_native(nl, n, groups, method=None, delta=None, A=None, per_element=F
     ``delta`` the ``n * nl`` ΣΔ ``[B, R]`` (state-major; may be another group's inputs), ``A`` the ``nl``
     per-layer A (``[R, M]`` if ``per_element`` (Mamba-1), else ``[R]``). Trusts its caller (no checks: the
     composer validated the states). Returns (per group, its ``nl`` outputs; all finite), or None if the
-    kernel cannot be built or ``method`` has no ``kernel_id`` (:mod:`.methods`)."""
-    kernel_id = -1 if method is None else METHODS[method].kernel_id
+    kernel cannot be built or ``method`` has no ``kernel_id`` (:mod:`.methods`) while a group needs its weights."""
+    decay_group = any(weights is None for _, weights in groups)
+    kernel_id = METHODS[method].kernel_id if decay_group else -1
     lib = _library() if kernel_id is not None else None  # a method without a kernel: the caller's torch path
     if lib is None:
         return None
@@ -151,7 +154,7 @@ def compose_native(nl, n, groups, method=None, delta=None, A=None, per_element=F
             row_elems,
             int(per_element),
         )
-        if method == "picaso_s":
+        if kernel_id == _PICASO_S:
             G = math.ceil(n / 2)
             t, w = _gauss_legendre_01(G)
             nodes, node_w = array("f", t.tolist()), array("f", w.tolist())

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from .methods import METHODS, get_model_free
+from .weights import method_weights
 
 
 def _check_inputs(ssm_states, delta_sums, A, method, weights):
@@ -74,7 +75,7 @@ def compose_ssm_ref(ssm_states, delta_sums, A, method, weights=None) -> torch.Te
             log_decay = delta[..., None] * A.to(compute)  # [n, B, D, N]
         else:
             log_decay = (delta * A.to(compute))[..., None, None]  # [n, B, H, 1, 1]
-        W = spec.weight_function()(log_decay)
+        W = method_weights(spec, log_decay)
     return (W * stacked).sum(0).to(states[0].dtype)
 
 

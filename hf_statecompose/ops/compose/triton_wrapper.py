@@ -11,7 +11,7 @@ import math
 import torch
 
 from .._triton import check_runnable, kernel_module
-from .methods import METHODS
+from .methods import KERNEL_METHODS, METHODS
 from .reference import _check_inputs
 from .weights import _gauss_legendre_01
 
@@ -46,8 +46,12 @@ def compose_ssm_triton(ssm_states, delta_sums, A, method, weights=None) -> torch
             f"compose_ssm_triton takes float32, bfloat16 or float16 states, got {states[0].dtype}; "
             "use compose_ssm_torch for float64"
         )
-    quadrature = _gauss_legendre_table(n, str(states[0].device)) if method == "picaso_s" else None
-    return kernel_module().compose(states, delta_sums, A, METHODS[method].kernel_id, weights, quadrature)
+    kernel_id = METHODS[method].kernel_id
+    if kernel_id is None:
+        raise ValueError(f"method {method!r} has no Triton kernel (no kernel_id); compose it with compose_ssm_torch")
+    picaso_s = KERNEL_METHODS[kernel_id] == "picaso_s"  # an alias of picaso_s (register) needs the nodes too
+    quadrature = _gauss_legendre_table(n, str(states[0].device)) if picaso_s else None
+    return kernel_module().compose(states, delta_sums, A, kernel_id, weights, quadrature)
 
 
 def compose_ssm_layers_triton(layer_states, delta_sums, A, method, weights=None) -> list[torch.Tensor]:
@@ -88,12 +92,16 @@ def compose_ssm_layers_triton(layer_states, delta_sums, A, method, weights=None)
             f"compose_ssm_triton takes float32, bfloat16 or float16 states, got {first.dtype}; "
             "use compose_ssm_torch for float64"
         )
-    quadrature = _gauss_legendre_table(n, str(first.device)) if method == "picaso_s" else None
+    kernel_id = METHODS[method].kernel_id
+    if kernel_id is None:
+        raise ValueError(f"method {method!r} has no Triton kernel (no kernel_id); compose it with compose_ssm_torch")
+    picaso_s = KERNEL_METHODS[kernel_id] == "picaso_s"  # an alias of picaso_s (register) needs the nodes too
+    quadrature = _gauss_legendre_table(n, str(first.device)) if picaso_s else None
     return module.compose_layers(
         layer_states,
         torch.stack(list(delta_sums)),
         torch.stack(list(A)),
-        METHODS[method].kernel_id,
+        kernel_id,
         weights,
         quadrature,
     )

@@ -23,6 +23,7 @@ import torch
 
 from .methods import METHODS
 from .reference import _check_inputs
+from .weights import method_weights
 
 _TORCH_BLOCK_ELEMENTS = 1 << 18  # elements of one state per block in compose_ssm_torch
 
@@ -57,7 +58,7 @@ def compose_ssm_torch(ssm_states, delta_sums, A, method, weights=None) -> torch.
                 log_decay = delta[..., None] * A[r0:r1].to(compute)  # [n, B, rows, N]
             else:
                 log_decay = (delta * A[r0:r1].to(compute))[..., None, None]  # [n, B, rows, 1, 1]
-            W = spec.weight_function()(log_decay).unbind(0)
+            W = method_weights(spec, log_decay).unbind(0)
         if needs_grad:  # out of place, so that autograd sees every step
             acc = blocks[0].to(compute) * W[0]
             for k in range(1, n):

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .methods import BUILTIN_METHODS, METHODS
+from .methods import BUILTIN_METHODS, METHODS, CompositionMethod
 
 
 def _check(log_decays: torch.Tensor) -> torch.Tensor:
@@ -105,3 +105,92 @@ def picaso_s_weights(log_decays: torch.Tensor) -> torch.Tensor:
 MODEL_FREE_METHODS = tuple(name for name in BUILTIN_METHODS if METHODS[name].model_free)
 
 WEIGHT_FUNCTIONS = {name: METHODS[name].weight_function() for name in MODEL_FREE_METHODS if METHODS[name].weights}
+
+# the package's own weight functions: tested against the weight rule (tests/test_weights.py), not re-checked
+_BUILTIN_FUNCTIONS = frozenset(WEIGHT_FUNCTIONS.values())
+
+
+def method_weights(method: CompositionMethod, log_decays: torch.Tensor) -> torch.Tensor:
+    """``method``'s weights of ``log_decays`` [n, *E]; a registered weight function's output is checked first
+    (:func:`check_weights`), so that a wrong one is an error, not a wrong composed state."""
+    function = method.weight_function()
+    W = function(log_decays)
+    if function not in _BUILTIN_FUNCTIONS:
+        check_weights(W, log_decays, method.delta_sum, f"the weight function of method {method.name!r}")
+    return W
+
+
+def weight_tolerance(n: int, dtype: torch.dtype) -> float:
+    """How far a weight rule's sum may be off: 64·n ulps of ``dtype`` (float32, n = 10: 7.6e-5), at least 1e-12.
+    The built-in weights stay within a tenth of it (tests/test_weights.py); a wrong weight function is off by
+    far more (a sum of 0 or 2 is off by 1)."""
+    return max(1e-12, 64 * n * torch.finfo(dtype).eps)
+
+
+def check_weights(W, log_decays: torch.Tensor, rule: str | None, what: str = "the weights") -> None:
+    """Refuse weights ``W`` of ``log_decays`` [n, *E] that break the rules of ``CompositionMethod.weights``:
+    a floating tensor of the log decays' shape and device, finite, ``≥ 0``, and by ``rule`` (the method's
+    ``delta_sum``): ``"uniform"`` / ``"user"``: ``Σ_k W_k = 1``; ``"total"``: ``Π_{j≠k} a_j ≤ W_k ≤ 1`` and
+    ``Σ_k (1 − a_k) W_k = 1 − Π_k a_k`` (``a = exp(log_decays)``), each within :func:`weight_tolerance`.
+    One host sync when the weights are good; a ``TypeError`` / ``ValueError`` naming the first broken rule
+    otherwise."""
+    if not torch.is_tensor(W):
+        raise TypeError(f"{what} returned {type(W).__name__}, not a tensor of weights")
+    if W.shape != log_decays.shape:
+        raise ValueError(
+            f"{what} returned shape {tuple(W.shape)} for log decays of shape {tuple(log_decays.shape)}: a weight "
+            "function returns one weight per state and element, the log decays' shape"
+        )
+    if not W.is_floating_point():
+        raise TypeError(f"{what} returned {W.dtype} weights; weights must be floating point")
+    if W.device != log_decays.device:
+        raise ValueError(f"{what} returned weights on {W.device}, the log decays are on {log_decays.device}")
+    if rule not in ("uniform", "user", "total"):
+        raise ValueError(f"{what}: unknown weight rule {rule!r}")
+    n = W.shape[0]
+    tol = weight_tolerance(n, W.dtype)
+    W = W.detach()
+    ld = log_decays.detach().to(W.dtype)
+    finite = torch.isfinite(W).all()
+    negative = W.min()
+    if rule == "total":
+        one_minus_a = -torch.expm1(ld)
+        # Π_{j≠k} a_j from exclusive prefix and suffix sums of the logs (no subtraction: -inf stays -inf)
+        zero = torch.zeros_like(ld[:1])
+        prefix = torch.cat([zero, torch.cumsum(ld[:-1], 0)], 0)
+        suffix = torch.cat([torch.flip(torch.cumsum(torch.flip(ld[1:], [0]), 0), [0]), zero], 0)
+        lower = torch.exp(prefix + suffix)
+        identity = (one_minus_a * W).sum(0) + torch.expm1(ld.sum(0))  # Σ (1 - a_k) W_k - (1 - Π a_k)
+        errors = torch.stack([(W - 1).max(), (lower - W).max(), identity.abs().max()])
+    else:
+        errors = (W.sum(0) - 1).abs().max().view(1)
+    flags = torch.cat([torch.stack([finite.to(W.dtype), negative]), errors]).tolist()  # the one host sync
+    if not flags[0]:
+        raise ValueError(f"{what} returned NaN or inf weights; weights must be finite")
+    if flags[1] < 0:
+        raise ValueError(f"{what} returned negative weights (min {flags[1]:.3g}); weights must be ≥ 0")
+    if rule != "total":
+        if flags[2] > tol:
+            raise ValueError(
+                f"{what} returned weights whose sum over the states is off 1 by up to {flags[2]:.3g} "
+                f"(tolerance {tol:.2g}): with delta_sum={rule!r} the composition is a convex combination, "
+                "Σ_k W_k = 1 at every element"
+            )
+        return
+    above, below, off = flags[2:]
+    if above > tol:
+        raise ValueError(
+            f"{what} returned weights above 1 (by up to {above:.3g}): with delta_sum='total' the composition is a "
+            "concatenation in some order (or a mean of several), each weight a product of decays, ≤ 1"
+        )
+    if below > tol:
+        raise ValueError(
+            f"{what} returned a weight below Π_{{j≠k}} a_j, the product of the other states' decays (by up to "
+            f"{below:.3g}): with delta_sum='total' no order of the concatenation decays a state more"
+        )
+    if off > tol:
+        raise ValueError(
+            f"{what} returned weights with Σ_k (1 − a_k) W_k off 1 − Π_k a_k by up to {off:.3g} (tolerance "
+            f"{tol:.2g}): with delta_sum='total' the composition is a concatenation (or a mean of several orders), "
+            "whose weights satisfy it exactly"
+        )
