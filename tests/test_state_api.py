@@ -228,3 +228,27 @@ def test_store_states_carry_the_store_verdict(tmp_path, monkeypatch):
     odd.token_ids = odd.token_ids + 1000
     with pytest.raises(ValueError, match="token_ids hold ids outside"):
         validation.check_state(odd, where="odd", values_checked=("ssm_state", "conv_state", "delta_sum"))
+
+
+def test_a_store_whose_A_is_not_the_models_is_refused(tmp_path, monkeypatch):
+    """The store compares the A it builds states from with the model (once per A list), as check_against_model
+    did per state: an A that is finite and negative but not this model's (a crafted shard) is refused."""
+    from hf_statecompose.store import folder
+
+    model = tiny_model("mamba2")
+    store = hsc.StateStore(tmp_path / "s", model, CharTokenizer(), retriever=BagOfWords())
+    with torch.no_grad():
+        ids = store.add(TEXTS[:2], show_progress=False)
+    original = folder.FolderStateStore._shard_A
+    scaled = {}
+
+    def crafted(self, handle, sid, expected):
+        A = original(self, handle, sid, expected)
+        return scaled.setdefault(id(A), [a * 1.5 for a in A])
+
+    monkeypatch.setattr(folder.FolderStateStore, "_shard_A", crafted)
+    fresh = hsc.StateStore(tmp_path / "s", model, CharTokenizer(), retriever=BagOfWords())
+    with pytest.raises(ValueError, match="A is not this model's"):
+        fresh.get(ids)
+    monkeypatch.setattr(folder.FolderStateStore, "_shard_A", original)
+    assert len(hsc.StateStore(tmp_path / "s", model, CharTokenizer(), retriever=BagOfWords()).get(ids)) == 2

@@ -378,7 +378,7 @@ def _compose_native(states, method, conv, weights, backend, gathered):
     ):
         return None
     n, nl, mamba1 = len(states), len(first.state_layers), architecture(first.architecture).per_element_decay
-    ssm, convs, deltas, A = gathered.ssm, gathered.conv, gathered.delta, first.A
+    ssm, convs, deltas, A = gathered.ssm, gathered.conv, gathered.delta, [layer.A for layer in first.state_layers]
     shape = gathered.ssm_shape
     rows = shape[:2]
     try:  # ΣΔ [B, R] float32 on the CPU; A [R, N] (Mamba-1) or [R] (Mamba-2), float32, on the CPU

@@ -6,7 +6,7 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -65,8 +65,8 @@ def _check_layer_values(state, where: str, values_checked: tuple[str, ...] = ())
     """Every layer's values, as :func:`check_state` lists them, with one host sync for the whole state (a
     flag per check, stacked and read once); only on a failure are the checks run one by one, in order, to name
     the first problem. Per layer: SSM state, conv window and ΣΔ finite, ΣΔ >= 0, A finite and < 0.
-    ``values_checked``: the layer tensors (``"ssm_state"``, ``"conv_state"``, ``"delta_sum"``) whose values (finite;
-    ΣΔ >= 0) the state's maker proved (see :func:`check_state`): they are not read again."""
+    ``values_checked``: the layer tensors (``"ssm_state"``, ``"conv_state"``, ``"delta_sum"``, ``"A"``) whose values
+    the state's maker proved (see :func:`check_state`): they are not read again."""
     with torch.no_grad():
         checks = []  # (flag: a 0-d bool tensor, True = passed; exact(): whether it passed; problem(): the error)
         for i, layer in enumerate(state.state_layers):
@@ -100,6 +100,8 @@ def _check_layer_values(state, where: str, values_checked: tuple[str, ...] = ())
                         ),
                     )
                 )
+            if "A" in values_checked:
+                continue
             checks.append(
                 (
                     _finite_flag(A) & (A < 0).all(),
@@ -349,7 +351,8 @@ def check_state(
     whose values it proved finite (ΣΔ also >= 0) for these very tensors (read from verified bytes, converted only
     to a dtype that holds every value of the stored one): those scans, the bulk of the work, are not repeated;
     ``fits`` is the fingerprint of the model whose ``-exp(A_log)`` it compared the source of this state's ``A``
-    with (:func:`check_against_model` then does not compare again). Every other check runs, and the verdict is
+    with (:func:`check_against_model` then does not compare again), and ``"A"`` in ``values_checked`` says that
+    this ``A`` is a copy of that compared one (with ``model``, it is compared here). Every other check runs, and the verdict is
     remembered for these tensors as any other (an edit voids it).
     """
     check_is_state(state, where)
@@ -564,6 +567,13 @@ class _Verdict:
 
 # per layer class, the attributes a snapshot reads: the layer's tensors (what check_state reads)
 _TENSOR_NAMES: dict[type, tuple[str, ...]] = {}
+_LAYER_GETTERS: dict[type, Callable] = {}
+
+
+def _no_tensors(layer) -> tuple:
+    return (None,)  # what the getters give, less their last item (the class)
+
+
 _META = operator.attrgetter("_version", "shape", "dtype", "device")
 _IS_NONE = functools.partial(operator.is_, None)
 
@@ -584,7 +594,14 @@ def _snapshot(state):
     which slots are unset."""
     slots = []
     for layer in state.layers:
-        slots += [getattr(layer, name, None) for name in _tensor_names(layer)]
+        getter = _LAYER_GETTERS.get(type(layer))
+        if getter is None:  # the attributes of the class's layers (set in their __init__), read in one C call
+            names = tuple(name for name in _tensor_names(layer) if hasattr(layer, name))
+            getter = _LAYER_GETTERS[type(layer)] = operator.attrgetter(*names, "__class__") if names else _no_tensors
+        try:
+            slots += getter(layer)[:-1]
+        except AttributeError:  # a layer that lacks one: every name, one by one
+            slots += [getattr(layer, name, None) for name in _tensor_names(layer)]
     slots += (state.num_tokens, state.token_ids)
     unset = tuple(map(_IS_NONE, slots))
     tensors = list(itertools.compress(slots, map(operator.not_, unset)))

@@ -288,7 +288,8 @@ class StateStore(abc.ABC):
             state,
             self.model if compare_A else None,
             where=f"store entry {record['id']}",
-            values_checked=("ssm_state", "delta_sum", "conv_state") if exact_conv else ("ssm_state", "delta_sum"),
+            # A: a copy of the store's A list, compared with the model (here, for the first state built from it)
+            values_checked=("ssm_state", "delta_sum", "A") + (("conv_state",) if exact_conv else ()),
             fits=self.fingerprint,
         )
         if compare_A:
