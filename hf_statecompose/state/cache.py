@@ -379,8 +379,8 @@ class ComposableMambaCache(compat.DynamicCache):
         setting every layer's SSM state, conv window and ΣΔ: the token counts (the sum over the states, when
         every state has them), and what else the architecture's states carry, which a subclass fills in by
         overriding this hook and calling it (SeRpEnt: the resampling state, from the last state)."""
-        counts = [s.num_tokens for s in states]
-        if counts and all(c is not None for c in counts):
+        counts = [s.num_tokens for s in states if s.num_tokens is not None]
+        if counts and len(counts) == len(states):
             self.num_tokens = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
 
     def context_tokens(self, row: int) -> torch.Tensor:
