@@ -103,7 +103,7 @@ def many_states(states, n, seed):
     g = torch.Generator().manual_seed(seed)
     out = []
     for k in range(n):
-        s = states[k % len(states)]._map_rows(lambda t: t)  # shares every tensor
+        s = states[k % len(states)].shallow_copy()  # shares every tensor
         scale = 0.25 + 1.5 * float(torch.rand((), generator=g))
         s.delta_sums = [d * scale for d in s.delta_sums]
         out.append(s)

@@ -121,7 +121,7 @@ def run_model(name, path, data, threads):
             # diagnostic: CASO's branch SSM states with the concatenation's resampling state instead of the last
             # context's (an oracle): how much of CASO's gap the resampling state (phase, window, last ȳ) explains
             oracle = hsc.StateComposer("caso").compose(states)
-            oracle._finish_composition([concat])
+            oracle.finish_composition([concat])
             entry["caso_oracle_resampling"] = {
                 "loss": score(next_token_logprobs(model, continuation, oracle), targets)[0]
             }

@@ -87,11 +87,7 @@ def _checkpointed_encode(model, ids, mask):
 
     tensors = checkpoint(run, ids, use_reentrant=False)
     template = first["state"]
-    state = template._empty_like()
-    for i in range(template.num_layers):
-        state.set_layer(
-            i, ssm_state=tensors[3 * i], conv_state=tensors[3 * i + 1], delta_sum=tensors[3 * i + 2], A=template.A[i]
-        )
+    state = template.filled_like(tensors[0::3], tensors[1::3], tensors[2::3], A=template.A)
     state.num_tokens, state.token_ids = template.num_tokens, template.token_ids
     return state
 

@@ -24,7 +24,7 @@ is order-independent) and the weighted mean for ``soup`` / ``weighted`` (a conve
 Per architecture (:mod:`hf_statecompose.state.architectures`): Mamba-1 decays are per element, Mamba-2
 per head; SeRpEnt-Mamba states are one Mamba-1 state per (layer, branch), composed per element with each
 branch's decay. What a state carries beyond its SSM states, conv windows and ΣΔ is set by the composed
-cache's :meth:`~hf_statecompose.state.cache.ComposableMambaCache._finish_composition` hook: nothing for
+cache's :meth:`~hf_statecompose.state.cache.ComposableMambaCache.finish_composition` hook: the token counts for
 Mamba / Mamba-2; for SeRpEnt the resampling state (clock and grid phase, neighbour window with its times,
 last ȳ) of the **last** state in the list (the context nearest the query in concatenation order), for every
 model-free method (one state composes to itself, so n = 1 stays exact). ``concat`` gets it from the
@@ -111,7 +111,7 @@ class StateComposer:
 
     # ------------------------------------------------------------------------------------------
     def compose(
-        self, states: Sequence[ComposableMambaCache], model=None, *, validated: bool = False
+        self, states: Sequence[ComposableMambaCache], model=None, *, validated: bool = False, where: str = "states"
     ) -> ComposableMambaCache:
         """Compose a non-empty list of states of one model (same batch) into one state (same batch).
 
@@ -119,13 +119,16 @@ class StateComposer:
         full ``check_compatible`` only to word an error), each state's contents as a state file's are
         (:func:`~hf_statecompose.state.validation.check_state_once`: once per state object, again only after
         an edit), and the result for NaN / inf (one pass, one host sync; the native CPU kernel does it while
-        composing). ``validated=True`` is for callers that already checked each state against ``model``: the
-        model-based methods then skip their own check against ``model``.
+        composing). ``validated=True`` is for a caller that has just checked each state against ``model`` with
+        :func:`~hf_statecompose.state.validation.check_against_model` (which checks the contents too), as
+        ``generate(past_states=...)`` does: the states' contents and their fit to ``model`` are then not checked
+        again (one verdict per call); their agreement with each other and the result's finiteness still are.
+        ``where`` names the states in errors (``where[k]``: the argument the caller was given).
 
         The composed state owns its tensors for n >= 2 states; one state composes to itself (the result
         shares its tensors).
         """
-        return self._compose(states, model, validated, "states")
+        return self._compose(states, model, validated, where)
 
     def _compose(self, states, model, validated: bool, name: str) -> ComposableMambaCache:
         """:meth:`compose`, its errors naming the states ``name[k]`` (the argument the user passed)."""
@@ -133,8 +136,9 @@ class StateComposer:
             raise TypeError("compose takes a list of states, not a single state")
         states = list(states) if isinstance(states, (list, tuple)) else states
         gathered = _check_compatible_fast(states, name)
-        for k, state in enumerate(states):
-            check_state_once(state, f"{name}[{k}]")
+        if not validated:  # else the caller's check_against_model checked them in this call
+            for k, state in enumerate(states):
+                check_state_once(state, f"{name}[{k}]")
         n = len(states)
         weights = None
         if self.weights is not None:
@@ -150,7 +154,7 @@ class StateComposer:
         if self.method == "picaso_s":
             _check_picaso_s_cost(states)
         if n == 1:  # one state composes to itself, exactly (tensors shared; checked finite above)
-            composed = states[0]._map_rows(lambda t: t, fixed=lambda t: t)
+            composed = states[0].shallow_copy()
             if self.attention == "none":
                 compose_attention(composed, states, self.attention, model)
             return composed
@@ -331,44 +335,29 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
     if native is not None:
         return native
     first, spec = states[0], _methods.METHODS[method]
-    out = first._empty_like()
+    ssm_out, conv_out, delta_out = [], [], []
+    # the ΣΔ coefficients c_k of Σ_k c_k ΣΔ_k: the registry's rule (CompositionMethod.delta_sum), as the native path
+    coefficients = torch.tensor(
+        spec.delta_sum_weights(len(states), None if weights is None else weights.detach().tolist()),
+        dtype=torch.float64,
+    )
     for i in range(first.num_layers):
         delta = torch.stack([s.delta_sums[i] for s in states])  # [n, B, D|H]
-        composed = compose_ssm(
-            [s.ssm_states[i] for s in states],
-            delta,
-            first.A[i],
-            method,
-            weights=weights if spec.user_weights else None,
-            backend=backend,
+        ssm_out.append(
+            compose_ssm(
+                [s.ssm_states[i] for s in states],
+                delta,
+                first.A[i],
+                method,
+                weights=weights if spec.user_weights else None,
+                backend=backend,
+            )
         )
-        delta_out = _compose_delta_sums(delta, spec.delta_sum, weights)
-        out.set_layer(
-            i,
-            ssm_state=composed,
-            conv_state=_compose_conv([s.conv_states[i] for s in states], conv, weights),
-            delta_sum=delta_out,
-            A=first.A[i].clone(),
-        )
-    _add_token_counts(out, states)
-    out._finish_composition(states)
+        conv_out.append(_compose_conv([s.conv_states[i] for s in states], conv, weights))
+        delta_out.append((coefficients.to(delta).view(-1, *[1] * (delta.dim() - 1)) * delta).sum(0))
+    out = first.filled_like(ssm_out, conv_out, delta_out)
+    out.finish_composition(states)
     return out, None
-
-
-def _compose_delta_sums(delta, rule: str, weights):
-    """The composed ΣΔ of the stacked ``delta`` [n, B, D|H] by the method's rule (``CompositionMethod.delta_sum``,
-    the native path's coefficients are ``delta_sum_weights``): the total (the decay of a concatenation), the mean,
-    or the user's weights (a convex combination, as the states)."""
-    if rule == "total":
-        return delta.sum(0)
-    if rule == "uniform":
-        return delta.mean(0)
-    return (weights.to(delta).view(-1, 1, 1) * delta).sum(0)
-
-
-def _add_token_counts(out, states):
-    if all(s.num_tokens is not None for s in states):
-        out.num_tokens = torch.stack([s.num_tokens for s in states]).sum(0)
 
 
 _contiguous, _requires_grad = torch.Tensor.is_contiguous, attrgetter("requires_grad")
@@ -389,7 +378,7 @@ def _compose_native(states, method, conv, weights, backend, gathered):
     ):
         return None
     n, nl, mamba1 = len(states), len(first.state_layers), architecture(first.architecture).per_element_decay
-    ssm, convs, deltas, A = gathered.ssm, gathered.conv, gathered.delta, first.A
+    ssm, convs, deltas, A = gathered.ssm, gathered.conv, gathered.delta, [layer.A for layer in first.state_layers]
     shape = gathered.ssm_shape
     rows = shape[:2]
     try:  # ΣΔ [B, R] float32 on the CPU; A [R, N] (Mamba-1) or [R] (Mamba-2), float32, on the CPU
@@ -442,9 +431,8 @@ def _compose_native(states, method, conv, weights, backend, gathered):
     if done is None:
         return None
     (ssm_out, conv_out, delta_out), finite = done
-    out = first._filled_like(ssm_out, conv_out, delta_out)
-    _add_token_counts(out, states)
-    out._finish_composition(states)
+    out = first.filled_like(ssm_out, conv_out, delta_out)
+    out.finish_composition(states)
     return out, finite
 
 
@@ -511,24 +499,16 @@ def _piconcat_r(states, model) -> ComposableMambaCache:
             sequences.append(torch.cat(tokens[k:] + tokens[:k]))
     ids, mask = _left_pad(sequences)
     encoded = encode(model, ids, attention_mask=mask)
-    out = encoded._empty_like()
-    for i in range(encoded.num_layers):
 
-        def mean_rows(t):
-            return t.view(batch, n, *t.shape[1:]).float().mean(1).to(t.dtype)
+    def mean_rows(t):
+        return t.view(batch, n, *t.shape[1:]).float().mean(1).to(t.dtype)
 
-        out.set_layer(
-            i,
-            ssm_state=mean_rows(encoded.ssm_states[i]),
-            conv_state=mean_rows(encoded.conv_states[i]),
-            delta_sum=mean_rows(encoded.delta_sums[i]),
-            A=encoded.A[i],
-        )
-    out.num_tokens = encoded.num_tokens.view(batch, n)[:, 0].clone()  # type: ignore[union-attr]  # encode counts the tokens
-    # what else the state carries (SeRpEnt's resampling state; a hybrid's keys and values): from the list-order
-    # concatenation of each row
+    ssm, conv, delta = encoded.layer_tensors()
+    out = encoded.filled_like(map(mean_rows, ssm), map(mean_rows, conv), map(mean_rows, delta), A=encoded.A)
+    # the token counts and what else the state carries (SeRpEnt's resampling state; a hybrid's keys and values):
+    # from the list-order concatenation of each row (every rotation has the same number of tokens)
     in_order = encoded.select(list(range(0, batch * n, n)))
-    out._finish_composition([in_order])
+    out.finish_composition([in_order])
     for target, source in zip(getattr(out, "attention_layers", ()), getattr(in_order, "attention_layers", ())):
         target.fill_keys(source.keys, source.values, source.positions)
     return out

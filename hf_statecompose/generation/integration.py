@@ -348,13 +348,14 @@ def _compose_for_batch(model, past_states, composition, batch_size: int) -> Comp
         for r, row_states in enumerate(past_states):
             _check_batch_one(row_states, f"past_states[{r}]")
             _check_each_against_model(row_states, model, fingerprint, f"past_states[{r}]")
-            rows.append(_compose(composer, row_states, model, f"past_states[{r}]"))
+            row, trusted = _compose(composer, row_states, model, f"past_states[{r}]")
+            rows.append(row)
         composed = type(rows[0]).stack(rows)  # the states' own class: a subclass's extras follow their rows
     else:
         if not isinstance(past_states, (list, tuple)):
             raise TypeError(f"past_states must be a list of ComposableMambaCache, got {type(past_states).__name__}")
         _check_each_against_model(past_states, model, fingerprint, "past_states")
-        composed = _compose(composer, past_states, model, "past_states")
+        composed, trusted = _compose(composer, past_states, model, "past_states")
         if composed.batch_size == 1 and batch_size > 1:
             composed = composed.repeat_interleave(batch_size)
         elif composed.batch_size != batch_size:
@@ -362,17 +363,21 @@ def _compose_for_batch(model, past_states, composition, batch_size: int) -> Comp
                 f"past_states have batch size {composed.batch_size} but the query batch has {batch_size} rows; "
                 "use batch-1 states (shared by all rows), states with one row per query row, or one list per row"
             )
-    # built by the composer from states checked above: its contents need no second pass
-    check_against_model(composed, model, fingerprint, contents=False)
+    if not trusted:
+        # a composer subclass's own compose: its result is checked against the model (its contents were built
+        # from the states checked above); StateComposer's result is made of those states' checked tensors
+        check_against_model(composed, model, fingerprint, contents=False)
     return composed
 
 
 def _compose(composer, states, model, name: str):
-    """``composer.compose(states)``, its errors naming the states as the user passed them (``name[k]``); a
-    subclass that overrides ``compose`` is called as it is."""
+    """``(composer.compose(states), whether the result needs no check)``. The states were checked against ``model``
+    just before (:func:`_check_each_against_model`: the call's one verdict on them), so :class:`StateComposer` is
+    told so (``validated=True``) and its errors name the states as the user passed them (``name[k]``); a subclass
+    that overrides ``compose`` is called as it is and its result checked."""
     if type(composer).compose is StateComposer.compose:
-        return composer._compose(list(states), model, True, name)
-    return composer.compose(list(states), model=model)
+        return composer.compose(list(states), model, validated=True, where=name), True
+    return composer.compose(list(states), model=model), False
 
 
 def _check_each_against_model(states, model, fingerprint, where):

@@ -215,7 +215,7 @@ class ComposableMambaCache(compat.DynamicCache):
         """A new cache whose every per-row tensor (of every layer, and the token counts / ids) is ``fn`` of this
         one's and whose ``A`` (no batch dimension) is ``fixed`` of this one's, a copy by default."""
         fixed = (lambda t: t.clone()) if fixed is None else fixed
-        out = self._empty_like()
+        out = self.empty_like()
         for source, target in zip(self.layers, out.layers):
             if getattr(source, "has_keys", False):
                 target.fill_keys(fn(source.keys), fn(source.values), fn(source.positions))
@@ -231,8 +231,10 @@ class ComposableMambaCache(compat.DynamicCache):
         out.token_ids = fn(self.token_ids) if self.token_ids is not None else None
         return out
 
-    def _empty_like(self) -> ComposableMambaCache:
-        """A cache of the same model and class with empty layers."""
+    def empty_like(self) -> ComposableMambaCache:
+        """A new cache of the same model and class (architecture, config, fingerprint, model dtype) with empty
+        layers: what a builder of states (the composer, the training helpers) fills with :meth:`set_layer`,
+        or gets filled in one call from :meth:`filled_like`."""
         return type(self)(
             self.config,
             architecture=self.architecture,
@@ -242,12 +244,31 @@ class ComposableMambaCache(compat.DynamicCache):
             num_layers=len(self.layers) if self.state_layers is self.layers else None,
         )
 
-    def _filled_like(self, ssm_states, conv_states, delta_sums) -> ComposableMambaCache:
-        """A new cache of this one's model with these per-layer tensors and a copy of this cache's ``A``."""
-        out = self._empty_like()
-        for i, (ssm_state, conv_state, delta_sum, A) in enumerate(zip(ssm_states, conv_states, delta_sums, self.A)):
-            out.set_layer(i, ssm_state=ssm_state, conv_state=conv_state, delta_sum=delta_sum, A=A.clone())
+    # kept for callers of the former private name (tests, scripts); new code calls empty_like
+    _empty_like = empty_like
+
+    def filled_like(self, ssm_states, conv_states, delta_sums, A=None) -> ComposableMambaCache:
+        """A new cache of this one's model (:meth:`empty_like`) whose state layer ``i`` holds ``ssm_states[i]``,
+        ``conv_states[i]`` and ``delta_sums[i]`` (one entry per state layer, the tensors taken as they are, not
+        copied) and ``A[i]``; ``A`` defaults to a copy of this cache's (the model's, the same for every state of
+        it). Token counts, ids and an architecture's extras are not set: see :meth:`finish_composition`."""
+        count = self.num_layers
+        ssm_states, conv_states, delta_sums = list(ssm_states), list(conv_states), list(delta_sums)
+        A = [a.clone() for a in self.A] if A is None else list(A)
+        if not len(ssm_states) == len(conv_states) == len(delta_sums) == len(A) == count:
+            raise ValueError(
+                f"filled_like takes one SSM state, conv window, ΣΔ and A per state layer ({count}), got "
+                f"{len(ssm_states)}, {len(conv_states)}, {len(delta_sums)} and {len(A)}"
+            )
+        out = self.empty_like()
+        for layer, ssm_state, conv_state, delta_sum, a in zip(out.state_layers, ssm_states, conv_states, delta_sums, A):
+            _fill_ssm(layer, ssm_state, conv_state, delta_sum, a)
         return out
+
+    def shallow_copy(self) -> ComposableMambaCache:
+        """A new cache object holding this one's very tensors (``A`` and every extra included, nothing copied):
+        what a composition of one state gives, a new object that shares its tensors as ``Tensor.view`` does."""
+        return self._map_rows(lambda t: t, fixed=lambda t: t)
 
     def clone(self) -> ComposableMambaCache:
         """A copy owning every tensor (``A`` and the architecture's extras included)."""
@@ -328,7 +349,7 @@ class ComposableMambaCache(compat.DynamicCache):
         first = caches[0]
         if cls is ComposableMambaCache and type(first) is not cls:
             return type(first).stack(caches)
-        out = first._empty_like()
+        out = first.empty_like()
         for i, target in enumerate(out.layers):
             layers = [c.layers[i] for c in caches]
             if getattr(layers[0], "has_keys", False):
@@ -353,10 +374,14 @@ class ComposableMambaCache(compat.DynamicCache):
             )
         return out
 
-    def _finish_composition(self, states: Sequence[ComposableMambaCache]) -> None:
+    def finish_composition(self, states: Sequence[ComposableMambaCache]) -> None:
         """Called by the composer on a state it composed from ``states`` (list order, non-empty) after
-        setting every layer's SSM state, conv window and ΣΔ: a subclass fills in what else its states carry
-        (SeRpEnt: the resampling state, from the last state). Nothing more for Mamba / Mamba-2."""
+        setting every layer's SSM state, conv window and ΣΔ: the token counts (the sum over the states, when
+        every state has them), and what else the architecture's states carry, which a subclass fills in by
+        overriding this hook and calling it (SeRpEnt: the resampling state, from the last state)."""
+        counts = [s.num_tokens for s in states if s.num_tokens is not None]
+        if counts and len(counts) == len(states):
+            self.num_tokens = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
 
     def context_tokens(self, row: int) -> torch.Tensor:
         """The token ids this row's state was encoded from (no padding)."""

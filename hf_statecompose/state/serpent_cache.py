@@ -28,7 +28,7 @@ search reorders them, ``num_return_sequences`` repeats them). State files store 
 ``exp(ΣΔ · A)``: they are Mamba SSMs over the resampled inputs). The resampling state of a composition
 (clock, hence the grid phase; the neighbour window with its times; the last ȳ) is the one of the **last**
 state in the list, the context nearest the query in concatenation order, for every model-free method
-(:meth:`_finish_composition`); for one state it is that state's, so one state + query stays exact. The
+(:meth:`finish_composition`); for one state it is that state's, so one state + query stays exact. The
 clock's absolute value plays no role (the model reads only its phase, ``clock mod 2^20``, and its
 differences to the window's times), so the last state's window keeps its exact distances; what is
 approximate is the phase (after a real concatenation it depends on the earlier contexts' total time) and
@@ -118,9 +118,11 @@ class ComposableSeRpEntCache(ComposableMambaCache):
     # log_decay(v): Mamba-1 semantics for every virtual layer (ΣΔ[b, d] · A[d, n] as [B, i_b, N]), inherited:
     # the architecture's description says its decay is per element
 
-    def _finish_composition(self, states) -> None:
-        """The resampling state of a composition is the last state's (see the module docstring): copies, so
-        that the composed state shares no tensor with an input but for n = 1 (which composes to itself)."""
+    def finish_composition(self, states) -> None:
+        """The token counts as every state's (:meth:`ComposableMambaCache.finish_composition`); the resampling state
+        of a composition is the last state's (see the module docstring): copies, so that the composed state shares
+        no tensor with an input but for n = 1 (which composes to itself)."""
+        super().finish_composition(states)
         last = states[-1]
         copy = (lambda t: t) if len(states) == 1 else (lambda t: t.clone())
         for name in _EXTRAS:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,15 +61,20 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return bool(_finite_flag(tensor)) or bool(torch.isfinite(tensor).all())
 
 
-def _check_layer_values(state, where: str) -> None:
+def _check_layer_values(state, where: str, values_checked: tuple[str, ...] = ()) -> None:
     """Every layer's values, as :func:`check_state` lists them, with one host sync for the whole state (a
     flag per check, stacked and read once); only on a failure are the checks run one by one, in order, to name
-    the first problem. Per layer: SSM state, conv window and ΣΔ finite, ΣΔ >= 0, A finite and <= 0."""
+    the first problem. Per layer: SSM state, conv window and ΣΔ finite, ΣΔ >= 0, A finite and <= 0.
+    ``values_checked``: the layer tensors (``"ssm_state"``, ``"conv_state"``, ``"delta_sum"``, ``"A"``) whose values
+    the state's maker proved (see :func:`check_state`): they are not read again."""
     with torch.no_grad():
         checks = []  # (flag: a 0-d bool tensor, True = passed; exact(): whether it passed; problem(): the error)
         for i, layer in enumerate(state.state_layers):
             delta_sum, A = layer.delta_sum, layer.A
-            for name, tensor in (("SSM state", layer.ssm_state), ("conv window", layer.conv_state), ("ΣΔ", delta_sum)):
+            for name, attribute in (("SSM state", "ssm_state"), ("conv window", "conv_state"), ("ΣΔ", "delta_sum")):
+                if attribute in values_checked:
+                    continue
+                tensor = getattr(layer, attribute)
                 checks.append(
                     (
                         _finite_flag(tensor),
@@ -75,23 +82,26 @@ def _check_layer_values(state, where: str) -> None:
                         functools.partial(_raise, f"{where}: layer {i} {name} {_CORRUPTED}"),
                     )
                 )
-            checks.append(
-                (
-                    (delta_sum >= 0).all(),
-                    functools.partial(lambda d: bool((d >= 0).all()), delta_sum),
-                    functools.partial(
-                        lambda i, d: _refuse(
-                            where,
-                            (
-                                f"layer {i} ΣΔ has negative entries (min {float(d.min()):.3g}): the context's "
-                                "decay exp(A·ΣΔ) would exceed 1"
+            if "delta_sum" not in values_checked:
+                checks.append(
+                    (
+                        (delta_sum >= 0).all(),
+                        functools.partial(lambda d: bool((d >= 0).all()), delta_sum),
+                        functools.partial(
+                            lambda i, d: _refuse(
+                                where,
+                                (
+                                    f"layer {i} ΣΔ has negative entries (min {float(d.min()):.3g}): the context's "
+                                    "decay exp(A·ΣΔ) would exceed 1"
+                                ),
                             ),
+                            i,
+                            delta_sum,
                         ),
-                        i,
-                        delta_sum,
-                    ),
+                    )
                 )
-            )
+            if "A" in values_checked:
+                continue
             checks.append(
                 (
                     _finite_flag(A) & (A <= 0).all(),
@@ -373,7 +383,15 @@ def _refuse(where: str, problem: str):
     )
 
 
-def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RTOL) -> None:
+def check_state(
+    state,
+    model=None,
+    *,
+    where: str = "state",
+    A_rtol: float = A_RTOL,
+    values_checked: tuple[str, ...] = (),
+    fits: str | None = None,
+) -> None:
     """Check every tensor of ``state`` against its own config and metadata, and with ``model`` against
     the model's ``A``; raise a ``ValueError`` naming the first problem.
 
@@ -399,6 +417,15 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
     checked by :func:`check_against_model`. Stable signature: the store calls it on states it builds.
 
     A state that passes is remembered as checked (:func:`check_state_once`) until one of its tensors changes.
+
+    For the maker of a state that has itself proved part of this (a store that verified the bytes it built the
+    state from): ``values_checked`` names the layer tensors (``"ssm_state"``, ``"conv_state"``, ``"delta_sum"``)
+    whose values it proved finite (ΣΔ also >= 0) for these very tensors (read from verified bytes, converted only
+    to a dtype that holds every value of the stored one): those scans, the bulk of the work, are not repeated;
+    ``fits`` is the fingerprint of the model whose ``-exp(A_log)`` it compared the source of this state's ``A``
+    with (:func:`check_against_model` then does not compare again), and ``"A"`` in ``values_checked`` says that
+    this ``A`` is a copy of that compared one (with ``model``, it is compared here). Every other check runs, and the verdict is
+    remembered for these tensors as any other (an edit voids it).
     """
     check_is_state(state, where)
     snapshot = _snapshot(state)
@@ -444,7 +471,7 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
                 )
             if tensor.device != device:
                 _refuse(where, f"layer {i} {name} is on {tensor.device}, layer 0 on {device}")
-    _check_layer_values(state, where)
+    _check_layer_values(state, where, values_checked)
     _check_token_counts(state, batch, device, where)
     check_extras(state, where, batch=batch, device=device)
     if layout.is_hybrid:
@@ -452,6 +479,9 @@ def check_state(state, model=None, *, where: str = "state", A_rtol: float = A_RT
     _remember(state, snapshot)
     if model is not None:
         _check_A_against_model(state, model, where, A_rtol)
+    verdict = _VERDICTS.get(state) if fits is not None and snapshot is not None else None
+    if verdict is not None:
+        verdict.fingerprints.add(fits)
 
 
 def check_extras(state, where: str = "state", *, batch: int | None = None, device=None) -> None:
@@ -595,35 +625,61 @@ class _Verdict:
 
     def __init__(self, header, tensors, versions):
         self.header, self.versions, self.fingerprints = header, versions, set()
-        self.refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+        self.refs = tuple(map(weakref.ref, tensors))
 
     def holds_for(self, header, tensors, versions) -> bool:
+        # C-level maps, no Python work per tensor: composing n states checks n verdicts of every layer's tensors
         return (
             header == self.header
             and versions == self.versions
             and len(tensors) == len(self.refs)
-            and all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(self.refs, tensors))
+            and all(map(operator.is_, map(operator.call, self.refs), tensors))
         )
+
+
+# per layer class, the attributes a snapshot reads: the layer's tensors (what check_state reads)
+_TENSOR_NAMES: dict[type, tuple[str, ...]] = {}
+_LAYER_GETTERS: dict[type, Callable] = {}
+
+
+def _no_tensors(layer) -> tuple:
+    return (None,)  # what the getters give, less their last item (the class)
+
+
+_META = operator.attrgetter("_version", "shape", "dtype", "device")
+_IS_NONE = functools.partial(operator.is_, None)
+
+
+def _tensor_names(layer) -> tuple[str, ...]:
+    names = _TENSOR_NAMES.get(type(layer))
+    if names is None:
+        names = ("ssm_state", "conv_state", "keys", "values")
+        names += tuple(getattr(layer, "_row_tensors", ())) + tuple(getattr(layer, "_fixed_tensors", ()))
+        names = _TENSOR_NAMES[type(layer)] = tuple(dict.fromkeys(names))
+    return names
 
 
 def _snapshot(state):
     """(header, tensors, versions) of everything check_state reads, or None when it cannot be remembered
-    (a value that is not a tensor, which check_state refuses anyway, or an inference-mode tensor)."""
-    tensors = []
+    (a value that is not a tensor, which check_state refuses anyway, or an inference-mode tensor). ``tensors``
+    are the set ones; ``versions`` their version counters, shapes, dtypes, devices and storage addresses, and
+    which slots are unset."""
+    slots = []
     for layer in state.layers:
-        names = (
-            "ssm_state",
-            "conv_state",
-            "keys",
-            "values",
-            *getattr(layer, "_row_tensors", ()),
-            *getattr(layer, "_fixed_tensors", ()),
-        )
-        tensors += (getattr(layer, name, None) for name in names)
-    tensors += (state.num_tokens, state.token_ids)
+        getter = _LAYER_GETTERS.get(type(layer))
+        if getter is None:  # the attributes of the class's layers (set in their __init__), read in one C call
+            names = tuple(name for name in _tensor_names(layer) if hasattr(layer, name))
+            getter = _LAYER_GETTERS[type(layer)] = operator.attrgetter(*names, "__class__") if names else _no_tensors
+        try:
+            slots += getter(layer)[:-1]
+        except AttributeError:  # a layer that lacks one: every name, one by one
+            slots += [getattr(layer, name, None) for name in _tensor_names(layer)]
+    slots += (state.num_tokens, state.token_ids)
+    unset = tuple(map(_IS_NONE, slots))
+    tensors = list(itertools.compress(slots, map(operator.not_, unset)))
     try:
-        versions = tuple(None if t is None else (t._version, t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors)
-    except (AttributeError, RuntimeError):
+        versions = (tuple(map(_META, tensors)), tuple(map(torch.Tensor.data_ptr, tensors)), unset)
+    except (AttributeError, RuntimeError, TypeError):
         return None
     header = (state.architecture, state.model_dtype, state.fingerprint, id(state.config), len(state.layers))
     return header, tensors, versions
@@ -657,6 +713,21 @@ def check_state_once(state, where: str = "state"):
     return _VERDICTS.get(state) if snapshot is not None else None
 
 
+def _fits_verdict(state, fingerprint: str, parameter) -> bool:
+    """Whether ``state`` holds a verdict, for its current tensors, that it fits the model of ``fingerprint`` (which
+    names the architecture, config and weights: what the shapes and ``A`` were compared with) and is where that
+    model's weights are (dtype and device, which the fingerprint does not pin to a device)."""
+    if not hasattr(state, "layers"):
+        return False
+    verdict = _verdict(state, _snapshot(state))
+    return (
+        verdict is not None
+        and fingerprint in verdict.fingerprints
+        and state.model_dtype == parameter.dtype
+        and state.device == parameter.device
+    )
+
+
 def check_against_model(state, model, fingerprint: str, where: str = "past_states", *, contents: bool = True):
     """The state was encoded by this very model, in its dtype, on its device, with its shapes, its contents
     pass every check a state file gets (:func:`check_state_once`, with ``contents``), and its ``A`` is the
@@ -666,6 +737,9 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
     built from checked states (its extras are still checked, :func:`check_extras`)."""
     from .fingerprint import TRACED_FINGERPRINT, architecture_of
 
+    parameter = next(model.parameters())
+    if contents and state.fingerprint == fingerprint and _fits_verdict(state, fingerprint, parameter):
+        return
     model_architecture = architecture_of(model)
     if state.architecture != model_architecture:
         raise ValueError(
@@ -673,7 +747,6 @@ def check_against_model(state, model, fingerprint: str, where: str = "past_state
             f"{model_architecture!r}: the state belongs to another model; states only fit the exact model "
             "that encoded them: re-encode the contexts with this model"
         )
-    parameter = next(model.parameters())
     if state.model_dtype != parameter.dtype:
         raise ValueError(
             f"{where} was encoded with the model in {state.model_dtype}, the model is now {parameter.dtype}; "

@@ -23,7 +23,7 @@ import torch
 from ..state.architectures import architecture, check_extra_tensors
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import model_fingerprint
-from ..state.validation import expected_state_shapes
+from ..state.validation import check_state, expected_state_shapes
 from .format import (
     STORAGE_DTYPES,
     StoreEntry,
@@ -219,6 +219,8 @@ class StateStore:
         # a hybrid model's attention layers (model layer indices): each entry also holds their keys, values and positions
         self._attention_layers = tuple(getattr(template, "attention_layer_indices", ()))
         self._attention_shape = self._layout.attention_shape(model.config) if self._attention_layers else None
+        # the A lists (read once per checksum, shared by the states built from them) compared with the model's
+        self._A_compared: list[list[torch.Tensor]] = []
         return tokenizer_info, checked_json(dict(info or {}), "info")
 
     # ------------------------------------------------------------------------------------ argument checks
@@ -378,6 +380,23 @@ class StateStore:
                 )
         state.num_tokens = torch.tensor([record["num_tokens"]], device=device)
         state.token_ids = tensors["token_ids"].to(device)
+        # every backend builds states only from tensors that passed _check_entry_tensors (finite, ΣΔ >= 0): the
+        # state's check skips those scans where the conversion above keeps every value (the SSM states and ΣΔ go
+        # to float32; the conv windows when the model dtype holds the storage dtype), and compares A with the model
+        # once per A list (its states get copies); the state carries the verdict (bound to these tensors, void after
+        # an edit), so that its first use (compose, generate) does not check it again
+        exact_conv = torch.promote_types(self.storage_dtype, model_dtype) == model_dtype
+        compare_A = not any(A is compared for compared in self._A_compared)
+        check_state(
+            state,
+            self.model if compare_A else None,
+            where=f"store entry {record['id']}",
+            # A: a copy of the store's A list, compared with the model (here, for the first state built from it)
+            values_checked=("ssm_state", "delta_sum", "A") + (("conv_state",) if exact_conv else ()),
+            fits=self.fingerprint,
+        )
+        if compare_A:
+            self._A_compared.append(A)
         return state
 
     def _check_entry_tensors(self, where: str, tensors: dict, num_tokens: int, num_layers: int) -> None:
