@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import compat
+from . import _torch_compat, compat
 from .state.cache import ComposableMambaCache
 
 OBJECTIVES = ("bptc", "bp2c")
@@ -161,7 +161,7 @@ def unwrap(model):
     goes to its backbone directly, while the query forward goes through the wrapper (gradient sync)."""
     while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
-    return getattr(model, "_orig_mod", model)
+    return _torch_compat.unwrap_compiled(model)
 
 
 def _summed_loss(model, ids, mask, labels, weights=None, **kwargs):

@@ -207,3 +207,30 @@ print("compiled")
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """The interpreter accepts code the compiler rejects: compile (not run) every variant for an H100."""
     compile_without_gpu(_COMPILE_FOR_SM90)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_composer_on_the_triton_backend_composes_all_layers_in_one_launch(arch, monkeypatch):
+    """StateComposer(backend="triton") hands every layer to the kernel module's compose_layers in one call (not one
+    launch per layer) and equals the torch composer, for every model-free method with a kernel."""
+    import hf_statecompose as hsc
+    from hf_statecompose.ops._triton import kernel_module
+
+    from helpers import random_ids, tiny_model
+
+    model = hsc.enable(tiny_model(arch))
+    g = torch.Generator().manual_seed(0)
+    states = [hsc.encode(model, random_ids(9 + k, generator=g)) for k in range(3)]
+    module = kernel_module()
+    calls = []
+    real = module.compose_layers
+    monkeypatch.setattr(module, "compose_layers", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    for method in ("soup", "caso", "picaso_s", "picaso_r"):
+        calls.clear()
+        fast = hsc.StateComposer(method, backend="triton").compose(states, model=model)
+        ref = hsc.StateComposer(method, backend="torch").compose(states, model=model)
+        assert calls == [model.config.num_hidden_layers], (method, calls)
+        for a, b in zip(fast.ssm_states, ref.ssm_states):
+            assert relative_error(a, b) <= 1e-5, method
+        for a, b in zip(fast.delta_sums, ref.delta_sums):  # the torch composer sums ΣΔ in C on the CPU
+            assert relative_error(a, b) <= 1e-6, method

@@ -42,7 +42,7 @@ from operator import attrgetter
 import torch
 
 from ..models import encode
-from ..ops.backends import check_backend_name, compose_ssm, resolve
+from ..ops.backends import check_backend_name, compose_ssm_layers, resolve
 from ..ops.compose import methods as _methods
 from ..ops.compose import native as compose_native
 from ..state.architectures import architecture
@@ -151,7 +151,7 @@ class StateComposer:
             if not validated:
                 _check_states_fit_model(states, model, self.method, name)
             return _concat(states, model) if self.method == "concat" else _piconcat_r(states, model)
-        if self.method == "picaso_s":
+        if _methods.get(self.method).weights == _methods.METHODS["picaso_s"].weights:  # picaso_s or an alias
             _check_picaso_s_cost(states)
         if n == 1:  # one state composes to itself, exactly (tensors shared; checked finite above)
             composed = states[0].shallow_copy()
@@ -335,24 +335,24 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
     if native is not None:
         return native
     first, spec = states[0], _methods.METHODS[method]
-    ssm_out, conv_out, delta_out = [], [], []
+    conv_out, delta_out = [], []
     # the ΣΔ coefficients c_k of Σ_k c_k ΣΔ_k: the registry's rule (CompositionMethod.delta_sum), as the native path
     coefficients = torch.tensor(
         spec.delta_sum_weights(len(states), None if weights is None else weights.detach().tolist()),
         dtype=torch.float64,
     )
-    for i in range(first.num_layers):
-        delta = torch.stack([s.delta_sums[i] for s in states])  # [n, B, D|H]
-        ssm_out.append(
-            compose_ssm(
-                [s.ssm_states[i] for s in states],
-                delta,
-                first.A[i],
-                method,
-                weights=weights if spec.user_weights else None,
-                backend=backend,
-            )
-        )
+    deltas = [torch.stack([s.delta_sums[i] for s in states]) for i in range(first.num_layers)]  # [n, B, D|H] each
+    # every layer's SSM states in one call: on the Triton backend one launch for all layers of one shape (per-layer
+    # launches from Python cost more than the composition on a GPU), elsewhere compose_ssm layer by layer
+    ssm_out = compose_ssm_layers(
+        [[s.ssm_states[i] for s in states] for i in range(first.num_layers)],
+        deltas,
+        list(first.A),
+        method,
+        weights=weights if spec.user_weights else None,
+        backend=backend,
+    )
+    for i, delta in enumerate(deltas):
         conv_out.append(_compose_conv([s.conv_states[i] for s in states], conv, weights))
         delta_out.append((coefficients.to(delta).view(-1, *[1] * (delta.dim() - 1)) * delta).sum(0))
     out = first.filled_like(ssm_out, conv_out, delta_out)
