@@ -13,15 +13,6 @@ import hf_statecompose as hsc
 
 FORBIDDEN = ("silent", "lost", "hang")
 CATEGORIES = "abcdefghijkl"  # a-f: issue 21's families; g-l: issue 29's (registry ... small ones)
-# families whose fixes land on other branches of issue 29: their silent cases are reported, not yet forbidden (the
-# lead empties this once the fixes are merged and the trial is rerun)
-PENDING_FIXES = {
-    "g": "method registry checks (item 4)",
-    "h": "key position invariant (item 5)",
-    "i": "fingerprint of parametrizations, compiled and offloaded models (item 6)",
-    "j": "Lance store errors (item 7)",
-    "l": "A_log = -inf, metadata surrogates (item 9)",
-}
 
 
 def _listing(report, outcomes):
@@ -50,8 +41,6 @@ def test_trial_covers_every_category_and_both_backends(ci_report):
 
 @pytest.mark.parametrize("category", list(CATEGORIES))
 def test_no_silent_lost_or_hung_case(ci_report, category):
-    if category in PENDING_FIXES:
-        pytest.skip(f"category {category}: pending {PENDING_FIXES[category]}")
     row = ci_report["table"][category]
     unclear = [c for c in ci_report["non_clean"] if c["category"] == category and c["outcome"] == "unclear"]
     if unclear:
