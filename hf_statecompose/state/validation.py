@@ -347,7 +347,7 @@ def check_key_positions(positions: torch.Tensor, where: str = "positions", *, la
         )
         refuse(
             f"{name} are not positions an encode or composition makes: {what}{overflow}; a query would start at "
-            f"the wrong position (RoPE keys, wrong logits); expected {KEY_POSITIONS_INVARIANT}"
+            "the wrong position (RoPE keys, wrong logits); see validation.KEY_POSITIONS_INVARIANT"
         )
 
 
@@ -628,12 +628,12 @@ class _Verdict:
         self.refs = tuple(map(weakref.ref, tensors))
 
     def holds_for(self, header, tensors, versions) -> bool:
-        # C-level maps, no Python work per tensor: composing n states checks n verdicts of every layer's tensors
+        # (not ``map(operator.call, refs)``: torch.compile's tracer calls the referent instead of the reference there)
         return (
             header == self.header
             and versions == self.versions
             and len(tensors) == len(self.refs)
-            and all(map(operator.is_, map(operator.call, self.refs), tensors))
+            and all(ref() is t for ref, t in zip(self.refs, tensors, strict=True))
         )
 
 
