@@ -65,8 +65,7 @@ VIOLATIONS = {
     ),
     "every position at int64's max": (
         _edit(0, lambda r: torch.full_like(r, INT64_MAX)),
-        rf"first key position is {INT64_MAX}, not 0 \(and its last position \+ 1, where a query would start, "
-        "overflows int64\\)",
+        rf"first key position is {INT64_MAX}, not 0 \(its last \+ 1, a query's start, overflows int64\)",
     ),
     "a negative position": (_edit(0, _at(2, -3)), "below -1"),
     "padding in the middle": (_edit(0, _at(3, -1)), "not left padded"),

@@ -343,11 +343,11 @@ def check_key_positions(positions: torch.Tensor, where: str = "positions", *, la
         )
         top = int(ordered[row, -1])
         overflow = (
-            " (and its last position + 1, where a query would start, overflows int64)" if top == _INT64_MAX else ""
+            " (its last + 1, a query's start, overflows int64)" if top == _INT64_MAX else ""
         )
         refuse(
-            f"{name} are not positions an encode or composition makes: {what}{overflow}; a query would start at "
-            "the wrong position (RoPE keys, wrong logits); see validation.KEY_POSITIONS_INVARIANT"
+            f"{name} are not what an encode or composition makes: {what}{overflow}; a query would start at the "
+            "wrong position"
         )
 
 
