@@ -342,9 +342,7 @@ def check_key_positions(positions: torch.Tensor, where: str = "positions", *, la
             else f"row {row}'s key positions jump from {before} to {value} (no key at {before + 1})"
         )
         top = int(ordered[row, -1])
-        overflow = (
-            " (its last + 1, a query's start, overflows int64)" if top == _INT64_MAX else ""
-        )
+        overflow = " (its last + 1, a query's start, overflows int64)" if top == _INT64_MAX else ""
         refuse(
             f"{name} are not what an encode or composition makes: {what}{overflow}; a query would start at the "
             "wrong position"
