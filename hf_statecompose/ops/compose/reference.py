@@ -79,12 +79,16 @@ def compose_ssm_ref(ssm_states, delta_sums, A, method, weights=None) -> torch.Te
     return (W * stacked).sum(0).to(states[0].dtype)
 
 
-def compose_ssm_layers_ref(layer_states, delta_sums, A, method, weights=None) -> list[torch.Tensor]:
-    """:func:`compose_ssm_ref` layer by layer: the contract of every multi-layer path. ``layer_states``: L lists of
-    n states; ``delta_sums``: L tensors ``[n, B, D | H]``; ``A``: L tensors. Returns L composed states."""
+def _check_layer_counts(layer_states, delta_sums, A) -> None:
     if len(layer_states) == 0 or len(delta_sums) != len(layer_states) or len(A) != len(layer_states):
         raise ValueError(
             f"compose L >= 1 layers with one delta_sums and one A each, got {len(layer_states)} layers of states, "
             f"{len(delta_sums)} delta_sums and {len(A)} A"
         )
+
+
+def compose_ssm_layers_ref(layer_states, delta_sums, A, method, weights=None) -> list[torch.Tensor]:
+    """:func:`compose_ssm_ref` layer by layer: the contract of every multi-layer path. ``layer_states``: L lists of
+    n states; ``delta_sums``: L tensors ``[n, B, D | H]``; ``A``: L tensors. Returns L composed states."""
+    _check_layer_counts(layer_states, delta_sums, A)
     return [compose_ssm_ref(s, d, a, method, weights) for s, d, a in zip(layer_states, delta_sums, A, strict=True)]

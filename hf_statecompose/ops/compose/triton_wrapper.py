@@ -12,7 +12,7 @@ import torch
 
 from .._triton import check_runnable, kernel_module
 from .methods import KERNEL_METHODS, METHODS
-from .reference import _check_inputs
+from .reference import _check_inputs, _check_layer_counts
 from .weights import _gauss_legendre_01
 
 __all__ = ["compose_ssm_triton"]
@@ -35,34 +35,35 @@ def compose_ssm_triton(ssm_states, delta_sums, A, method, weights=None) -> torch
     to train)."""
     states, n, _ = _check_inputs(ssm_states, delta_sums, A, method, weights)
     check_runnable(*states, delta_sums, A)
-    tensors = [*states, delta_sums, A] + ([weights] if weights is not None else [])
-    if any(t.requires_grad for t in tensors):
+    kernel_id, quadrature = _kernel_arguments(states[0], n, [*states, delta_sums, A, weights], method)
+    return kernel_module().compose(states, delta_sums, A, kernel_id, weights, quadrature)
+
+
+def _kernel_arguments(first: torch.Tensor, n: int, tensors, method):
+    """What both entry points refuse before a launch (autograd, float64, a method without a kernel), and the
+    kernel's method id and PICASO-S quadrature table."""
+    if any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError(
             "compose_ssm_triton has no backward; an input requires grad: compose with the torch composer "
             "(backend='torch') to train through the composition, or detach the inputs"
         )
-    if states[0].dtype not in _KERNEL_DTYPES:
+    if first.dtype not in _KERNEL_DTYPES:
         raise TypeError(
-            f"compose_ssm_triton takes float32, bfloat16 or float16 states, got {states[0].dtype}; "
+            f"compose_ssm_triton takes float32, bfloat16 or float16 states, got {first.dtype}; "
             "use compose_ssm_torch for float64"
         )
     kernel_id = METHODS[method].kernel_id
     if kernel_id is None:
         raise ValueError(f"method {method!r} has no Triton kernel (no kernel_id); compose it with compose_ssm_torch")
     picaso_s = KERNEL_METHODS[kernel_id] == "picaso_s"  # an alias of picaso_s (register) needs the nodes too
-    quadrature = _gauss_legendre_table(n, str(states[0].device)) if picaso_s else None
-    return kernel_module().compose(states, delta_sums, A, kernel_id, weights, quadrature)
+    return kernel_id, (_gauss_legendre_table(n, str(first.device)) if picaso_s else None)
 
 
 def compose_ssm_layers_triton(layer_states, delta_sums, A, method, weights=None) -> list[torch.Tensor]:
     """All L layers in one Triton launch (contract of ``compose_ssm_layers_ref``) when every layer's states have
     one shape / dtype / device, else (or with a Hub kernel that has no ``compose_layers``) one launch per layer.
     On a GPU the per-layer launches from Python cost more than the composition itself (``benchmarks/gpu.py``)."""
-    if len(layer_states) == 0 or len(delta_sums) != len(layer_states) or len(A) != len(layer_states):
-        raise ValueError(
-            f"compose L >= 1 layers with one delta_sums and one A each, got {len(layer_states)} layers of states, "
-            f"{len(delta_sums)} delta_sums and {len(A)} A"
-        )
+    _check_layer_counts(layer_states, delta_sums, A)
     # the first layer gets every check; the others must match it (then the same checks hold for them)
     states0, n, _ = _check_inputs(layer_states[0], delta_sums[0], A[0], method, weights)
     first = states0[0]
@@ -82,21 +83,8 @@ def compose_ssm_layers_triton(layer_states, delta_sums, A, method, weights=None)
             compose_ssm_triton(s, d, a, method, weights) for s, d, a in zip(layer_states, delta_sums, A, strict=True)
         ]
     check_runnable(first, delta_sums[0], A[0])
-    if any(t.requires_grad for t in (*(s for states in layer_states for s in states), *delta_sums, *A)):
-        raise RuntimeError(
-            "compose_ssm_triton has no backward; an input requires grad: compose with the torch composer "
-            "(backend='torch') to train through the composition, or detach the inputs"
-        )
-    if first.dtype not in _KERNEL_DTYPES:
-        raise TypeError(
-            f"compose_ssm_triton takes float32, bfloat16 or float16 states, got {first.dtype}; "
-            "use compose_ssm_torch for float64"
-        )
-    kernel_id = METHODS[method].kernel_id
-    if kernel_id is None:
-        raise ValueError(f"method {method!r} has no Triton kernel (no kernel_id); compose it with compose_ssm_torch")
-    picaso_s = KERNEL_METHODS[kernel_id] == "picaso_s"  # an alias of picaso_s (register) needs the nodes too
-    quadrature = _gauss_legendre_table(n, str(first.device)) if picaso_s else None
+    tensors = [*(t for states in layer_states for t in states), *delta_sums, *A, weights]
+    kernel_id, quadrature = _kernel_arguments(first, n, tensors, method)
     return module.compose_layers(
         layer_states,
         torch.stack(list(delta_sums)),
