@@ -454,3 +454,49 @@ def test_nan_is_named_by_the_argument_passed():
         model(query, past_states=[[good, bad]])
     with pytest.raises(ValueError, match=r"^states\[1\]" + corrupted):
         StateComposer("picaso_r").compose([good, bad])
+
+
+# ------------------------------------------------------------------------------------ fast pass vs slow pass
+# check_state's per-layer dtype / shape / device checks run as one pass that names nothing
+# (validation._layer_metadata_fits), the slow pass (validation._refuse_layer_metadata) only on a failure, to
+# name it: the two must agree on every state, here fresh random edits of real states
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_layer_metadata_fast_pass_agrees_with_the_slow_pass(arch):
+    from hf_statecompose.state import validation
+    from tests.helpers import random_ids, tiny_model
+
+    model = tiny_model(arch, layers=3)
+    generator = torch.Generator().manual_seed(7)
+    state = hsc.ComposableMambaCache.encode(model, random_ids(9, batch=2, generator=generator))
+    layout = validation.ARCHITECTURES[state.architecture]
+    ssm_shape, conv_shape = layout.state_shapes(state.config)
+    delta_shape, A_shape = layout.decay_shapes(state.config)
+
+    def verdicts(s):
+        batch, device = s.ssm_states[0].shape[0], s.ssm_states[0].device
+        shapes = ((batch, *ssm_shape), (batch, *conv_shape), (batch, *delta_shape), tuple(A_shape))
+        fast = validation._layer_metadata_fits(s.state_layers, s.model_dtype, device, shapes)
+        try:
+            validation._refuse_layer_metadata(s, "s", batch, device, ssm_shape, conv_shape, delta_shape, A_shape)
+        except ValueError:
+            return fast, False
+        except AssertionError:  # the slow pass found nothing: it only runs after a fast-pass failure
+            return fast, True
+        raise AssertionError("the slow pass neither refused nor reported nothing found")
+
+    assert verdicts(state) == (True, True)
+    edits = {
+        "dtype": lambda t: t.to(torch.float64 if t.dtype != torch.float64 else torch.float32),
+        "shape": lambda t: t[..., :-1] if t.dim() and t.shape[-1] > 1 else t.unsqueeze(0),
+        "extra dim": lambda t: t.unsqueeze(-1),
+        "device": lambda t: t.to("meta"),
+        "not a tensor": lambda t: t.tolist(),
+        "none": lambda t: None,
+    }
+    for trial in range(40):
+        edited = copy.deepcopy(state)
+        layer = int(torch.randint(len(edited.state_layers), (1,), generator=generator))
+        name = ["ssm_state", "conv_state", "delta_sum", "A"][int(torch.randint(4, (1,), generator=generator))]
+        kind = sorted(edits)[int(torch.randint(len(edits), (1,), generator=generator))]
+        setattr(edited.state_layers[layer], name, edits[kind](getattr(edited.state_layers[layer], name)))
+        assert verdicts(edited) == (False, False), (trial, layer, name, kind)

@@ -446,6 +446,70 @@ def check_state(
     if batch < 1:
         _refuse(where, f"layer 0 SSM state has shape {tuple(state.ssm_states[0].shape)}: no batch dimension")
     device = state.ssm_states[0].device
+    if not _layer_metadata_fits(
+        state.state_layers,
+        state.model_dtype,
+        device,
+        (
+            (batch, *ssm_shape),
+            (batch, *conv_shape),
+            (batch, *delta_shape),
+            tuple(A_shape),
+        ),
+    ):
+        _refuse_layer_metadata(state, where, batch, device, ssm_shape, conv_shape, delta_shape, A_shape)
+    _check_layer_values(state, where, values_checked)
+    _check_token_counts(state, batch, device, where)
+    check_extras(state, where, batch=batch, device=device)
+    if layout.is_hybrid:
+        check_attention_layers(state, where, batch=batch, device=device)
+    _remember(state, snapshot)
+    if model is not None:
+        _check_A_against_model(state, model, where, A_rtol)
+    verdict = _VERDICTS.get(state) if fits is not None and snapshot is not None else None
+    if verdict is not None:
+        verdict.fingerprints.add(fits)
+
+
+_LAYER_TENSORS = operator.attrgetter("ssm_state", "conv_state", "delta_sum", "A")
+
+
+def _layer_metadata_fits(layers, model_dtype, device, shapes) -> bool:
+    """Whether every layer's SSM state, conv window, ΣΔ and A are tensors of the expected dtype, shape and
+    device: the checks of :func:`_refuse_layer_metadata`, in one pass that names nothing (it runs on every
+    state; only a state that fails takes the slow pass, which names the first problem)."""
+    ssm_shape, conv_shape, delta_shape, A_shape = shapes
+    f32, tensor_type = _STATE_FLOAT, torch.Tensor
+    try:
+        for layer in layers:
+            ssm, conv, delta, A = _LAYER_TENSORS(layer)
+            if not (
+                isinstance(ssm, tensor_type)
+                and isinstance(conv, tensor_type)
+                and isinstance(delta, tensor_type)
+                and isinstance(A, tensor_type)
+                and ssm.dtype == f32
+                and conv.dtype == model_dtype
+                and delta.dtype == f32
+                and A.dtype == f32
+                and ssm.shape == ssm_shape
+                and conv.shape == conv_shape
+                and delta.shape == delta_shape
+                and A.shape == A_shape
+                and ssm.device == device
+                and conv.device == device
+                and delta.device == device
+                and A.device == device
+            ):
+                return False
+    except AttributeError:
+        return False
+    return True
+
+
+def _refuse_layer_metadata(state, where, batch, device, ssm_shape, conv_shape, delta_shape, A_shape) -> None:
+    """The slow pass of :func:`_layer_metadata_fits`: raise naming the first tensor that does not fit."""
+    architecture = state.architecture
     for i in range(state.num_layers):
         for name, tensor, dtype, shape in (
             ("SSM state", state.ssm_states[i], _STATE_FLOAT, (batch, *ssm_shape)),
@@ -469,17 +533,7 @@ def check_state(
                 )
             if tensor.device != device:
                 _refuse(where, f"layer {i} {name} is on {tensor.device}, layer 0 on {device}")
-    _check_layer_values(state, where, values_checked)
-    _check_token_counts(state, batch, device, where)
-    check_extras(state, where, batch=batch, device=device)
-    if layout.is_hybrid:
-        check_attention_layers(state, where, batch=batch, device=device)
-    _remember(state, snapshot)
-    if model is not None:
-        _check_A_against_model(state, model, where, A_rtol)
-    verdict = _VERDICTS.get(state) if fits is not None and snapshot is not None else None
-    if verdict is not None:
-        verdict.fingerprints.add(fits)
+    raise AssertionError("the fast pass refused a state the slow pass accepts")  # pragma: no cover
 
 
 def check_extras(state, where: str = "state", *, batch: int | None = None, device=None) -> None:

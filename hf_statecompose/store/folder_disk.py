@@ -54,7 +54,8 @@ Why it cannot lose data or serve a wrong one:
   file (same inode, size, mtime and ctime); later reads of the unchanged file skip the hash, and any
   change to the file makes the next read verify again.
 
-Reads are lazy: :meth:`StateStore.get` memory-maps the shard (``safetensors.safe_open``) and reads only
+Reads are lazy: :meth:`StateStore.get` memory-maps the shard (``state.files.MappedSafetensors``, the
+reading of ``safetensors.safe_open`` at a few microseconds a tensor) and reads only
 the requested entries' tensors. As with ``safetensors.torch.load_file``, the fp32 tensors it returns map
 the file privately (copy on write: changing them never changes the store). The store never rewrites a
 file in place (compaction writes new files and unlinks old ones, which leaves existing mappings valid);
@@ -80,7 +81,7 @@ from pathlib import Path
 import torch
 
 from ..state.cache import ComposableMambaCache
-from ..state.files import atomic_write, fsync_dir
+from ..state.files import MappedSafetensors, atomic_write, fsync_dir
 from ..state.validation import expected_num_layers
 from .format import (
     CHECKSUM_PATTERN,
@@ -512,9 +513,9 @@ class ShardFolder:
         return self.path / "shards" / f"{check_id(sid, 'shard')}.safetensors"
 
     def _open_shard(self, sid: str):
-        """(handle, identity) of a committed shard, its size checked against the manifest."""
-        from safetensors import safe_open
-
+        """(handle, identity) of a committed shard, its size checked against the manifest; the handle maps the
+        file (:class:`~hf_statecompose.state.files.MappedSafetensors`, what ``safetensors.safe_open`` gives, faster
+        per tensor)."""
         path = self._shard_path(sid)
         try:
             identity = _identity(path)
@@ -528,7 +529,7 @@ class ShardFolder:
                 f"{path} is truncated or corrupted ({identity[2]} bytes, its manifest says {expected}); delete its entries and re-add them"
             )
         try:
-            return safe_open(path, framework="pt", device="cpu"), identity
+            return MappedSafetensors(path), identity
         except Exception as error:
             raise ValueError(
                 f"{path} is truncated or corrupted ({error}); delete its entries and re-add them"
@@ -723,8 +724,4 @@ def _own_files(folder: Path) -> list[str]:
 
 
 def _nbytes(handle, name: str) -> int:
-    tensor_slice = handle.get_slice(name)
-    count = 1
-    for size in tensor_slice.get_shape():
-        count *= size
-    return count * {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "F64": 8}[tensor_slice.get_dtype()]
+    return handle.nbytes(name)
