@@ -6,8 +6,9 @@ green run never rests on packages left over from an earlier one.
     python -m nox -- -k compose -x         # arguments after `--` go to pytest, in every session
 
 tests-lowest installs the lowest version that pyproject.toml allows of every direct dependency (uv's
-lowest-direct resolution: transformers 5.23.x) and checks that each one really is at its declared lower
-bound; tests-newest installs the newest allowed (transformers 5.24.x). Both run the checks, then pytest on
+lowest-direct resolution: transformers 5.23.x, torch 2.13.0, triton 3.7.1) and checks that each one really is at its
+declared lower bound; tests-newest installs the newest allowed (transformers 5.24.x, torch 2.14.1 and the triton
+3.8 it pins). Both run the checks, then pytest on
 the whole suite, offline on CPU. The checks, each at the versions its session installed: `ruff check` and
 `ruff format --check` (the whole repository), `mypy` (the package, `[tool.mypy]` in pyproject.toml),
 `lint-imports` (the layers, `.importlinter`), and the release build: `python -m build` makes the sdist, then
@@ -17,10 +18,12 @@ uploads build it; not the session's own setuptools), and `twine check --strict` 
 README rendered as the long description). mypy keeps its incremental cache per session in
 ~/.cache/hf_statecompose/mypy/<session> (mypy re-checks whatever changed, so a cache never hides an error).
 
-torch comes first, from the venv's own pip: pip reads the machine's pip configuration (here a local
-CPU wheel in /opt/wheels) and the pin in constraints.txt. uv then installs everything else with torch
-pinned to the exact build that pip installed (e.g. 2.13.0+cpu), so uv never resolves torch from an
-index (where torch==2.13.0 is the CUDA build with GBs of nvidia wheels). uv's wheel cache (~/.cache/uv)
+torch comes first, from the venv's own pip (TORCH below: 2.13.0 in tests-lowest, 2.14.1 in tests-newest, 2.15.0 in
+tests-torch-2.15, run by hand): pip reads the machine's pip configuration (here the 2.13.0 CPU wheel in /opt/wheels
+and a local index holding 2.14.1, a CUDA build that runs on the CPU, and its CUDA libraries and triton 3.8). uv then
+installs everything else with torch pinned to the exact build that pip installed (e.g. 2.13.0+cpu), so uv never
+resolves torch from an index (where torch==2.13.0 is the CUDA build with GBs of nvidia wheels). constraints.txt
+(torch==2.13.0) is the README's pin for a CPU install on such a machine; the sessions do not use it. uv's wheel cache (~/.cache/uv)
 is kept between runs; the environments are not.
 
 Each session also fetches the source distribution of the transformers version it installed (cached in
@@ -47,7 +50,6 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent
-CONSTRAINTS = ROOT / "constraints.txt"
 # the extras a test run installs (`cuda` is CUDA-only source builds, never installed on CPU)
 TESTED_EXTRAS = "dev"
 # what the tests importing transformers' own test mixins need from its source tree: the sdist has
@@ -62,6 +64,12 @@ TEST_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARAL
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "no"  # a fresh venv every run (the default, stated; `-r` would reuse)
 nox.options.sessions = ["tests-lowest", "tests-newest"]
+
+# The torch each session runs, installed by the venv's own pip (which reads this machine's pip configuration: the
+# 2.13.0 CPU wheel and 2.14.1, a CUDA build that runs on the CPU, lie on its disk; uv looks at neither). The lowest
+# session runs the lowest torch pyproject.toml allows, the newest the newest this machine's pip gets; 2.15 (PyPI's
+# CUDA build, ~3 GB: this machine caps pip at 2.14.1, which the session lifts) is the session run by hand.
+TORCH = {"tests-lowest": "2.13.0", "tests-newest": "2.14.1", "tests-torch-2.15": "2.15.0"}
 
 
 @nox.session(name="tests-lowest", venv_params=["--seed"])
@@ -85,21 +93,33 @@ def tests_lowest(session: nox.Session) -> None:
 
 @nox.session(name="tests-newest", venv_params=["--seed"])
 def tests_newest(session: nox.Session) -> None:
-    """The newest versions pyproject.toml allows (transformers 5.24.x); the whole suite."""
+    """The newest versions pyproject.toml allows (transformers 5.24.x, torch 2.14.1 and its triton 3.8); the suite."""
+    _install(session, "--upgrade")
+    _direct_versions(session)
+    _test(session)
+
+
+@nox.session(name="tests-torch-2.15", venv_params=["--seed"])
+def tests_torch_2_15(session: nox.Session) -> None:
+    """By hand (not in the default run: it downloads ~3 GB): tests-newest on torch 2.15.0 and its triton 3.9.
+    ``python -m nox -s tests-torch-2.15 [-- pytest args]``."""
     _install(session, "--upgrade")
     _direct_versions(session)
     _test(session)
 
 
 def _install(session: nox.Session, *resolution: str) -> None:
-    # pip, not uv, installs torch: it reads the machine's pip configuration (the local CPU wheel)
-    session.run("python", "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS), "torch", silent=True)
+    # pip, not uv, installs torch: it reads the machine's pip configuration (the local wheels); a torch above this
+    # machine's pip cap (/etc/xdg/pip: torch<=2.14.1) comes from PyPI with the cap replaced by an empty constraint
+    wanted = TORCH[session.name]
+    lift = {"PIP_CONSTRAINT": os.devnull} if Version(wanted) > Version("2.14.1") else {}
+    session.run("python", "-m", "pip", "install", "-q", f"torch=={wanted}", silent=True, env=lift)
     torch = _versions(session, ["torch"])["torch"]
     # in the venv folder, not session.create_tmp(): that points TMPDIR into the venv, where Ray refuses
     # its temp dir ("temp_dir must not be child directory of virtualenv root") and its workers die
     pin = Path(session.virtualenv.location) / "torch-pin.txt"
     pin.write_text(f"torch=={torch}\n")
-    session.install(*resolution, "-c", str(CONSTRAINTS), "-c", str(pin), "-e", f".[{TESTED_EXTRAS}]")
+    session.install(*resolution, "-c", str(pin), "-e", f".[{TESTED_EXTRAS}]")
 
 
 def _test(session: nox.Session) -> None:

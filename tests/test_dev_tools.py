@@ -92,3 +92,48 @@ def test_lazy_public_names_are_typed():
     assert sorted(typed) == sorted(exports)
     for name, module in typed.items():  # `encode` is imported from the module that defines it, not its package
         assert module == exports[name] or module.startswith(exports[name] + "."), (name, module, exports[name])
+
+
+# ------------------------------------------------------------------------------------ the CI matrix for the world
+WORKFLOW = ROOT / ".github" / "workflows" / "tests.yml"
+
+
+def _check_workflow(path: Path) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+    import sys
+
+    # check-jsonschema vendors SchemaStore's GitHub-workflow schema: no network
+    command = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows", str(path)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_the_github_workflow_is_valid_against_the_workflow_schema(tmp_path):
+    done = _check_workflow(WORKFLOW)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the check can fail: the same workflow whose job has no runner
+    text = WORKFLOW.read_text(encoding="utf-8")
+    assert "    runs-on: ubuntu-latest\n" in text
+    (tmp_path / "broken.yml").write_text(text.replace("    runs-on: ubuntu-latest\n", ""), encoding="utf-8")
+    assert _check_workflow(tmp_path / "broken.yml").returncode != 0
+
+
+def test_the_github_workflow_runs_the_default_sessions_on_every_declared_python():
+    from packaging.specifiers import SpecifierSet
+
+    # noxfile.py's default sessions, read from its source (nox is not installed inside the sessions it makes)
+    (default,) = [
+        node.value
+        for node in ast.walk(ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8")))
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "nox.options.sessions"
+    ]
+    workflow = yaml.safe_load(WORKFLOW.read_text(encoding="utf-8"))
+    matrix = workflow["jobs"]["nox"]["strategy"]["matrix"]
+    declared = {
+        c.rsplit(":: ", 1)[1]
+        for c in PYPROJECT["project"]["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    }
+    assert set(matrix["python"]) == declared == {"3.11", "3.12", "3.13"}
+    requires = SpecifierSet(PYPROJECT["project"]["requires-python"])
+    assert all(f"{v}.0" in requires for v in declared) and "3.14.0" in requires  # no upper cap
+    assert sorted(matrix["session"]) == sorted(ast.literal_eval(default)) == ["tests-lowest", "tests-newest"]

@@ -90,3 +90,43 @@ def test_sdist_contains_tests_and_license(tmp_path):
     ):
         assert path in names, path
     assert os.path.basename(sdist).startswith("hf_statecompose-")
+
+
+def test_installing_the_package_keeps_the_users_torch(tmp_path):
+    """pip keeps whatever supported torch is installed (2.13 in tests-lowest, 2.14.1 in tests-newest): the declared
+    range admits it, so installing the package replaces nothing. (With the old ``torch<2.14`` a user's 2.14 or 2.15
+    was silently uninstalled for 2.13.)"""
+    import json
+
+    import torch
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    wheel = _build("wheel", tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    installs = {
+        item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"] for item in report["install"]
+    }
+    assert "hf-statecompose" in installs, installs  # the report lists what would be installed: the package itself
+    assert "torch" not in installs, f"installing the package would replace torch {torch.__version__}: {installs}"
+    # and the declared range is what admits it
+    (declared,) = [r for r in map(Requirement, _metadata_requires(wheel)) if r.name == "torch"]
+    assert Version(Version(torch.__version__).public) in declared.specifier
+
+
+def _metadata_requires(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        text = archive.read(name).decode()
+    return [
+        line.split(": ", 1)[1]
+        for line in text.splitlines()
+        if line.startswith("Requires-Dist: ") and "extra ==" not in line
+    ]
