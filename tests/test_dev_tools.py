@@ -4,6 +4,8 @@ checks the test command runs (noxfile.py), and the lazy public names typed for t
 
 import ast
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -98,10 +100,7 @@ def test_lazy_public_names_are_typed():
 WORKFLOW = ROOT / ".github" / "workflows" / "tests.yml"
 
 
-def _check_workflow(path: Path) -> "subprocess.CompletedProcess[str]":
-    import subprocess
-    import sys
-
+def _check_workflow(path: Path) -> subprocess.CompletedProcess:
     # check-jsonschema vendors SchemaStore's GitHub-workflow schema: no network
     command = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows", str(path)]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
