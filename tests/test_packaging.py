@@ -103,11 +103,15 @@ def test_installing_the_package_keeps_the_users_torch(tmp_path):
     from packaging.version import Version
 
     wheel = _build("wheel", tmp_path)
+    # the package's own requirements decide, not a machine-wide pip constraint (this project's machines cap pip at
+    # torch<=2.14.1 in /etc/xdg/pip, which would "replace" a 2.15 by itself): an empty constraint file replaces it
+    env = dict(os.environ, PIP_CONSTRAINT=os.devnull)
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", str(wheel)],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
