@@ -6,7 +6,8 @@
   Mamba-2 classes refuse ``past_states=``: their ``**kwargs`` would otherwise swallow it, and a model
   that was never given :func:`hf_statecompose.enable` would silently run without its contexts.
   ``enable`` consumes ``past_states`` before it calls the stock method, so an enabled model never
-  reaches the refusal; calls without ``past_states`` go to the stock method unchanged.
+  reaches the refusal; calls without ``past_states`` go to the stock method unchanged, and so does a
+  ``generate`` call that names ``custom_generate`` (:func:`refuses`).
 
 This module sits outside the layers (it is part of the root package's import): it imports nothing
 from ``hf_statecompose`` and nothing beyond the standard library.
@@ -111,6 +112,18 @@ def refusal(cls_name: str, method: str) -> str:
     )
 
 
+def refuses(method: str, kwargs: dict) -> bool:
+    """Whether a call of a never-enabled model's stock ``method`` with keyword arguments ``kwargs`` is refused:
+    it passes ``past_states``, unless it is a ``generate`` call that names ``custom_generate``. transformers'
+    ``generate`` hands every argument of such a call to that function (the repository's
+    ``custom_generate/generate.py``, which runs the states on an enabled model, or a callable), so the states are
+    not swallowed: a function that does not take them leaves them in the model's keyword arguments, where
+    transformers refuses unused ones and the stock ``forward``'s own guard refuses ``past_states``."""
+    if kwargs.get("past_states") is None:
+        return False
+    return not (method == "generate" and kwargs.get("custom_generate") is not None)
+
+
 def _refusing(cls, method: str) -> None:
     original = getattr(cls, method, None)
     if original is None or getattr(original, _MARK, False):
@@ -119,7 +132,7 @@ def _refusing(cls, method: str) -> None:
     def guard(inner):
         @functools.wraps(inner)
         def guarded(self, *args, **kwargs):
-            if kwargs.get("past_states") is not None:
+            if refuses(method, kwargs):
                 raise ValueError(refusal(type(self).__name__, method))
             return inner(self, *args, **kwargs)
 

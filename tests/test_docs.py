@@ -59,7 +59,8 @@ def test_page_code_runs_as_written(page, tmp_path):
         pytest.skip(f"{page} needs {needs} (an optional extra)")
     blocks = PYTHON_BLOCK.findall((DOCS / page).read_text(encoding="utf-8"))
     code = "\n\n".join(textwrap.dedent(block) for _, block in blocks)
-    env = {**_env(), "HF_STATECOMPOSE_CACHE": str(tmp_path / "cache")}
+    # (generate.md runs custom_generate/: transformers copies it into HF_MODULES_CACHE)
+    env = {**_env(), "HF_STATECOMPOSE_CACHE": str(tmp_path / "cache"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
     done = subprocess.run(
         [sys.executable, "-c", code], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )

@@ -87,6 +87,9 @@ def test_sdist_contains_tests_and_license(tmp_path):
         "kernels/README.md",
         "kernels/build_universal.py",
         "kernels/torch-ext/hf_statecompose_kernels/__init__.py",
+        "custom_generate/generate.py",
+        "custom_generate/requirements.txt",
+        "custom_generate/README.md",
     ):
         assert path in names, path
     assert os.path.basename(sdist).startswith("hf_statecompose-")

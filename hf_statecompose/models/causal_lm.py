@@ -11,15 +11,16 @@ from __future__ import annotations
 import functools
 
 from .. import compat
-from .._guard import refusal
+from .._guard import refusal, refuses
 from ..state.cache import ComposableMambaCache
 
 
 def refuse_past_states(model, kwargs, method: str = "forward") -> None:
     """``forward(**kwargs)`` (and ``generate``, whose model-kwargs check would only say "not used") would take
     ``past_states`` for something else: a model that was not given ``hf_statecompose.enable`` refuses them with
-    the message of the guard on transformers' Mamba classes."""
-    if kwargs.get("past_states") is not None:
+    the message of the guard on transformers' Mamba classes (and, as it, lets a ``generate`` call that names
+    ``custom_generate`` through: :func:`hf_statecompose._guard.refuses`)."""
+    if refuses(method, kwargs):
         raise ValueError(refusal(type(model).__name__, method))
 
 
