@@ -463,7 +463,8 @@ def test_nan_is_named_by_the_argument_passed():
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_layer_metadata_fast_pass_agrees_with_the_slow_pass(arch):
     from hf_statecompose.state import validation
-    from tests.helpers import random_ids, tiny_model
+
+    from helpers import random_ids
 
     model = tiny_model(arch, layers=3)
     generator = torch.Generator().manual_seed(7)
