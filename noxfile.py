@@ -94,15 +94,18 @@ def tests_lowest(session: nox.Session) -> None:
 @nox.session(name="tests-newest", venv_params=["--seed"])
 def tests_newest(session: nox.Session) -> None:
     """The newest versions pyproject.toml allows (transformers 5.24.x, torch 2.14.1 and its triton 3.8); the suite."""
-    _install(session, "--upgrade")
-    _direct_versions(session)
-    _test(session)
+    _newest(session)
 
 
 @nox.session(name="tests-torch-2.15", venv_params=["--seed"])
 def tests_torch_2_15(session: nox.Session) -> None:
     """By hand (not in the default run: it downloads ~3 GB): tests-newest on torch 2.15.0 and its triton 3.9.
     ``python -m nox -s tests-torch-2.15 [-- pytest args]``."""
+    _newest(session)
+
+
+def _newest(session: nox.Session) -> None:
+    """The newest allowed versions of everything but torch (the session's, TORCH), then the checks and the suite."""
     _install(session, "--upgrade")
     _direct_versions(session)
     _test(session)

@@ -21,7 +21,7 @@ from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import architecture_of
 from ..state.validation import check_finite
 from .base import StateStore, progress_bar, register_backend
-from .folder_disk import _VERIFIED, ShardFolder, _nbytes
+from .folder_disk import _VERIFIED, ShardFolder
 from .format import (
     FORMAT_VERSION,
     STORAGE_DTYPES,
@@ -357,7 +357,7 @@ class FolderStateStore(ShardFolder, StateStore):
                 handle, _ = self._open_shard(sid)
                 with handle:
                     per_entry = sum(
-                        _nbytes(handle, name)
+                        handle.nbytes(name)
                         for name in handle.keys()
                         if name.startswith(entry_id + ".") and not name.endswith("token_ids")
                     )

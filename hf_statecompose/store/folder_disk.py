@@ -721,7 +721,3 @@ def _own_files(folder: Path) -> list[str]:
     """Names of the regular files in ``folder`` (``lstat``: a link is never followed), sorted."""
     with os.scandir(folder) as listing:
         return sorted(item.name for item in listing if item.is_file(follow_symlinks=False))
-
-
-def _nbytes(handle, name: str) -> int:
-    return handle.nbytes(name)
