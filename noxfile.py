@@ -9,7 +9,7 @@ tests-lowest installs the lowest version that pyproject.toml allows of every dir
 lowest-direct resolution: transformers 5.23.x, torch 2.13.0, triton 3.7.1) and checks that each one really is at its
 declared lower bound; tests-newest installs the newest allowed (transformers 5.24.x, torch 2.14.1 and the triton
 3.8 it pins). Both run the checks, then pytest on
-the whole suite, offline on CPU. The checks, each at the versions its session installed: `ruff check` and
+the whole suite, offline on CPU, one pytest-xdist worker per core (at most 4, one thread each: PYTEST_WORKERS). The checks, each at the versions its session installed: `ruff check` and
 `ruff format --check` (the whole repository), `mypy` (the package, `[tool.mypy]` in pyproject.toml),
 `lint-imports` (the layers, `.importlinter`), and the release build: `python -m build` makes the sdist, then
 the wheel from that sdist (so a file missing from the sdist fails here), with build isolation (a fresh
@@ -36,16 +36,15 @@ Mamba suites need the repository's tree at the release tag (not reachable from t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import tarfile
 import tempfile
-import tomllib
 from pathlib import Path
 
 import nox
-from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -59,7 +58,28 @@ TRANSFORMERS_TEST_FILES = ("test_modeling_common.py",)
 FULL_TREE_FILES = ("generation/test_utils.py", "models/mamba/test_modeling_mamba.py")
 SOURCE_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_statecompose" / "transformers-src"
 MYPY_CACHE = SOURCE_CACHE.parent / "mypy"
-TEST_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# one intra-op thread per test process: the suite runs in one pytest-xdist worker per core (PYTEST_WORKERS)
+TEST_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+}
+# pytest-xdist: a worker per core, at most 4 (each imports torch and transformers and holds its tiny models: more
+# workers buy little and cost memory); a test file stays on one worker (--dist loadfile), so module fixtures run
+# once and a file's processes never race its own other tests. `-- -n 0` runs in one process (posargs come last)
+PYTEST_WORKERS = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# the direct requirements and their floors, shared with the install checks run by hand (they read PyPI)
+CHECK_INSTALL = _load(ROOT / "scripts" / "check_install.py")
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "no"  # a fresh venv every run (the default, stated; `-r` would reuse)
@@ -75,7 +95,11 @@ TORCH = {"tests-lowest": "2.13.0", "tests-newest": "2.14.1", "tests-torch-2.15":
 @nox.session(name="tests-lowest", venv_params=["--seed"])
 def tests_lowest(session: nox.Session) -> None:
     """Every direct dependency at its declared lower bound (transformers 5.23.x); the whole suite."""
-    _install(session, "--resolution", "lowest-direct")
+    # each floor pinned (for this Python: some are split by python_version), the rest at uv's lowest-direct: that
+    # resolution alone may lift a floor when it backtracks (it did on 3.12), and the check below would then fail
+    floors = Path(session.virtualenv.location) / "floors.txt"
+    floors.write_text(CHECK_INSTALL.floor_pins(_requirements(), skip=("torch",)))
+    _install(session, "--resolution", "lowest-direct", "-c", str(floors))
     versions = _direct_versions(session)
     wrong = {
         name: (installed, lower)
@@ -133,7 +157,7 @@ def _test(session: nox.Session) -> None:
         session.env["HSC_TRANSFORMERS_TESTS"] = str(tests)
     _checks(session)
     session.run("python", "-c", "import transformers; print('transformers', transformers.__version__)")
-    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", *PYTEST_WORKERS, "tests", *session.posargs)
 
 
 def _checks(session: nox.Session) -> None:
@@ -151,22 +175,10 @@ def _checks(session: nox.Session) -> None:
 
 
 def _requirements() -> list[Requirement]:
-    """The direct dependencies a test run installs: the core ones and those of TESTED_EXTRAS, followed
-    through self-references such as hf_statecompose[retrieval,recipes]."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    extras, todo, found = set(), [TESTED_EXTRAS], [Requirement(r) for r in project["dependencies"]]
-    while todo:
-        extra = todo.pop()
-        if extra in extras:
-            continue
-        extras.add(extra)
-        for text in project["optional-dependencies"][extra]:
-            requirement = Requirement(text)
-            if requirement.name.replace("_", "-") == project["name"].replace("_", "-"):
-                todo.extend(sorted(requirement.extras))
-            elif requirement.marker is None or requirement.marker.evaluate(default_environment()):
-                found.append(requirement)
-    return found
+    """The direct dependencies a test run installs on this Python (scripts/check_install.py: the core ones and
+    those of TESTED_EXTRAS, followed through self-references; markers evaluated here, so numpy's floor on 3.13 is
+    3.13's)."""
+    return CHECK_INSTALL.direct_requirements(TESTED_EXTRAS)
 
 
 def _direct_versions(session: nox.Session) -> dict[str, tuple[str, str | None]]:
