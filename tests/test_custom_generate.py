@@ -155,10 +155,19 @@ def test_concurrent_calls_on_one_stock_model():
     got, errors = [None] * len(queries), []
 
     def run(i):
-        try:
-            got[i] = custom(stock, queries[i], past_states=states)
-        except Exception as error:  # noqa: BLE001 - reported by the assertion below
-            errors.append(error)
+        for attempt in range(2):
+            try:
+                got[i] = custom(stock, queries[i], past_states=states)
+                return
+            except SystemError as error:
+                # CPython's gh-106905 (seen on 3.11.7): ast.parse in two threads at once, here transformers'
+                # check of the custom_generate module's imports, may raise this; the call itself is retried
+                if "AST constructor recursion depth mismatch" not in str(error) or attempt:
+                    errors.append(error)
+                    return
+            except Exception as error:  # noqa: BLE001 - reported by the assertion below
+                errors.append(error)
+                return
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(queries))]
     for thread in threads:
