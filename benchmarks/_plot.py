@@ -388,6 +388,12 @@ FIGURES = {
     "coffee_parallel.json": ("coffee_parallel.png", _coffee_parallel),
     "coffee/composition.json": ("coffee_composition.png", _coffee_composition),
     "linear_recurrence.json": ("linear_recurrence.png", _linear_recurrence),
+    "delta_rule_compose.json": (
+        "delta_rule_compose.png",
+        _rows_ratio(
+            "delta-rule composition of n contexts, one Qwen3-Next-shaped layer", "time / caso of the same n", log=True
+        ),
+    ),
     "store_dtype.json": ("store_dtype.png", _store_dtype),
     "adversarial.json": ("adversarial.png", _adversarial),
     "eval/picaso_eval_mamba2_recall.json": ("picaso_eval_mamba2_recall.png", _picaso_eval),
