@@ -189,15 +189,19 @@ def check_cuda_report(report: dict, torch: str, cuda: dict[str, SpecifierSet], t
     return problems
 
 
+def _cuda_requirements() -> list[Requirement]:
+    return [Requirement(text) for text in _project()["optional-dependencies"]["cuda"]]
+
+
 def _cuda_specifiers() -> tuple[dict[str, SpecifierSet], SpecifierSet]:
-    cuda = {_name(Requirement(t).name): Requirement(t).specifier for t in _project()["optional-dependencies"]["cuda"]}
+    cuda = {_name(r.name): r.specifier for r in _cuda_requirements()}
     (triton,) = [r.specifier for r in direct_requirements(environment=environment_for("3.11")) if r.name == "triton"]
     return cuda, triton
 
 
 def check_cuda(torch: str, bounds: str) -> dict:
     cuda, triton = _cuda_specifiers()
-    pins = [f"{name}=={lower_bound(Requirement(f'{name}{spec}'))}" for name, spec in cuda.items()]
+    pins = floor_pins(_cuda_requirements()).split()
     env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_INDEX_URL")}
     env.update(PIP_CONFIG_FILE=os.devnull, MAMBA_SKIP_CUDA_BUILD="TRUE", CAUSAL_CONV1D_SKIP_CUDA_BUILD="TRUE")
     with tempfile.TemporaryDirectory() as scratch:
