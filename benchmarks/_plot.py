@@ -380,6 +380,11 @@ FIGURES = {
     "state_checks.json": ("state_checks.png", _state_checks),
     "ttft.json": ("ttft.png", _ttft),
     "hybrid_ttft.json": ("hybrid_ttft.png", _hybrid_ttft),
+    "delta_rule_ttft.json": ("delta_rule_ttft.png", _hybrid_ttft),
+    "delta_rule_encode.json": (
+        "delta_rule_encode.png",
+        _rows_ratio("encoding a Qwen3.5-shaped model's context, with its transitions", "time ratio"),
+    ),
     "hybrid_state_size.json": ("hybrid_state_size.png", _hybrid_state_size),
     "hybrid_keys_dtype.json": ("hybrid_keys_dtype.png", _hybrid_keys_dtype),
     "training_scan.json": ("training_scan.png", _training_scan),

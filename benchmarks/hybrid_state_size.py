@@ -8,7 +8,8 @@ written below with where they came from, put in a ``types.SimpleNamespace``, and
 shape functions (``ARCHITECTURES[model_type]``: ``layer_kinds``, ``state_shapes``, ``decay_shapes``,
 ``attention_shape``), so the figures are what ``ComposableHybridCache`` holds for one context (batch 1):
 
-* per SSM layer: the SSM state (float32), the conv window ``[C, K]`` (the model dtype), ΣΔ and ``A`` (float32);
+* per SSM layer: the SSM state (float32), the conv window ``[C, K]`` (the model dtype), ΣΔ and ``A`` (float32), and
+  for the delta-rule hybrids (Qwen3.5, Qwen3-Next) the context's transition ``[heads, k, k]`` (float32);
 * per context token: keys and values ``[kv heads, head dim]`` per attention layer (the model dtype) and one
   int64 position (``positions`` ``[B, L]``, one tensor shared by the attention layers); a state that keeps its
   ``token_ids`` (for the concat baselines) holds 8 more bytes per token, not counted here.
@@ -128,6 +129,67 @@ CONFIGS = {
             mamba_d_conv=4,
         ),
     ),
+    # Qwen/Qwen3.5-27B (the text model of its config, model_type qwen3_5_text): hidden 5120, 64 layers in 16 blocks of
+    # 3 gated DeltaNet layers + 1 full attention layer; GDN 48 value heads over 16 key heads (each key head serves
+    # three value heads), key and value head dims 128, conv 4; attention 24 query / 4 kv heads of 256, partial RoPE
+    # 0.25. Values as quoted from the config in public write-ups of the model (model cards of quantized copies and
+    # architecture notes); the value head dim 128 is Qwen3-Next's and Qwen3.5's default.
+    "Qwen3.5-27B": (
+        "qwen3_5_text",
+        dict(
+            hidden_size=5120,
+            num_hidden_layers=64,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_value_heads=48,
+            linear_num_key_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+        ),
+    ),
+    # Qwen/Qwen3-Next-80B-A3B: transformers' Qwen3NextConfig defaults are this checkpoint's (hidden 2048, 48 layers,
+    # 3 GDN + 1 attention per block; GDN 32 value / 16 key heads of 128, conv 4; attention 16 query / 2 kv heads of
+    # 256, partial RoPE 0.25; the MoE part does not shape the state).
+    "Qwen3-Next-80B-A3B": (
+        "qwen3_next",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_value_heads=32,
+            linear_num_key_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12,
+        ),
+    ),
+    # moonshotai/Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults): 27 layers, Kimi delta attention in the
+    # 21 linear_attention layers (32 heads, head dim 128 for keys and values, conv 4 on q, k and v), MLA in the other
+    # 6. Not supported by this release (KDA): its KDA state and transition are counted with the GDN shapes (the same
+    # [heads, 128, 128] per layer; KDA's per-channel decay adds a [heads, 128] ΣΔ instead of [heads]), through the
+    # qwen3_next row; its MLA keys are not counted (no attention layers listed).
+    "Kimi-Linear-48B-A3B (KDA, not supported; SSM part only)": (
+        "qwen3_next",
+        dict(
+            hidden_size=2304,
+            num_hidden_layers=21,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            head_dim=128,
+            linear_num_value_heads=32,
+            linear_num_key_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention"] * 21,
+        ),
+    ),
     # state-spaces/mamba2-2.7b, https://huggingface.co/state-spaces/mamba2-2.7b/blob/main/config.json: d_model 2560,
     # n_layer 64, Mamba-2 defaults of mamba_ssm (d_state 128, headdim 64, expand 2 -> 80 heads, ngroups 1,
     # d_conv 4); in transformers' Mamba2Config names. No attention: the state does not grow with the context.
@@ -174,6 +236,10 @@ def state_bytes(model_type: str, config, model_dtype: torch.dtype) -> dict:
         "conv_window": ssm_layers * math.prod(conv_shape) * element,
         "delta_sum": ssm_layers * math.prod(delta_shape) * f32,
         "A": ssm_layers * math.prod(A_shape) * f32,
+        # delta-rule layers: each context's transition M [heads, k, k] (float32 in a state; a bf16 store halves it)
+        "transition": sum(
+            ssm_layers * math.prod(extra.row_shape(config)) * f32 for extra in layout.extras if extra.stored_like_state
+        ),
     }
     kv_heads, head_dim = layout.attention_shape(config) if attention_layers else (0, 0)
     kv_per_token = attention_layers * 2 * kv_heads * head_dim * element
@@ -221,18 +287,19 @@ def main(argv=None):
         "keys / values in the model dtype, + 8 B/token of positions (int64, shared by the attention layers)\n"
     )
     print(
-        "| model | model dtype | layers (SSM / attention) | SSM state | conv | ΣΔ + A | fixed | per token (K+V+pos) | crossover (tokens) | "
+        "| model | model dtype | layers (SSM / attention) | SSM state | transitions | conv | ΣΔ + A | fixed | per token (K+V+pos) | crossover (tokens) | "
         + " | ".join(f"total at {n}" for n in lengths)
         + " |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(lengths))
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(lengths))
     for row in rows:
         p = row["fixed_parts"]
         cross = "never (no attention)" if row["crossover_tokens"] is None else f"{row['crossover_tokens']:,.0f}"
         per_token = "0" if not row["bytes_per_token"] else f"{row['bytes_per_token'] / 1024:.2f} KiB"
         print(
             f"| {row['model']} | {row['dtype']} | {row['layers']} ({row['ssm_layers']} / {row['attention_layers']}) | "
-            f"{_mib(p['ssm_state'])} | {_mib(p['conv_window'])} | {_mib(p['delta_sum'] + p['A'])} | "
+            f"{_mib(p['ssm_state'])} | {_mib(p['transition']) if p['transition'] else '-'} | {_mib(p['conv_window'])} | "
+            f"{_mib(p['delta_sum'] + p['A'])} | "
             f"{_mib(row['fixed_bytes'])} | {per_token} | {cross} | "
             + " | ".join(_mib(row["total_bytes_at"][n]) for n in lengths)
             + " |"

@@ -3,8 +3,11 @@
     python benchmarks/hybrid_ttft.py [--size granite-h-tiny-10l] [--ks 1,4,10] [--repeats 3] [--baseline-repeats 1]
     python benchmarks/hybrid_ttft.py --quick        # tiny model, seconds: what the test runs
 
-A Granite-4.0-H-shaped random model (transformers ``GraniteMoeHybridForCausalLM``, no download), ``k`` contexts of
-256 tokens each encoded beforehand (``hsc.encode``, one state per context) and a 16-token query:
+    python benchmarks/hybrid_ttft.py --size qwen3.5-4l --composition picaso_r   # gated DeltaNet (delta_rule_ttft.json)
+
+A Granite-4.0-H-shaped random model (transformers ``GraniteMoeHybridForCausalLM``, no download), or a Qwen3.5-shaped
+one (``Qwen3_5ForCausalLM``: gated DeltaNet layers + attention, ``DELTA_RULE_SIZES``), ``k`` contexts of 256 tokens
+each encoded beforehand (``hsc.encode``, one state per context) and a 16-token query:
 
 * TTFT: ``model.generate(query, past_states=states, composition=..., max_new_tokens=1)`` with states never seen
   before (fresh copies each time, as states just read from a store are): model fingerprint, the states' checks,
@@ -102,6 +105,42 @@ SIZES = {
         _GRANITE_H_TINY, num_hidden_layers=40, layer_types=GRANITE_H_TINY_LAYERS, num_local_experts=64
     ),
 }
+# Qwen3.5-shaped (transformers' Qwen3_5ForCausalLM: gated DeltaNet layers + attention, issue 31): the GDN widths of
+# Qwen3-Next / Qwen3.5 (32 value heads over 16 key heads of 128, conv 4; attention 16 query / 2 kv heads of 256,
+# partial RoPE 0.25) at hidden 2048, one block of 3 GDN layers + 1 attention layer, a dense MLP of 6144 and a
+# 32k vocabulary: 0.3B parameters, what this CPU runs a 2,576-token prefill of in about a minute
+_QWEN3_5 = dict(
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_value_heads=32,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    tie_word_embeddings=True,
+)
+DELTA_RULE_SIZES = {
+    "qwen3.5-4l": dict(_QWEN3_5, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"]),
+    "qwen3.5-tiny": dict(
+        _QWEN3_5,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    ),
+}
+SIZES.update(DELTA_RULE_SIZES)
 CONTEXT_TOKENS, QUERY_TOKENS = 256, 16
 
 
@@ -113,11 +152,16 @@ def context_ids(i: int) -> torch.Tensor:
 
 
 def build_model(size: str):
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    config = GraniteMoeHybridConfig(**SIZES[size], pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config_class, model_class = (
+        (Qwen3_5TextConfig, Qwen3_5ForCausalLM)
+        if size in DELTA_RULE_SIZES
+        else (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM)
+    )
+    config = config_class(**SIZES[size], pad_token_id=0, eos_token_id=1, bos_token_id=2)
     torch.manual_seed(0)
-    return hsc.enable(GraniteMoeHybridForCausalLM(config).eval())
+    return hsc.enable(model_class(config).eval())
 
 
 def run(size: str, ks: list[int], repeats: int, baseline_repeats: int, method: str) -> dict:
@@ -230,12 +274,17 @@ def main(argv=None):
     )
     parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
-    size, repeats, baseline_repeats = ("tiny", 1, 1) if args.quick else (args.size, args.repeats, args.baseline_repeats)
+    delta_rule = args.size in DELTA_RULE_SIZES
+    quick_size = "qwen3.5-tiny" if delta_rule else "tiny"
+    size, repeats, baseline_repeats = (
+        (quick_size, 1, 1) if args.quick else (args.size, args.repeats, args.baseline_repeats)
+    )
     ks = sorted(int(k) for k in args.ks.split(",") if k.strip())
     torch.set_num_threads(args.threads)
     result = run(size, ks, repeats, baseline_repeats, args.composition)
+    family = "Qwen3.5 (gated DeltaNet)" if size in DELTA_RULE_SIZES else "GraniteMoeHybrid"
     print(
-        f"GraniteMoeHybrid {size} ({result['params'] / 1e6:.0f}M parameters, random weights); k contexts of "
+        f"{family} {size} ({result['params'] / 1e6:.0f}M parameters, random weights); k contexts of "
         f"{CONTEXT_TOKENS} tokens + a {QUERY_TOKENS}-token query; SSM layers {args.composition}, attention layers "
         f"concat; threads={torch.get_num_threads()}; medians of {repeats} (baseline {baseline_repeats}); shared machine: "
         "read the ratios"
@@ -258,7 +307,7 @@ def main(argv=None):
     out = args.out or (
         str(Path(tempfile.gettempdir()) / "hybrid-ttft-quick.json")
         if args.quick
-        else str(HERE / "results" / "hybrid_ttft.json")
+        else str(HERE / "results" / ("delta_rule_ttft.json" if delta_rule else "hybrid_ttft.json"))
     )
     write_result(
         {
@@ -278,7 +327,7 @@ def main(argv=None):
     if args.plot:
         from _plot import plot_docs
 
-        plot_docs(out, "hybrid_ttft.json")
+        plot_docs(out, "delta_rule_ttft.json" if delta_rule else "hybrid_ttft.json")
 
 
 if __name__ == "__main__":

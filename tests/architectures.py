@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_statecompose as hsc
-from hf_statecompose.state.architectures import architecture
+from hf_statecompose.state.architectures import architecture, has_transitions
 
 from helpers import VOCAB as STORE_VOCAB
 from helpers import tiny_model
@@ -51,6 +51,19 @@ HYBRID_CONFIGS = {
                    mamba_d_state=8, mamba_ngroups=1, chunk_size=16, num_mem_blocks=1, use_mem_rope=True,
                    attention_head_dim=16),
 }  # fmt: skip
+# the delta-rule hybrids (gated DeltaNet layers + one attention layer): 4 value heads on 2 key heads of 8 dims
+_GDN = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, head_dim=8)  # fmt: skip
+DELTA_RULE_CONFIGS = {
+    "qwen3_5_text": _GDN,
+    "qwen3_next": dict(_GDN, num_experts=0, mlp_only_layers=[]),  # dense MLPs (float64 runs)
+    "olmo_hybrid": _GDN,
+}
+# Qwen3.5-MoE: its experts' grouped matmul has no float64 kernel, so it runs in float32 only (test_delta_rule_models.py)
+DELTA_RULE_MOE = dict(_GDN, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16)  # fmt: skip
+HYBRID_CONFIGS.update(DELTA_RULE_CONFIGS)
 # what the file / store tests' hybrids differ in: vocab 99 (the character tokenizer's), two Jamba experts,
 # GraniteMoeHybrid with RoPE, Zamba2 with 4 Mamba heads of the default size and no memory-block RoPE
 STORE_FLAVOUR = {
@@ -64,7 +77,7 @@ PENDING = ()  # hybrids whose state-aware mixer path is pending (xfail); Jamba's
 
 def hybrid_params():
     """pytest params: every supported hybrid (Zamba2 and Falcon-H1 have layers with both parts)."""
-    return list(WORKING) + ["zamba2", "jamba", "falcon_h1"]
+    return list(WORKING) + ["zamba2", "jamba", "falcon_h1", *DELTA_RULE_CONFIGS]
 
 
 def arch_params(names=tuple(HYBRID_CONFIGS)):
@@ -74,7 +87,7 @@ def arch_params(names=tuple(HYBRID_CONFIGS)):
 
 
 def hybrid_config(arch: str, **overrides):
-    return AutoConfig.for_model(arch, **{**SMALL, **HYBRID_CONFIGS[arch], **overrides})
+    return AutoConfig.for_model(arch, **{**SMALL, **HYBRID_CONFIGS.get(arch, {}), **overrides})
 
 
 def hybrid_model(arch: str, dtype=torch.float64, seed: int = 0, enable: bool = True, bare: bool = False, **overrides):
@@ -90,6 +103,11 @@ def hybrid_model(arch: str, dtype=torch.float64, seed: int = 0, enable: bool = T
             mixer = layout.mixer_of(block)
             for parameter in mixer.parameters() if mixer is not None else ():
                 parameter.add_(torch.randn_like(parameter) * 0.1)
+            if mixer is not None and has_transitions(layout):
+                # slow decays (A = exp(A_log) in [0.02, 0.2], not up to 16): the transitions then carry a context
+                # across the next one (with the stock init a state forgets it within a few tokens, and every
+                # composition is close to the last state)
+                mixer.A_log.copy_(torch.empty_like(mixer.A_log).uniform_(0.02, 0.2).log())
         if not bare:  # logits of a spread of about 2 (not 0.1): sampling then depends on them, not only on the seed
             final_norm = next(
                 getattr(model.model, name)
@@ -228,9 +246,14 @@ ARCHITECTURES = {
             name,
             _hybrid(name),
             VOCAB,
-            tol=1e-6,
+            # the delta-rule hybrids run their recurrence in float32 in a float64 model, as transformers does
+            tol=1e-5 if name in DELTA_RULE_CONFIGS else 1e-6,
             has_attention=True,
-            smaller_state={"ssm_state_size" if name == "nemotron_h" else "mamba_d_state": 4},
+            smaller_state=(
+                {"linear_key_head_dim": 4}
+                if name in DELTA_RULE_CONFIGS
+                else {"ssm_state_size" if name == "nemotron_h" else "mamba_d_state": 4}
+            ),
         )
         for name in HYBRID_CONFIGS
     },

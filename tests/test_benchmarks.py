@@ -240,22 +240,37 @@ def test_hybrid_state_size_table(tmp_path):
     assert {row["model"] for row in rows} >= {"Granite-4.0-H-Tiny", "Nemotron-H-8B", "Falcon-H1-7B", "Jamba-1.5-Mini"}
     assert len(rows) == 2 * len({row["model"] for row in rows})
     for row in rows:
-        hybrid = row["model_type"] != "mamba2"
+        hybrid = row["attention_layers"] > 0  # (the Kimi-Linear row counts its delta-rule layers only)
         assert (row["crossover_tokens"] is not None) == hybrid and (row["bytes_per_token"] > 0) == hybrid
+        # a transition per delta-rule layer and head, [k, k] float32: as many bytes as the state when k = v
+        delta_rule = row["model_type"] in ("qwen3_next", "qwen3_5_text")
+        assert (row["fixed_parts"]["transition"] == row["fixed_parts"]["ssm_state"]) == delta_rule, row["model"]
+    qwen3_next = next(r for r in rows if r["model"] == "Qwen3-Next-80B-A3B" and r["dtype"] == "bfloat16")
+    assert qwen3_next["fixed_parts"]["transition"] == 36 * 32 * 128 * 128 * 4
     granite = next(r for r in rows if r["model"] == "Granite-4.0-H-Tiny" and r["dtype"] == "bfloat16")
     # 4 attention layers x (K + V) x 4 kv heads x 128 x 2 bytes, + an int64 position; 36 Mamba-2 layers of 48 x 64 x 128 float32
     assert granite["bytes_per_token"] == 4 * 2 * 4 * 128 * 2 + 8
     assert granite["fixed_parts"]["ssm_state"] == 36 * 48 * 64 * 128 * 4
 
 
-def test_hybrid_ttft_quick(tmp_path):
-    """benchmarks/hybrid_ttft.py --quick (a tiny GraniteMoeHybrid, seconds): its table, its JSON, the composed keys of
-    all k contexts, and one composed state giving the baseline's first token (one state composes to itself)."""
+@pytest.mark.parametrize("size,quick", [("granite-h-tiny-10l", "tiny"), ("qwen3.5-4l", "qwen3.5-tiny")])
+def test_hybrid_ttft_quick(tmp_path, size, quick):
+    """benchmarks/hybrid_ttft.py --quick (a tiny GraniteMoeHybrid, or a tiny Qwen3.5 for the gated DeltaNet sizes,
+    seconds): its table, its JSON, the composed keys of all k contexts, and one composed state giving the baseline's
+    first token (one state composes to itself)."""
     import json
 
     out = tmp_path / "hybrid_ttft.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "hybrid_ttft.py"), "--quick", "--out", str(out)],
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "hybrid_ttft.py"),
+            "--size",
+            size,
+            "--quick",
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -266,7 +281,7 @@ def test_hybrid_ttft_quick(tmp_path):
     assert "| 10 |" in done.stdout
     result = json.loads(out.read_text())
     rows = result["result"]["rows"]
-    assert [row["k"] for row in rows] == [1, 4, 10] and result["threads"] == 1 and result["result"]["size"] == "tiny"
+    assert [row["k"] for row in rows] == [1, 4, 10] and result["threads"] == 1 and result["result"]["size"] == quick
     for row in rows:
         assert row["baseline_tokens"] == row["k"] * 256 + 16 and row["composed_keys"] == row["k"] * 256
         assert row["speedup"] > 0
@@ -310,3 +325,25 @@ def test_gpu_protocol_skips_without_cuda_and_its_checks_run_in_the_interpreter(t
     for row in checks.values():
         assert row["ok"] and row["max_rel"] < 1e-5
         assert "d_initial_state" in row or "d_conv_state" in row  # the gradient of the initial state is compared
+
+
+def test_delta_rule_encode_quick(tmp_path):
+    """benchmarks/delta_rule_encode.py --quick (a tiny Qwen3.5, seconds): the encode times with and without the
+    transitions, and bf16 transitions' errors, which are small but not zero (the rounding reaches the composition)."""
+    import json
+
+    out = tmp_path / "delta_rule_encode.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "delta_rule_encode.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["tokens"] for row in result["encode"]] == [256, 1024] and len(result["rows"]) == 4
+    assert all(row["seconds"]["with_transitions"] > 0 for row in result["encode"])
+    for row in result["bf16"]:
+        assert 0 < row["transition_rel_error"] < 1e-2 and 0 < row["state_rel_error"] < 1e-2, row

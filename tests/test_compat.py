@@ -311,4 +311,8 @@ def test_every_guarded_class_exists_in_the_installed_transformers():
         "granitemoehybrid",
         "nemotron_h",
         "falcon_h1",
+        "qwen3_next",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+        "olmo_hybrid",
     }

@@ -320,26 +320,23 @@ def test_encode_does_not_enable_and_the_stock_model_still_refuses():
 
 
 REFUSED = {
-    "qwen3_next": (
+    "kimi_linear": (
         dict(
             num_hidden_layers=2,
             layer_types=["linear_attention", "full_attention"],
-            head_dim=8,
-            linear_num_value_heads=2,
-            linear_num_key_heads=2,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            num_experts=0,
-            moe_intermediate_size=16,
+            mlp_layer_types=["dense", "dense"],
+            pad_token_id=0,
+            linear_num_heads=2,
+            linear_head_dim=8,
         ),
-        "gated DeltaNet",
+        "Kimi delta attention",
     ),
     "lfm2": (dict(num_hidden_layers=2, layer_types=["conv", "full_attention"]), "short gated convolutions"),
 }
 
 
 @pytest.mark.parametrize("model_type", list(REFUSED))
-def test_linear_attention_hybrids_without_a_diagonal_decay_are_refused(model_type):
+def test_linear_attention_hybrids_not_supported_are_refused(model_type):
     fields, reason = REFUSED[model_type]
     config = AutoConfig.for_model(
         model_type,

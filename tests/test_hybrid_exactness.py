@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
-from hf_statecompose.state.architectures import architecture
+from hf_statecompose.state.architectures import architecture, has_transitions
 
 from architectures import EOS, arch_params, hybrid_model, ids, left_pad
 from helpers import relative_error
@@ -27,6 +27,14 @@ from helpers import relative_error
 TOL64 = 1e-6  # relative, logits of a float64 model's forward (prefill) with past_states (measured <= 3.1e-7)
 TOL_STEPS = 1e-4  # relative, scores against the stock one-token steps (measured <= 2.3e-5, Zamba2: module doc)
 TOL32 = 1e-4  # relative, float32 models
+# the delta-rule hybrids: transformers computes the gated delta rule in float32 even in a float64 model (by its chunked
+# algorithm), and so does the state path, whose rounding differs: float32-level agreement (measured <= 1.2e-6)
+TOL64_DELTA = 1e-5
+
+
+def tol64(model) -> float:
+    """TOL64, or TOL64_DELTA for a delta-rule hybrid (its recurrence runs in float32 in every dtype)."""
+    return TOL64_DELTA if has_transitions(architecture(model.config.model_type)) else TOL64
 
 
 @pytest.fixture(scope="module", params=arch_params())
@@ -72,7 +80,7 @@ def test_greedy_generate_equals_the_concatenation(model):
     assert torch.equal(ours.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :])
     prefill = prefill_logits(model, expected.sequences, full.shape[1])
     for step, (a, e) in enumerate(zip(ours.scores, expected.scores)):
-        assert relative_error(a, prefill[:, step]) < TOL64, step
+        assert relative_error(a, prefill[:, step]) < tol64(model), step
         assert relative_error(a, e) < TOL_STEPS, step
 
 
@@ -96,7 +104,7 @@ def test_generation_steps_with_a_head_below_time_step_min(arch):
     assert torch.equal(ours.sequences[:, query.shape[1] :], expected.sequences[:, full.shape[1] :])
     prefill = prefill_logits(model, expected.sequences, full.shape[1])
     for step, a in enumerate(ours.scores):
-        assert relative_error(a, prefill[:, step]) < TOL64, step
+        assert relative_error(a, prefill[:, step]) < tol64(model), step
 
 
 @torch.no_grad()
@@ -165,17 +173,20 @@ def test_left_padded_batch_of_contexts_and_queries(model):
             torch.testing.assert_close(row.delta_sums[v], alone.delta_sums[v], rtol=1e-6, atol=1e-7)
         real = row.key_mask[0]
         assert int(real.sum()) == len(context) and bool(real[-len(context) :].all())
+        # float64 keys; a delta-rule model's layers before them compute their recurrence in float32 (by chunks that a
+        # padded row aligns otherwise): float32 rounding
+        key_tol = 1e-6 if tol64(model) == TOL64_DELTA else 1e-9
         for got, want in zip(row.attention_layers, alone.attention_layers):
             assert torch.equal(got.positions[:, real], want.positions)
-            torch.testing.assert_close(got.keys[:, :, real], want.keys, rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(got.values[:, :, real], want.values, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(got.keys[:, :, real], want.keys, rtol=key_tol, atol=key_tol)
+            torch.testing.assert_close(got.values[:, :, real], want.values, rtol=key_tol, atol=key_tol)
     logits = model(query_ids, attention_mask=query_mask, past_states=[states]).logits
     generated = model.generate(
         query_ids, attention_mask=query_mask, past_states=[states], max_new_tokens=6, do_sample=False
     )[:, query_ids.shape[1] :]
     for r, (context, query) in enumerate(zip(contexts, queries)):
         expected = model(torch.cat([context, query])[None]).logits[0, -len(query) :]
-        assert relative_error(logits[r, -len(query) :], expected) < TOL64, r
+        assert relative_error(logits[r, -len(query) :], expected) < tol64(model), r
         assert relative_error(model(query[None]).logits[0], expected) > 1e-2  # the context matters
         assert torch.equal(
             generated[r], stock_continuation(model, context[None], query[None], max_new_tokens=6, do_sample=False)[0]
@@ -192,11 +203,11 @@ def test_per_row_context_lists(model):
     query_ids, query_mask = left_pad([q0, q1])
     logits = model(query_ids, attention_mask=query_mask, past_states=[[s1], [s2, s3]]).logits
     row0 = model(q0[None], past_states=[s1]).logits[0]
-    assert relative_error(logits[0, -3:], row0) < TOL64
+    assert relative_error(logits[0, -3:], row0) < tol64(model)
     expected0 = model(torch.cat([c1[0], q0])[None]).logits[0, -3:]
-    assert relative_error(row0, expected0) < TOL64
+    assert relative_error(row0, expected0) < tol64(model)
     assert relative_error(model(q0[None], past_states=[s2, s3]).logits[0], expected0) > 1e-2  # the context matters
-    assert relative_error(logits[1], model(q1[None], past_states=[s2, s3]).logits[0]) < TOL64
+    assert relative_error(logits[1], model(q1[None], past_states=[s2, s3]).logits[0]) < tol64(model)
     generated = model.generate(
         query_ids, attention_mask=query_mask, past_states=[[s1], [s2, s3]], max_new_tokens=6, do_sample=False
     )[:, query_ids.shape[1] :]

@@ -23,7 +23,7 @@ BACKENDS = ["folder", "lance"]
 
 @pytest.fixture(scope="module")
 def models():
-    return {arch: tiny_hybrid(arch) for arch in WORKING}
+    return {arch: tiny_hybrid(arch) for arch in (*WORKING, "qwen3_5_text")}
 
 
 def open_store(path, model, backend, **kw):
@@ -51,7 +51,8 @@ def assert_keys_equal(state, expected, dtype=None, atol=0.0):
 
 
 @pytest.mark.parametrize(
-    "arch,backend", [(arch, backend) for arch in WORKING for backend in BACKENDS] + [("zamba2", "folder")]
+    "arch,backend",
+    [(arch, backend) for arch in (*WORKING, "qwen3_5_text") for backend in BACKENDS] + [("zamba2", "folder")],
 )
 def test_entries_hold_the_keys_of_their_context_alone(arch, backend, models, tmp_path):
     if backend == "lance":
@@ -233,12 +234,13 @@ def test_a_store_refuses_another_hybrid_model(models, tmp_path):
         open_store(tmp_path / "s", tiny_hybrid("nemotron_h", seed=1), "folder")
 
 
-@pytest.fixture
-def saved_hybrid(tmp_path):
-    """A tiny random NemotronH saved with save_pretrained, beside the demo model's tokenizer."""
+@pytest.fixture(params=["nemotron_h", "qwen3_5_text"])
+def saved_hybrid(tmp_path, request):
+    """A tiny random NemotronH (Mamba-2 layers) or Qwen3.5 (gated DeltaNet layers) saved with save_pretrained, beside
+    the demo model's tokenizer."""
     demo = Path(cli.__file__).parent / "demo" / "models" / "mamba2"
     vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
-    model = tiny_hybrid("nemotron_h", vocab_size=vocab)
+    model = tiny_hybrid(request.param, vocab_size=vocab)
     folder = tmp_path / "hybrid"
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):

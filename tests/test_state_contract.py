@@ -23,6 +23,8 @@ import hf_statecompose as hsc
 from hf_statecompose import ComposableMambaCache, StateComposer, compat
 from hf_statecompose.composition.composer import METHODS, MODEL_FREE_METHODS
 from hf_statecompose.ops.compose.reference import compose_ssm_ref
+from hf_statecompose.ops.delta_rule import compose_in_order_reference, mean_over_orders_reference, rotations
+from hf_statecompose.state.architectures import architecture, has_transitions
 from hf_statecompose.state.validation import check_state
 
 from architectures import ARCHITECTURES
@@ -320,6 +322,8 @@ def test_composition_equals_the_float64_reference(arch, states):
     (ops/compose/reference.py) of the states with their decays, ΣΔ the total (soup: the mean, weighted: the
     weighted sum), ``A`` the states'; a soup differs from each input (composition did something)."""
     weights = [0.2, 0.5, 0.3]
+    if has_transitions(architecture(states[0].architecture)):
+        return _check_delta_rule_compositions(states, weights)
     for method in MODEL_FREE_METHODS:
         composed = composer_of(method, 3).compose(states)
         assert composed.num_tokens.tolist() == [9 + 14 + 6], method
@@ -337,6 +341,37 @@ def test_composition_equals_the_float64_reference(arch, states):
             assert torch.equal(composed.A[v], states[0].A[v]), method
         if method == "soup":  # (CASO and PICASO of states that decay fast are close to the last state)
             assert all(relative_error(composed.ssm_states[0], s.ssm_states[0]) > 1e-3 for s in states)
+
+
+def _check_delta_rule_compositions(states, weights):
+    """Delta-rule states compose as affine maps S -> M S + S_C (ops/delta_rule/reference.py): caso the fold in list
+    order, picaso_r the mean over the rotations, picaso_s over all orders, soup / weighted the weighted mean of the
+    maps; every SSM layer's state and transition against the float64 reference, ΣΔ as for Mamba layers."""
+    references = {
+        "caso": lambda s, m: compose_in_order_reference(s, m),
+        "picaso_r": lambda s, m: mean_over_orders_reference(s, m, orders=rotations(len(s))),
+        "picaso_s": lambda s, m: mean_over_orders_reference(s, m),
+    }
+    for method in MODEL_FREE_METHODS:
+        composed = composer_of(method, 3).compose(states)
+        assert composed.num_tokens.tolist() == [9 + 14 + 6], method
+        w = torch.tensor(weights if method == "weighted" else [1 / 3] * 3, dtype=torch.float64)
+        for v in range(composed.num_layers):
+            ssm = [s.ssm_states[v].double() for s in states]
+            transitions = [s.transitions[v].double() for s in states]
+            if method in references:
+                state, transition = references[method](ssm, transitions)
+            else:
+                state = sum(wk * s for wk, s in zip(w, ssm))
+                transition = sum(wk * m for wk, m in zip(w, transitions))
+            torch.testing.assert_close(composed.ssm_states[v].double(), state, rtol=1e-5, atol=1e-6, msg=method)
+            torch.testing.assert_close(composed.transitions[v].double(), transition, rtol=1e-5, atol=1e-6, msg=method)
+            deltas = torch.stack([s.delta_sums[v] for s in states])
+            total = deltas.sum(0) if method in references else (w.float().view(-1, 1, 1) * deltas).sum(0)
+            torch.testing.assert_close(composed.delta_sums[v], total, msg=method)
+        # the context persists: caso differs from the last state (the earlier contexts reach it through M)
+        if method == "caso":
+            assert relative_error(composed.ssm_states[0], states[-1].ssm_states[0]) > 1e-2
 
 
 @torch.no_grad()

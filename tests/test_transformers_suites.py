@@ -47,6 +47,8 @@ HYBRID_MODULES = _suites(hybrid=True)
 # enabled in the full run); HSC_TRANSFORMERS_SUITES=full runs every test
 HYBRID_SUBSET = "not compil and not eager_matches_sdpa_inference and not bc_torch_dtype"
 FULL_ENV = "HSC_TRANSFORMERS_SUITES"
+# seconds each run (stock, enabled) may take before it counts as broken; a loaded machine needs more than the default
+TIMEOUT_ENV = "HSC_TRANSFORMERS_SUITES_TIMEOUT"
 TESTS_DIR = Path(__file__).resolve().parent
 
 _reason = missing_reason(*COMMON_FILES, *MODEL_SUITE_FILES, *MODULES)
@@ -102,7 +104,7 @@ def finish_suite(tmp_path: Path, run: subprocess.Popen, enabled: bool) -> tuple[
     """The outcomes of a run started by :func:`start_suite` and how many models its plugin enabled."""
     mode = "enabled" if enabled else "stock"
     try:
-        returncode = run.wait(timeout=900)
+        returncode = run.wait(timeout=int(os.environ.get(TIMEOUT_ENV, "900")))
     finally:
         run.kill()
     # 0: all passed, 1: some failed (stock transformers has failing tests too); anything else: the run broke

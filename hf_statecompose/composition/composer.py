@@ -45,7 +45,8 @@ from ..models import encode
 from ..ops.backends import check_backend_name, compose_ssm_layers, resolve
 from ..ops.compose import methods as _methods
 from ..ops.compose import native as compose_native
-from ..state.architectures import architecture
+from ..ops.delta_rule import MAX_ALL_ORDERS, compose_in_order, mean_over_orders, mean_over_rotations
+from ..state.architectures import architecture, has_transitions
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import model_fingerprint
 from ..state.validation import check_against_model, check_compatible, check_finite, check_state_once
@@ -151,7 +152,9 @@ class StateComposer:
             if not validated:
                 _check_states_fit_model(states, model, self.method, name)
             return _concat(states, model) if self.method == "concat" else _piconcat_r(states, model)
-        if _methods.get(self.method).weights == _methods.METHODS["picaso_s"].weights:  # picaso_s or an alias
+        if has_transitions(architecture(states[0].architecture)):
+            _check_delta_rule_method(self.method, states)
+        elif _methods.get(self.method).weights == _methods.METHODS["picaso_s"].weights:  # picaso_s or an alias
             _check_picaso_s_cost(states)
         if n == 1:  # one state composes to itself, exactly (tensors shared; checked finite above)
             composed = states[0].shallow_copy()
@@ -331,6 +334,8 @@ def compose_model_free(
 
 def _compose_model_free(states, method, conv, weights, backend, gathered=None):
     """(composed state, whether it is known to be finite: True / False, or None when not checked)."""
+    if has_transitions(architecture(states[0].architecture)):
+        return _compose_delta_rule(states, method, conv, weights), None
     native = _compose_native(states, method, conv, weights, backend, gathered) if gathered is not None else None
     if native is not None:
         return native
@@ -358,6 +363,92 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
     out = first.filled_like(ssm_out, conv_out, delta_out)
     out.finish_composition(states)
     return out, None
+
+
+# ------------------------------------------------------------------------------ delta-rule layers
+# A delta-rule context (gated DeltaNet) maps a state S to M S + S_C, with M its transition (a matrix per value head):
+# composing contexts composes these affine maps (hf_statecompose.ops.delta_rule). Each method keeps its meaning:
+# caso the list order, picaso_r the mean over the n cyclic orders, picaso_s the mean over all n! orders (exactly, by
+# the recursion over subsets: 2^n intermediate maps), soup / weighted the weighted mean of the maps (its state is
+# the weighted mean of the states, as for Mamba layers; its transition the weighted mean of the transitions).
+_ORDER_RULES = {"caso": compose_in_order, "picaso_r": mean_over_rotations, "picaso_s": mean_over_orders}
+
+
+def _delta_rule_rule(method: str):
+    """The order rule (a function of stacked states and transitions) of ``method`` for delta-rule layers, or None for
+    a method with one scalar weight per state (soup, weighted and their kind)."""
+    spec = _methods.get(method)
+    if spec.fixed_weights is not None:
+        return None
+    for name, rule in _ORDER_RULES.items():
+        if method == name or spec.weights == _methods.METHODS[name].weights:
+            return rule
+    raise ValueError(
+        f"method {method!r} weighs the states by their scalar decays, which do not describe a delta-rule layer (its "
+        "transition is a matrix that does not commute with the others'); for these states use "
+        f"{', '.join(_ORDER_RULES)}, soup, weighted or a method with fixed weights"
+    )
+
+
+# picaso_s over delta-rule states: the exact mean over all n! orders takes n·2^(n−1) products [k, k] @ [k, v + k] per
+# layer, batch row and head (ops/delta_rule/compose.py). Above this many multiply-adds in all (about a minute on a
+# 2-core CPU: n = 5 at Qwen3-Next's size, 36 layers of 32 heads of 128 x 128) compose refuses, naming picaso_r; raise
+# it (hf_statecompose.composition.composer.DELTA_PICASO_S_MAX_MULTIPLY_ADDS) to wait instead. MAX_ALL_ORDERS (12)
+# bounds n whatever the size (the recursion keeps up to C(n, n/2) maps of a layer's size).
+DELTA_PICASO_S_MAX_MULTIPLY_ADDS = 5 * 10**11
+
+
+def _check_delta_rule_method(method: str, states) -> None:
+    rule, n = _delta_rule_rule(method), len(states)
+    if rule is not mean_over_orders:
+        return
+    advice = "use method='picaso_r' (the mean over the n cyclic orders, 3n products) or compose fewer states"
+    if n > MAX_ALL_ORDERS:
+        raise ValueError(
+            f"picaso_s over {n} delta-rule states needs the mean over all {n}! orders: the exact recursion keeps "
+            f"up to C({n}, {n // 2}) intermediate maps per layer and takes n·2^(n−1) products (at most "
+            f"{MAX_ALL_ORDERS} states); {advice}"
+        )
+    per_product = sum(
+        s.numel() // s.shape[-1] * s.shape[-2] * (s.shape[-1] + s.shape[-2]) for s in states[0].ssm_states
+    )
+    cost = n * 2 ** (n - 1) * per_product
+    if cost > DELTA_PICASO_S_MAX_MULTIPLY_ADDS:
+        raise ValueError(
+            f"picaso_s over {n} delta-rule states of this model needs {cost:.2g} multiply-adds (n·2^(n−1) products "
+            f"per layer and head), more than DELTA_PICASO_S_MAX_MULTIPLY_ADDS = {DELTA_PICASO_S_MAX_MULTIPLY_ADDS:.2g}; "
+            f"{advice}, or raise hf_statecompose.composition.composer.DELTA_PICASO_S_MAX_MULTIPLY_ADDS to wait for it"
+        )
+
+
+def _compose_delta_rule(states, method: str, conv: str, weights) -> ComposableMambaCache:
+    """Every delta-rule layer's state and transition by the method's rule, the conv windows by the policy, ΣΔ by the
+    method's rule (the total for the order-based methods, the weighted mean for soup / weighted)."""
+    first, spec, n = states[0], _methods.METHODS[method], len(states)
+    rule = _delta_rule_rule(method)
+    # (every state carries its transitions: the state checks refuse one without)
+    user = None if weights is None else weights.detach().tolist()
+    w = None if rule is not None else torch.tensor(spec.state_weights(n, user))
+    coefficients = torch.tensor(spec.delta_sum_weights(n, user), dtype=torch.float64)
+    ssm_out, conv_out, delta_out, transitions_out = [], [], [], []
+    for i in range(first.num_layers):
+        stacked = torch.stack([s.ssm_states[i] for s in states])  # [n, B, H, k, v]
+        transitions = torch.stack([s.transitions[i] for s in states])  # [n, B, H, k, k]
+        if rule is not None:
+            state, transition = rule(stacked, transitions)
+        else:
+            assert w is not None
+            scale = w.to(stacked).view(-1, *[1] * (stacked.dim() - 1))
+            state, transition = (scale * stacked).sum(0), (scale * transitions).sum(0)
+        ssm_out.append(state)
+        transitions_out.append(transition)
+        conv_out.append(_compose_conv([s.conv_states[i] for s in states], conv, weights))
+        delta = torch.stack([s.delta_sums[i] for s in states])
+        delta_out.append((coefficients.to(delta).view(-1, *[1] * (delta.dim() - 1)) * delta).sum(0))
+    out = first.filled_like(ssm_out, conv_out, delta_out)
+    out.transitions = transitions_out
+    out.finish_composition(states)
+    return out
 
 
 _contiguous, _requires_grad = torch.Tensor.is_contiguous, attrgetter("requires_grad")

@@ -49,6 +49,9 @@ class ExtraTensor:
     label: str
     row_shape: Callable[[Any], tuple]
     dtype: Callable[[torch.dtype], torch.dtype]
+    # stores keep it in their storage dtype, as the SSM states (a delta-rule transition: bf16 in a bf16 store), and
+    # read it back in ``dtype``; otherwise it is stored in its own dtype, never rounded (SeRpEnt's clocks and masks)
+    stored_like_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -668,10 +671,128 @@ HYBRIDS = tuple(
 for _a in HYBRIDS:  # the A_log lookup closes over the first object: point it at the final one
     object.__setattr__(_a, "A_log_of", _hybrid_A_log_of(_a))
 
+# ---------------------------------------------------------------------------------------------- delta-rule hybrids
+# Gated DeltaNet layers plus attention layers (transformers' qwen3_next, qwen3_5_text, qwen3_5_moe_text,
+# olmo_hybrid). A GDN layer's state per value head is S [k_dim, v_dim] with the step
+# S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ: a matrix transition, so a state layer carries, beside the
+# SSM state (``ssm_states[v]`` [B, H, k_dim, v_dim], float32) and the conv window ([B, 2·key_dim + value_dim, K]),
+# its context's *transition* ``transitions[v]`` [B, H, k_dim, k_dim] (float32): the product of the steps, latest on
+# the left, so that encoding A then B gives S_AB = M_B S_A + S_B (hf_statecompose.ops.delta_rule). ΣΔ is the
+# scalar part of the decay, as for Mamba-2: ΣΔ[h] = Σ_t softplus(a_t + dt_bias)[h] and A = −exp(A_log) [H], so
+# exp(A · ΣΔ) is the product of the α_t (what soup / weighted and the checks read; the order-based methods read M).
+_GDN_FORWARD = "hf_statecompose.models.gated_deltanet:gated_deltanet_mixer_forward"
+_DELTA_NOTE = "GDN layers as affine maps by the method (`picaso_s` up to 12 states), attention keys of all contexts"
+
+
+def _gdn_state_shapes(c):
+    heads, k_dim, v_dim = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    conv_dim = 2 * c.linear_num_key_heads * k_dim + heads * v_dim
+    return (heads, k_dim, v_dim), (conv_dim, c.linear_conv_kernel_dim)
+
+
+def _check_transition_values(extras: dict, v: int, refuse, *, config, num_tokens=None, encoded: bool = False) -> None:
+    """A real transition is a product of steps α (I − β k kᵀ) (β in [0, 2], |k| = 1, α in (0, 1]): every step has
+    spectral norm <= 1, so the product does, and so does every entry (an entry is bounded by the spectral norm)."""
+    import torch
+
+    transition = extras["transitions"]
+    if not torch.isfinite(transition).all():
+        refuse(f"layer {v} transition contains NaN or inf")
+    largest = float(transition.abs().max()) if transition.numel() else 0.0
+    if largest > 1.0 + 1e-3:
+        refuse(
+            f"layer {v} transition has an entry of magnitude {largest:.4g} > 1: a product of delta-rule steps has "
+            "spectral norm <= 1, so no entry exceeds 1 (a corrupted or hand-made state)"
+        )
+
+
+_TRANSITIONS = ExtraTensor(
+    "transitions",
+    "transition",
+    "transition",
+    lambda c: (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_key_head_dim),
+    lambda d: _torch().float32,
+    stored_like_state=True,
+)
+
+
+def _delta_rule_hybrid(name, *, folder, display_name, model_classes, mixer_class, rotary_dims):
+    return Architecture(
+        name=name,
+        per_element_decay=False,
+        num_state_layers=lambda c: sum(kind == "ssm" for kind in _listed_kinds("layer_types")(c)),
+        state_shapes=_gdn_state_shapes,
+        decay_shapes=lambda c: ((c.linear_num_value_heads,), (c.linear_num_value_heads,)),
+        A_log_of=None,  # set below (it reads the layout), as for every hybrid
+        cache_module="hybrid_cache",
+        cache_class_name="ComposableDeltaRuleCache",
+        extras=(_TRANSITIONS,),
+        check_extra_values=_check_transition_values,
+        layer_kinds=_listed_kinds("layer_types"),
+        mixer_paths=(("linear_attn",),),
+        attention_shape=_kv_shape,
+        rotary_dims=rotary_dims,
+        display_name=display_name,
+        model_module=compat.modeling_module(folder),
+        model_classes=model_classes,
+        mixer_class=mixer_class,
+        mixer_forward=_GDN_FORWARD,
+        composition_note=_DELTA_NOTE,
+    )
+
+
+def _partial_rope(c):
+    return int(_head_dim(c) * _rope_fraction(c))
+
+
+QWEN3_NEXT = _delta_rule_hybrid(
+    "qwen3_next",
+    folder="qwen3_next",
+    display_name="Qwen3-Next",
+    model_classes=("Qwen3NextModel", "Qwen3NextForCausalLM"),
+    mixer_class="Qwen3NextGatedDeltaNet",
+    rotary_dims=_partial_rope,
+)
+QWEN3_5 = _delta_rule_hybrid(
+    "qwen3_5_text",
+    folder="qwen3_5",
+    display_name="Qwen3.5",
+    model_classes=("Qwen3_5TextModel", "Qwen3_5ForCausalLM"),
+    mixer_class="Qwen3_5GatedDeltaNet",
+    rotary_dims=_partial_rope,
+)
+QWEN3_5_MOE = _delta_rule_hybrid(
+    "qwen3_5_moe_text",
+    folder="qwen3_5_moe",
+    display_name="Qwen3.5-MoE",
+    model_classes=("Qwen3_5MoeTextModel", "Qwen3_5MoeForCausalLM"),
+    mixer_class="Qwen3_5MoeGatedDeltaNet",
+    rotary_dims=_partial_rope,
+)
+OLMO_HYBRID = _delta_rule_hybrid(
+    "olmo_hybrid",
+    folder="olmo_hybrid",
+    display_name="Olmo-Hybrid",
+    model_classes=("OlmoHybridModel", "OlmoHybridForCausalLM"),
+    mixer_class="OlmoHybridGatedDeltaNet",
+    rotary_dims=_partial_rope,
+)
+DELTA_RULE_HYBRIDS = tuple(
+    dataclasses.replace(a, A_log_of=_hybrid_A_log_of(a)) for a in (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, OLMO_HYBRID)
+)
+for _a in DELTA_RULE_HYBRIDS:
+    object.__setattr__(_a, "A_log_of", _hybrid_A_log_of(_a))
+
+
+def has_transitions(layout: Architecture) -> bool:
+    """Whether the states of ``layout`` compose as affine maps with matrix transitions (delta-rule layers)."""
+    return any(extra.attribute == "transitions" for extra in layout.extras)
+
+
 # the architecture table: model_type -> its row. Read it, never copy it: rows registered later (:func:`register`)
 # are known everywhere that reads it
 ARCHITECTURES: dict[str, Architecture] = {
-    a.name: a for a in (MAMBA, MAMBA2, FALCON_MAMBA, *HYBRIDS, SERPENT_MAMBA, COFFEE)
+    a.name: a for a in (MAMBA, MAMBA2, FALCON_MAMBA, *HYBRIDS, *DELTA_RULE_HYBRIDS, SERPENT_MAMBA, COFFEE)
 }
 
 

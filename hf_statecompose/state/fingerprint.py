@@ -76,20 +76,29 @@ def base_model_of(model: torch.nn.Module) -> Any:
 
 
 # hybrids whose states are refused, and why (docs/guides/hybrids.md)
+_MULTIMODAL = (
+    "this is the multimodal model (vision and text); its states are those of its text model: load that one "
+    "({}.from_pretrained(...), model_type {!r}) for text contexts"
+)
+_NOT_YET = (
+    "its linear layers are {}: a matrix transition per head that this release does not encode yet (supported "
+    "delta-rule models: Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Olmo-Hybrid)"
+)
 REFUSED_MODEL_TYPES = {
-    "qwen3_next": "its linear layers are gated DeltaNet: the state transition (I - beta k k^T) is not diagonal, so a "
-    "context's decay is a matrix, not the per-channel accumulated decay (ΣΔ) that the composition rules weigh by",
     "lfm2": "its recurrent layers are short gated convolutions without an SSM state or decay: there is nothing for the "
     "decay-weighted rules to weigh, only a window of the last few inputs",
+    "qwen3_5": _MULTIMODAL.format("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen3_5_moe": _MULTIMODAL.format("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "kimi_linear": _NOT_YET.format("Kimi delta attention (a per-channel decay inside the transition)"),
+    "bailing_hybrid": _NOT_YET.format("Kimi delta attention (a per-channel decay inside the transition)"),
+    "glm5_next_text": _NOT_YET.format("Kimi delta attention (a per-channel decay inside the transition)"),
+    "qwen4_exp_text": "its gated DeltaNet layers are supported, but its attention layers are indexed (sparse) "
+    "attention, whose cache this release does not compose",
+    "lara_mini": "its gated DeltaNet layers are supported, but its sliding-window attention layers keep only a window "
+    "of keys, which this release does not compose",
+    "minimax": "its linear layers are lightning attention (a fixed per-head decay): not supported by this release",
 }
-REFUSED_MODEL_TYPES.update(
-    {
-        "qwen3_5": REFUSED_MODEL_TYPES["qwen3_next"],
-        "qwen3_5_moe": REFUSED_MODEL_TYPES["qwen3_next"],
-        "qwen3_next_moe": REFUSED_MODEL_TYPES["qwen3_next"],
-        "lfm2_moe": REFUSED_MODEL_TYPES["lfm2"],
-    }
-)
+REFUSED_MODEL_TYPES["lfm2_moe"] = REFUSED_MODEL_TYPES["lfm2"]
 
 
 def architecture_of(model: torch.nn.Module) -> str:

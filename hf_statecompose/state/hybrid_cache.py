@@ -27,13 +27,19 @@ import torch
 from .. import compat
 from .architectures import architecture as layout_of
 from .cache import ComposableMambaCache
-from .layers import ComposableAttentionLayer, ComposableSSMAttentionLayer, ComposableSSMLayer
+from .layers import (
+    ComposableAttentionLayer,
+    ComposableDeltaLayer,
+    ComposableSSMAttentionLayer,
+    ComposableSSMLayer,
+    layer_attribute,
+)
 from .validation import check_key_positions
 
 
-def _new_layer(kind: str):
+def _new_layer(kind: str, ssm_layer=ComposableSSMLayer):
     if kind == "ssm":
-        return ComposableSSMLayer()
+        return ssm_layer()
     if kind == "attention":
         return ComposableAttentionLayer()
     if kind == "both":
@@ -63,7 +69,7 @@ class ComposableHybridCache(ComposableMambaCache):
                 f"this {architecture} model has no SSM layer (layer kinds {kinds}): it has no state to "
                 "encode or compose; use transformers' own cache (past_key_values) for its attention layers"
             )
-        compat.Cache.__init__(self, layers=[_new_layer(kind) for kind in kinds])
+        compat.Cache.__init__(self, layers=[_new_layer(kind, self._layer_class) for kind in kinds])
         self.config = config
         self.architecture = architecture
         self.fingerprint = fingerprint
@@ -139,3 +145,24 @@ class ComposableHybridCache(ComposableMambaCache):
             f"layers={len(self.layers)} ({len(self.ssm_layer_indices)} SSM, {len(self.attention_layer_indices)} "
             f"attention), keys={self.context_length}"
         )
+
+
+class ComposableDeltaRuleCache(ComposableHybridCache):
+    """A delta-rule hybrid's state (Qwen3-Next, Qwen3.5, Olmo-Hybrid: gated DeltaNet layers plus attention layers).
+
+    Its SSM layers are :class:`~.layers.ComposableDeltaLayer` objects: a gated DeltaNet layer's recurrent state
+    ``ssm_states[v]`` ``[B, H, k_dim, v_dim]`` (float32), conv window ``conv_states[v]`` ``[B, 2·key_dim + value_dim,
+    K]``, the scalar part of its decay as ΣΔ ``[B, H]`` with ``A`` ``[H]`` (as Mamba-2's), and the context's
+    transition ``transitions[v]`` ``[B, H, k_dim, k_dim]`` (float32): the product of the layer's steps
+    ``exp(g_t) (I − β_t k_t k_tᵀ)`` over the context, latest on the left. A context maps a state ``S`` to
+    ``M S + S_C``; the composer composes these affine maps (in order for ``caso``, their mean over the cyclic
+    orders for ``picaso_r``, over all orders for ``picaso_s``). The mixers keep the transition up to date whenever a
+    layer holds one (it costs one more recurrence of width ``k_dim`` beside the state's ``v_dim``)."""
+
+    _layer_class = ComposableDeltaLayer
+
+    transitions = layer_attribute(
+        "transition", "Per SSM layer: the context's transition ``[B, H, k_dim, k_dim]`` (float32), latest step left."
+    )
+
+    _repr_name = "ComposableDeltaRuleCache"

@@ -39,6 +39,13 @@ class SeRpEntSSMLayer(ComposableSSMLayer):
     _row_tensors = ComposableSSMLayer._row_tensors + tuple(extra.attribute for extra in SERPENT_MAMBA.extras)
 
 
+class ComposableDeltaLayer(ComposableSSMLayer):
+    """A delta-rule layer's state (gated DeltaNet): an SSM layer's tensors plus the context's transition
+    ``transition`` ``[B, H, k_dim, k_dim]`` (float32), the product of its steps, latest on the left."""
+
+    _row_tensors = ComposableSSMLayer._row_tensors + ("transition",)
+
+
 class ComposableAttentionLayer(compat.AttentionLayerBase):
     """An attention layer's state: keys and values ``[B, kv heads, L, head dim]`` and their positions ``[B, L]``
     (int64, -1 for padding slots)."""

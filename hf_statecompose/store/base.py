@@ -337,6 +337,8 @@ class StateStore:
             )
             for extra in self._layout.extras:  # in their own dtypes (int64 clocks, bool masks): never rounded
                 tensor = getattr(state, extra.attribute)[layer][row : row + 1].detach().to("cpu")
+                if extra.stored_like_state:  # a delta-rule transition: in the storage dtype, as the SSM state
+                    tensor = tensor.to(self.storage_dtype)
                 out[f"{extra.file_key}.{layer}"] = tensor.new_empty(tensor.shape).copy_(tensor)  # standard strides
         for i in self._attention_layers:
             layer = state.layers[i]
@@ -365,7 +367,10 @@ class StateStore:
                 A=A[layer].to(device).clone(),  # the state's own: the store's verified A is shared by every read
             )
             for extra in self._layout.extras:
-                getattr(state, extra.attribute)[layer] = tensors[f"{extra.file_key}.{layer}"].to(device)
+                tensor = tensors[f"{extra.file_key}.{layer}"]
+                if extra.stored_like_state:
+                    tensor = tensor.to(extra.dtype(model_dtype))
+                getattr(state, extra.attribute)[layer] = tensor.to(device)
         if self._attention_layers:
             from ..state.serialization import attention_tensor_names
 
@@ -424,7 +429,17 @@ class StateStore:
                     f"{where}: layer {layer} ΣΔ is negative (impossible for a real encoding); delete and re-add it"
                 )
             if self._layout.extras:
-                extras = {extra.attribute: tensors[f"{extra.file_key}.{layer}"] for extra in self._layout.extras}
+                extras = {}
+                for extra in self._layout.extras:
+                    tensor = tensors[f"{extra.file_key}.{layer}"]
+                    if extra.stored_like_state:  # stored in the storage dtype: it must be that, then is read back
+                        if tensor.dtype != self.storage_dtype:
+                            raise ValueError(
+                                f"{where}: layer {layer} {extra.label} is {tensor.dtype}, not the store's "
+                                f"{self.header['storage_dtype']}; delete and re-add it"
+                            )
+                        tensor = tensor.to(extra.dtype(self._state_template["model_dtype"]))
+                    extras[extra.attribute] = tensor
                 check_extra_tensors(
                     self._layout,
                     extras,
