@@ -48,6 +48,7 @@ import re
 import types
 import warnings
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 logger = logging.getLogger("hf_statecompose")
 
@@ -196,8 +197,7 @@ def cache_output(cls):
     return cls
 
 
-@functools.cache
-def _deprecation_wrapper_code():
+def _make_deprecation_wrapper_code():
     """The code object of the wrapper that transformers' ``deprecate_kwarg`` puts around a method (every such
     wrapper shares it; its closure holds the wrapped function as ``func``), or None where it has no such wrapper."""
     try:
@@ -206,6 +206,20 @@ def _deprecation_wrapper_code():
         return None
     code = deprecate_kwarg("old", "999.0", new_name="new")(lambda new=None: new).__code__
     return code if "func" in code.co_freevars else None
+
+
+# made once, on first use (enable's wrap_inside_deprecations, before any call of an enabled forward), then a plain
+# global: the enabled forward reads it on every call, also inside torch.compile(fullgraph=True), whose tracer ignores
+# functools.cache and would trace into deprecate_kwarg and break the graph. Not at import: it imports transformers
+_UNSET = object()
+_DEPRECATION_WRAPPER_CODE: Any = _UNSET
+
+
+def _deprecation_wrapper_code():
+    global _DEPRECATION_WRAPPER_CODE
+    if _DEPRECATION_WRAPPER_CODE is _UNSET:
+        _DEPRECATION_WRAPPER_CODE = _make_deprecation_wrapper_code()
+    return _DEPRECATION_WRAPPER_CODE
 
 
 def _is_deprecation_wrapper(function) -> bool:

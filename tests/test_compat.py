@@ -316,3 +316,21 @@ def test_every_guarded_class_exists_in_the_installed_transformers():
         "qwen3_5_moe_text",
         "olmo_hybrid",
     }
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "bamba"])
+def test_an_enabled_forward_compiles_in_one_graph(arch):
+    """The enabled forward (without past_states) stays one graph under torch.compile(fullgraph=True), as the stock one
+    does (transformers' test_generate_compile_model_forward_fullgraph): the deprecation-wrapper check it runs on every
+    call reads a plain global (a functools.cache made the tracer trace into transformers' deprecate_kwarg and fail)."""
+    import torch
+
+    from architectures import hybrid_model, ids
+
+    model = hybrid_model(arch, dtype=torch.float32)
+    query = ids(5, seed=1)
+    with torch.no_grad():
+        expected = model(query).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+        assert torch.allclose(compiled(query).logits, expected, atol=1e-5)
