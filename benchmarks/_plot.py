@@ -381,9 +381,14 @@ FIGURES = {
     "ttft.json": ("ttft.png", _ttft),
     "hybrid_ttft.json": ("hybrid_ttft.png", _hybrid_ttft),
     "delta_rule_ttft.json": ("delta_rule_ttft.png", _hybrid_ttft),
+    "kda_ttft.json": ("kda_ttft.png", _hybrid_ttft),
     "delta_rule_encode.json": (
         "delta_rule_encode.png",
-        _rows_ratio("encoding a Qwen3.5-shaped model's context, with its transitions", "time ratio"),
+        _rows_ratio("a Qwen3.5-shaped model's transitions: encode and decode time", "time ratio"),
+    ),
+    "delta_rule_encode_kda.json": (
+        "delta_rule_encode_kda.png",
+        _rows_ratio("a Kimi-Linear-shaped model's transitions: encode and decode time", "time ratio"),
     ),
     "hybrid_state_size.json": ("hybrid_state_size.png", _hybrid_state_size),
     "hybrid_keys_dtype.json": ("hybrid_keys_dtype.png", _hybrid_keys_dtype),

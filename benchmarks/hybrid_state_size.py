@@ -9,7 +9,7 @@ shape functions (``ARCHITECTURES[model_type]``: ``layer_kinds``, ``state_shapes`
 ``attention_shape``), so the figures are what ``ComposableHybridCache`` holds for one context (batch 1):
 
 * per SSM layer: the SSM state (float32), the conv window ``[C, K]`` (the model dtype), ΣΔ and ``A`` (float32), and
-  for the delta-rule hybrids (Qwen3.5, Qwen3-Next) the context's transition ``[heads, k, k]`` (float32);
+  for the delta-rule hybrids (Qwen3.5, Qwen3-Next, Kimi Linear) the context's transition ``[heads, k, k]`` (float32);
 * per context token: keys and values ``[kv heads, head dim]`` per attention layer (the model dtype) and one
   int64 position (``positions`` ``[B, L]``, one tensor shared by the attention layers); a state that keeps its
   ``token_ids`` (for the concat baselines) holds 8 more bytes per token, not counted here.
@@ -169,25 +169,22 @@ CONFIGS = {
             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12,
         ),
     ),
-    # moonshotai/Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults): 27 layers, Kimi delta attention in the
-    # 21 linear_attention layers (32 heads, head dim 128 for keys and values, conv 4 on q, k and v), MLA in the other
-    # 6. Not supported by this release (KDA): its KDA state and transition are counted with the GDN shapes (the same
-    # [heads, 128, 128] per layer; KDA's per-channel decay adds a [heads, 128] ΣΔ instead of [heads]), through the
-    # qwen3_next row; its MLA keys are not counted (no attention layers listed).
-    "Kimi-Linear-48B-A3B (KDA, not supported; SSM part only)": (
-        "qwen3_next",
+    # moonshotai/Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults): hidden 2304, 27 layers, Kimi delta
+    # attention in 21 linear_attention layers (32 heads, head dim 128 for q, k and v, conv 4 on q, k and v; a decay per
+    # key channel, so ΣΔ is [32, 128]), MLA without positional encoding in the other 6 (layers 4, 8, ..., 24), whose
+    # cache holds per token the compressed latent (kv_lora_rank 512) as the keys and the rotary key part (64) as the
+    # values, one "head" each.
+    "Kimi-Linear-48B-A3B": (
+        "kimi_linear",
         dict(
             hidden_size=2304,
-            num_hidden_layers=21,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            head_dim=128,
-            linear_num_value_heads=32,
-            linear_num_key_heads=32,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
+            num_hidden_layers=27,
+            linear_num_heads=32,
+            linear_head_dim=128,
             linear_conv_kernel_dim=4,
-            layer_types=["linear_attention"] * 21,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            layer_types=["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(27)],
         ),
     ),
     # state-spaces/mamba2-2.7b, https://huggingface.co/state-spaces/mamba2-2.7b/blob/main/config.json: d_model 2560,
@@ -241,8 +238,8 @@ def state_bytes(model_type: str, config, model_dtype: torch.dtype) -> dict:
             ssm_layers * math.prod(extra.row_shape(config)) * f32 for extra in layout.extras if extra.stored_like_state
         ),
     }
-    kv_heads, head_dim = layout.attention_shape(config) if attention_layers else (0, 0)
-    kv_per_token = attention_layers * 2 * kv_heads * head_dim * element
+    kv_heads, key_dim, value_dim = layout.attention_dims(config) if attention_layers else (0, 0, 0)
+    kv_per_token = attention_layers * kv_heads * (key_dim + value_dim) * element
     per_token = kv_per_token + (POSITION_BYTES if attention_layers else 0)
     fixed = sum(parts.values())
     return {
@@ -253,7 +250,7 @@ def state_bytes(model_type: str, config, model_dtype: torch.dtype) -> dict:
         "attention_layers": attention_layers,
         "ssm_state_shape": list(ssm_shape),
         "conv_shape": list(conv_shape),
-        "kv_shape": [kv_heads, head_dim],
+        "kv_shape": [kv_heads, key_dim, value_dim] if key_dim != value_dim else [kv_heads, key_dim],
         "fixed_bytes": fixed,
         "fixed_parts": parts,
         "kv_bytes_per_token": kv_per_token,

@@ -4,9 +4,11 @@
     python benchmarks/hybrid_ttft.py --quick        # tiny model, seconds: what the test runs
 
     python benchmarks/hybrid_ttft.py --size qwen3.5-4l --composition picaso_r   # gated DeltaNet (delta_rule_ttft.json)
+    python benchmarks/hybrid_ttft.py --size kimi-linear-4l --composition picaso_r   # Kimi delta attention (kda_ttft.json)
 
 A Granite-4.0-H-shaped random model (transformers ``GraniteMoeHybridForCausalLM``, no download), or a Qwen3.5-shaped
-one (``Qwen3_5ForCausalLM``: gated DeltaNet layers + attention, ``DELTA_RULE_SIZES``), ``k`` contexts of 256 tokens
+one (``Qwen3_5ForCausalLM``: gated DeltaNet layers + attention, ``DELTA_RULE_SIZES``), or a Kimi-Linear-shaped one
+(``KimiLinearForCausalLM``: Kimi delta attention layers + MLA, ``KDA_SIZES``), ``k`` contexts of 256 tokens
 each encoded beforehand (``hsc.encode``, one state per context) and a 16-token query:
 
 * TTFT: ``model.generate(query, past_states=states, composition=..., max_new_tokens=1)`` with states never seen
@@ -140,6 +142,51 @@ DELTA_RULE_SIZES = {
         layer_types=["linear_attention", "full_attention", "linear_attention"],
     ),
 }
+# Kimi-Linear-shaped (transformers' KimiLinearForCausalLM: Kimi delta attention layers + MLA): Kimi-Linear-48B-A3B's
+# widths (hidden 2304; KDA 32 heads of 128, conv 4; MLA 32 heads, latent 512, rotary part 64, no positional
+# encoding), one block of 3 KDA layers + 1 MLA layer, its MoE replaced by a dense MLP of 9216 and a 32k vocabulary
+_KIMI_LINEAR = dict(
+    vocab_size=32768,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    q_lora_rank=None,
+    linear_num_heads=32,
+    linear_head_dim=128,
+    linear_conv_kernel_dim=4,
+    tie_word_embeddings=True,
+)
+KDA_SIZES = {
+    "kimi-linear-4l": dict(
+        _KIMI_LINEAR,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        mlp_layer_types=["dense"] * 4,
+    ),
+    "kimi-linear-tiny": dict(
+        _KIMI_LINEAR,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense"] * 3,
+    ),
+}
+DELTA_RULE_SIZES.update(KDA_SIZES)
 SIZES.update(DELTA_RULE_SIZES)
 CONTEXT_TOKENS, QUERY_TOKENS = 256, 16
 
@@ -152,10 +199,19 @@ def context_ids(i: int) -> torch.Tensor:
 
 
 def build_model(size: str):
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import (
+        GraniteMoeHybridConfig,
+        GraniteMoeHybridForCausalLM,
+        KimiLinearConfig,
+        KimiLinearForCausalLM,
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+    )
 
     config_class, model_class = (
-        (Qwen3_5TextConfig, Qwen3_5ForCausalLM)
+        (KimiLinearConfig, KimiLinearForCausalLM)
+        if size in KDA_SIZES
+        else (Qwen3_5TextConfig, Qwen3_5ForCausalLM)
         if size in DELTA_RULE_SIZES
         else (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM)
     )
@@ -258,6 +314,16 @@ def run(size: str, ks: list[int], repeats: int, baseline_repeats: int, method: s
     }
 
 
+def _result_name(size: str) -> str:
+    return (
+        "kda_ttft.json"
+        if size in KDA_SIZES
+        else "delta_rule_ttft.json"
+        if size in DELTA_RULE_SIZES
+        else "hybrid_ttft.json"
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="granite-h-tiny-10l", choices=list(SIZES))
@@ -275,14 +341,20 @@ def main(argv=None):
     parser.add_argument("--plot", action="store_true", help="then draw its figure into docs/img/ (benchmarks/_plot.py)")
     args = parser.parse_args(argv)
     delta_rule = args.size in DELTA_RULE_SIZES
-    quick_size = "qwen3.5-tiny" if delta_rule else "tiny"
+    quick_size = "kimi-linear-tiny" if args.size in KDA_SIZES else "qwen3.5-tiny" if delta_rule else "tiny"
     size, repeats, baseline_repeats = (
         (quick_size, 1, 1) if args.quick else (args.size, args.repeats, args.baseline_repeats)
     )
     ks = sorted(int(k) for k in args.ks.split(",") if k.strip())
     torch.set_num_threads(args.threads)
     result = run(size, ks, repeats, baseline_repeats, args.composition)
-    family = "Qwen3.5 (gated DeltaNet)" if size in DELTA_RULE_SIZES else "GraniteMoeHybrid"
+    family = (
+        "Kimi Linear (Kimi delta attention)"
+        if size in KDA_SIZES
+        else "Qwen3.5 (gated DeltaNet)"
+        if size in DELTA_RULE_SIZES
+        else "GraniteMoeHybrid"
+    )
     print(
         f"{family} {size} ({result['params'] / 1e6:.0f}M parameters, random weights); k contexts of "
         f"{CONTEXT_TOKENS} tokens + a {QUERY_TOKENS}-token query; SSM layers {args.composition}, attention layers "
@@ -307,7 +379,7 @@ def main(argv=None):
     out = args.out or (
         str(Path(tempfile.gettempdir()) / "hybrid-ttft-quick.json")
         if args.quick
-        else str(HERE / "results" / ("delta_rule_ttft.json" if delta_rule else "hybrid_ttft.json"))
+        else str(HERE / "results" / _result_name(args.size))
     )
     write_result(
         {
@@ -327,7 +399,7 @@ def main(argv=None):
     if args.plot:
         from _plot import plot_docs
 
-        plot_docs(out, "delta_rule_ttft.json" if delta_rule else "hybrid_ttft.json")
+        plot_docs(out, _result_name(args.size))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,25 @@ DELTA_RULE_CONFIGS = {
     "qwen3_5_text": _GDN,
     "qwen3_next": dict(_GDN, num_experts=0, mlp_only_layers=[]),  # dense MLPs (float64 runs)
     "olmo_hybrid": _GDN,
+    # Kimi Linear: KDA layers (4 heads of 8, a decay per key channel) and one MLA attention layer (NoPE: the cache holds
+    # a latent of 16 and a rotary part of 4); MLA expands keys to every query head (no key / value groups)
+    "kimi_linear": dict(
+        num_hidden_layers=4,
+        layer_types=_GDN["layer_types"],
+        mlp_layer_types=["dense"] * 4,
+        linear_num_heads=4,
+        linear_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        q_lora_rank=None,
+    ),
 }
+# the config entry of a delta-rule hybrid's key head dim (what a "smaller state" halves)
+DELTA_RULE_KEY_DIM = {"kimi_linear": "linear_head_dim"}
 # Qwen3.5-MoE: its experts' grouped matmul has no float64 kernel, so it runs in float32 only (test_delta_rule_models.py)
 DELTA_RULE_MOE = dict(_GDN, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
                       shared_expert_intermediate_size=16)  # fmt: skip
@@ -99,15 +117,18 @@ def hybrid_model(arch: str, dtype=torch.float64, seed: int = 0, enable: bool = T
     model = (AutoModel if bare else AutoModelForCausalLM).from_config(config).to(dtype).eval()
     with torch.no_grad():
         layout = architecture(arch)
-        for block in (model if bare else model.model).layers:
+        backbone = model if bare else model.model
+        for block in backbone.layers:
             mixer = layout.mixer_of(block)
             for parameter in mixer.parameters() if mixer is not None else ():
                 parameter.add_(torch.randn_like(parameter) * 0.1)
-            if mixer is not None and has_transitions(layout):
-                # slow decays (A = exp(A_log) in [0.02, 0.2], not up to 16): the transitions then carry a context
-                # across the next one (with the stock init a state forgets it within a few tokens, and every
-                # composition is close to the last state)
-                mixer.A_log.copy_(torch.empty_like(mixer.A_log).uniform_(0.02, 0.2).log())
+        if has_transitions(layout):
+            # slow decays (A = exp(A_log) in [0.02, 0.2], not up to 16): the transitions then carry a context
+            # across the next one (with the stock init a state forgets it within a few tokens, and every
+            # composition is close to the last state)
+            for v in range(layout.num_state_layers(config)):
+                A_log = layout.A_log_of(backbone, v)
+                A_log.copy_(torch.empty_like(A_log).uniform_(0.02, 0.2).log())
         if not bare:  # logits of a spread of about 2 (not 0.1): sampling then depends on them, not only on the seed
             final_norm = next(
                 getattr(model.model, name)
@@ -250,7 +271,7 @@ ARCHITECTURES = {
             tol=1e-5 if name in DELTA_RULE_CONFIGS else 1e-6,
             has_attention=True,
             smaller_state=(
-                {"linear_key_head_dim": 4}
+                {DELTA_RULE_KEY_DIM.get(name, "linear_key_head_dim"): 4}
                 if name in DELTA_RULE_CONFIGS
                 else {"ssm_state_size" if name == "nemotron_h" else "mamba_d_state": 4}
             ),

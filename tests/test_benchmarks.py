@@ -81,31 +81,26 @@ def test_a_script_that_fails_to_start_is_caught(tmp_path):
     assert results[str(good)]["code"] == 0 and "usage:" in results[str(good)]["stdout"]
 
 
+def run_script(name: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """``benchmarks/<name> args`` in a subprocess, one torch thread (plus ``env``); asserts that it exits 0."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", name), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def test_ttft_runs_at_tiny_size(tmp_path):
     """benchmarks/ttft.py end to end on a tiny Mamba-2 (seconds): its table, its JSON, the store path's answer."""
     import json
 
     out = tmp_path / "ttft.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "ttft.py"),
-            "--size",
-            "tiny",
-            "--repeats",
-            "1",
-            "--baseline-repeats",
-            "1",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script("ttft.py", "--size", "tiny", "--repeats", "1", "--baseline-repeats", "1", "--out", str(out))
     assert "| tiny | 10 |" in done.stdout
     result = json.loads(out.read_text())
     (size,) = result["results"]
@@ -227,33 +222,33 @@ def test_hybrid_state_size_table(tmp_path):
     import json
 
     out = tmp_path / "sizes.json"
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "hybrid_state_size.py"), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script("hybrid_state_size.py", "--out", str(out))
     assert "| Granite-4.0-H-Tiny | bfloat16 |" in done.stdout
     rows = json.loads(out.read_text())["rows"]
     assert {row["model"] for row in rows} >= {"Granite-4.0-H-Tiny", "Nemotron-H-8B", "Falcon-H1-7B", "Jamba-1.5-Mini"}
     assert len(rows) == 2 * len({row["model"] for row in rows})
     for row in rows:
-        hybrid = row["attention_layers"] > 0  # (the Kimi-Linear row counts its delta-rule layers only)
+        hybrid = row["attention_layers"] > 0
         assert (row["crossover_tokens"] is not None) == hybrid and (row["bytes_per_token"] > 0) == hybrid
         # a transition per delta-rule layer and head, [k, k] float32: as many bytes as the state when k = v
-        delta_rule = row["model_type"] in ("qwen3_next", "qwen3_5_text")
+        delta_rule = row["model_type"] in ("qwen3_next", "qwen3_5_text", "kimi_linear")
         assert (row["fixed_parts"]["transition"] == row["fixed_parts"]["ssm_state"]) == delta_rule, row["model"]
     qwen3_next = next(r for r in rows if r["model"] == "Qwen3-Next-80B-A3B" and r["dtype"] == "bfloat16")
     assert qwen3_next["fixed_parts"]["transition"] == 36 * 32 * 128 * 128 * 4
+    kimi = next(r for r in rows if r["model"] == "Kimi-Linear-48B-A3B" and r["dtype"] == "bfloat16")
+    # 6 MLA layers x (latent 512 + rotary part 64) x 2 bytes + a position; ΣΔ one per key channel: 21 x 32 x 128
+    assert kimi["bytes_per_token"] == 6 * (512 + 64) * 2 + 8
+    assert kimi["fixed_parts"]["delta_sum"] == 21 * 32 * 128 * 4
     granite = next(r for r in rows if r["model"] == "Granite-4.0-H-Tiny" and r["dtype"] == "bfloat16")
     # 4 attention layers x (K + V) x 4 kv heads x 128 x 2 bytes, + an int64 position; 36 Mamba-2 layers of 48 x 64 x 128 float32
     assert granite["bytes_per_token"] == 4 * 2 * 4 * 128 * 2 + 8
     assert granite["fixed_parts"]["ssm_state"] == 36 * 48 * 64 * 128 * 4
 
 
-@pytest.mark.parametrize("size,quick", [("granite-h-tiny-10l", "tiny"), ("qwen3.5-4l", "qwen3.5-tiny")])
+@pytest.mark.parametrize(
+    "size,quick",
+    [("granite-h-tiny-10l", "tiny"), ("qwen3.5-4l", "qwen3.5-tiny"), ("kimi-linear-4l", "kimi-linear-tiny")],
+)
 def test_hybrid_ttft_quick(tmp_path, size, quick):
     """benchmarks/hybrid_ttft.py --quick (a tiny GraniteMoeHybrid, or a tiny Qwen3.5 for the gated DeltaNet sizes,
     seconds): its table, its JSON, the composed keys of all k contexts, and one composed state giving the baseline's
@@ -261,23 +256,7 @@ def test_hybrid_ttft_quick(tmp_path, size, quick):
     import json
 
     out = tmp_path / "hybrid_ttft.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "hybrid_ttft.py"),
-            "--size",
-            size,
-            "--quick",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script("hybrid_ttft.py", "--size", size, "--quick", "--out", str(out))
     assert "| 10 |" in done.stdout
     result = json.loads(out.read_text())
     rows = result["result"]["rows"]
@@ -327,23 +306,19 @@ def test_gpu_protocol_skips_without_cuda_and_its_checks_run_in_the_interpreter(t
         assert "d_initial_state" in row or "d_conv_state" in row  # the gradient of the initial state is compared
 
 
-def test_delta_rule_encode_quick(tmp_path):
-    """benchmarks/delta_rule_encode.py --quick (a tiny Qwen3.5, seconds): the encode times with and without the
-    transitions, and bf16 transitions' errors, which are small but not zero (the rounding reaches the composition)."""
+@pytest.mark.parametrize("size", ["qwen3.5-4l", "kimi-linear-4l"])
+def test_delta_rule_encode_quick(tmp_path, size):
+    """benchmarks/delta_rule_encode.py --quick (a tiny Qwen3.5 or Kimi Linear, seconds): the encode and decode times
+    with and without the transitions, and bf16 transitions' errors, which are small but not zero (the rounding
+    reaches the composition)."""
     import json
 
     out = tmp_path / "delta_rule_encode.json"
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "delta_rule_encode.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script("delta_rule_encode.py", "--size", size, "--quick", "--out", str(out))
     result = json.loads(out.read_text())
-    assert [row["tokens"] for row in result["encode"]] == [256, 1024] and len(result["rows"]) == 4
+    assert [row["tokens"] for row in result["encode"]] == [256, 1024] and len(result["rows"]) == 5
     assert all(row["seconds"]["with_transitions"] > 0 for row in result["encode"])
+    assert result["decode"]["new_tokens"] == 4 and result["decode"]["transitions_cost"] > 0
+    assert result["size"] == ("kimi-linear-tiny" if size.startswith("kimi") else "qwen3.5-tiny")
     for row in result["bf16"]:
         assert 0 < row["transition_rel_error"] < 1e-2 and 0 < row["state_rel_error"] < 1e-2, row

@@ -315,6 +315,7 @@ def test_every_guarded_class_exists_in_the_installed_transformers():
         "qwen3_5_text",
         "qwen3_5_moe_text",
         "olmo_hybrid",
+        "kimi_linear",
     }
 
 

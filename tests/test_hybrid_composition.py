@@ -320,16 +320,19 @@ def test_encode_does_not_enable_and_the_stock_model_still_refuses():
 
 
 REFUSED = {
-    "kimi_linear": (
+    "bailing_hybrid": (
         dict(
             num_hidden_layers=2,
             layer_types=["linear_attention", "full_attention"],
             mlp_layer_types=["dense", "dense"],
             pad_token_id=0,
-            linear_num_heads=2,
-            linear_head_dim=8,
+            head_dim=8,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
         ),
-        "Kimi delta attention",
+        "interleaved RoPE",
     ),
     "lfm2": (dict(num_hidden_layers=2, layer_types=["conv", "full_attention"]), "short gated convolutions"),
 }

@@ -19,11 +19,13 @@ from architectures import WORKING, tiny_hybrid
 from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
 BACKENDS = ["folder", "lance"]
+# delta-rule hybrids in the stores: Qwen3.5 (GDN) and Kimi Linear (KDA; its MLA keys and values differ in width)
+DELTA_RULE_STORED = ("qwen3_5_text", "kimi_linear")
 
 
 @pytest.fixture(scope="module")
 def models():
-    return {arch: tiny_hybrid(arch) for arch in (*WORKING, "qwen3_5_text")}
+    return {arch: tiny_hybrid(arch) for arch in (*WORKING, *DELTA_RULE_STORED)}
 
 
 def open_store(path, model, backend, **kw):
@@ -52,7 +54,7 @@ def assert_keys_equal(state, expected, dtype=None, atol=0.0):
 
 @pytest.mark.parametrize(
     "arch,backend",
-    [(arch, backend) for arch in (*WORKING, "qwen3_5_text") for backend in BACKENDS] + [("zamba2", "folder")],
+    [(arch, backend) for arch in (*WORKING, *DELTA_RULE_STORED) for backend in BACKENDS] + [("zamba2", "folder")],
 )
 def test_entries_hold_the_keys_of_their_context_alone(arch, backend, models, tmp_path):
     if backend == "lance":

@@ -314,3 +314,40 @@ def test_cli_wrapper_reports_them_in_one_line(monkeypatch, capsys):
         capsys.readouterr().err
         == "hf-statecompose lm-eval: error: --model_args: k must be >= 0 (0 = no retrieval, plain HFLM), got -1\n"
     )
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "kimi_linear"])
+def test_delta_rule_hybrids_loglikelihood_and_generation(arch, demo, tmp_path):
+    """The lm-eval model on a delta-rule hybrid (a tiny random Qwen3.5: gated DeltaNet; Kimi Linear: Kimi delta
+    attention + MLA) with the demo tokenizer: its log-likelihoods are the brute force's (retrieve, compose with
+    picaso_r, one forward), the retrieved states change them, and generate_until is model.generate from those states."""
+    from architectures import hybrid_model
+
+    _, tokenizer = demo
+    model = hybrid_model(arch, dtype=torch.float32, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    store = hsc.StateStore(tmp_path / "store", model, tokenizer, retriever=BagOfWords())
+    store.add(list(WORLD.passages[:6]) + TEXTS[:3], show_progress=False)
+    lm = make_lm((model, tokenizer), store=store, k=2)
+    pairs = question_pairs()[:6]
+    got = lm.loglikelihood(ll_requests(pairs))
+    plain = make_lm((model, tokenizer), k=0).loglikelihood(ll_requests(pairs))
+    for (context, continuation), (ll, greedy), (ll0, _) in zip(pairs, got, plain):
+        expected_ll, expected_greedy = brute_force(lm, store, model, context, continuation, k=2)
+        assert ll == pytest.approx(expected_ll, rel=1e-4, abs=1e-4) and greedy == expected_greedy
+        assert abs(ll - ll0) > 1e-3  # the states are in effect
+    question = WORLD.questions[0]
+    (text,) = lm.generate_until(
+        [Instance("generate_until", {}, (question.query, {"until": ["\n"], "max_gen_toks": 6, "do_sample": False}), 0)]
+    )
+    ids = torch.tensor([tokenizer(question.query)["input_ids"]])
+    out = model.generate(
+        ids,
+        past_states=context_order(store.retrieve(question.query, 2)),
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
+    for stop in ("\n", tokenizer.eos_token):
+        expected = expected.split(stop)[0]
+    assert text == expected

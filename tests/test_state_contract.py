@@ -367,7 +367,11 @@ def _check_delta_rule_compositions(states, weights):
             torch.testing.assert_close(composed.ssm_states[v].double(), state, rtol=1e-5, atol=1e-6, msg=method)
             torch.testing.assert_close(composed.transitions[v].double(), transition, rtol=1e-5, atol=1e-6, msg=method)
             deltas = torch.stack([s.delta_sums[v] for s in states])
-            total = deltas.sum(0) if method in references else (w.float().view(-1, 1, 1) * deltas).sum(0)
+            total = (
+                deltas.sum(0)
+                if method in references
+                else (w.float().view(-1, *[1] * (deltas.dim() - 1)) * deltas).sum(0)
+            )
             torch.testing.assert_close(composed.delta_sums[v], total, msg=method)
         # the context persists: caso differs from the last state (the earlier contexts reach it through M)
         if method == "caso":

@@ -123,8 +123,10 @@ def compose_attention(out, states, policy: str = "concat", model=None) -> None:
     for j, target in enumerate(out.attention_layers):
         keys = torch.cat([s.attention_layers[j].keys.to(dtype) for s in states], dim=-2)
         values = torch.cat([s.attention_layers[j].values.to(dtype) for s in states], dim=-2)
-        index = order[:, None, :, None].expand(keys.shape[0], keys.shape[1], keep, keys.shape[3])
-        keys, values = keys.gather(2, index), values.gather(2, index)
+        # (keys and values may differ in width: Kimi's MLA caches its latent and its rotary part)
+        index = order[:, None, :, None]
+        keys = keys.gather(2, index.expand(*keys.shape[:2], keep, keys.shape[3]))
+        values = values.gather(2, index.expand(*values.shape[:2], keep, values.shape[3]))
         if inv_freq is not None:  # moved
             keys = rerotate(keys, shift, inv_freq, rotary_dims)
         target.fill_keys(keys, values, positions)

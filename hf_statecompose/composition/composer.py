@@ -366,7 +366,7 @@ def _compose_model_free(states, method, conv, weights, backend, gathered=None):
 
 
 # ------------------------------------------------------------------------------ delta-rule layers
-# A delta-rule context (gated DeltaNet) maps a state S to M S + S_C, with M its transition (a matrix per value head):
+# A delta-rule context (gated DeltaNet, Kimi delta attention) maps a state S to M S + S_C, with M its transition (a matrix per value head):
 # composing contexts composes these affine maps (hf_statecompose.ops.delta_rule). Each method keeps its meaning:
 # caso the list order, picaso_r the mean over the n cyclic orders, picaso_s the mean over all n! orders (exactly, by
 # the recursion over subsets: 2^n intermediate maps), soup / weighted the weighted mean of the maps (its state is

@@ -76,7 +76,10 @@ class Architecture:
     layer_kinds: Callable[[Any], tuple] | None = None
     # attribute paths from a decoder layer to its SSM mixer, tried in order
     mixer_paths: tuple = (("mixer",),)
-    # per attention layer: (key / value heads, head dim)
+    # the attribute path from an SSM mixer to its A_log (what tells a mixer from an attention module at a shared path)
+    A_log_path: tuple[str, ...] = ("A_log",)
+    # per attention layer: (key / value heads, head dim), or (heads, key dim, value dim) where they differ (Kimi's MLA
+    # caches its latent as the keys and the rotary key part as the values); :meth:`attention_dims` reads either
     attention_shape: Callable[[Any], tuple] | None = None
     # how many dims of a head RoPE rotates (0: attention without positional encoding)
     rotary_dims: Callable[[Any], int] = field(default=lambda c: 0)
@@ -141,9 +144,14 @@ class Architecture:
             module = block
             for name in path:
                 module = getattr(module, name, None)
-            if module is not None and hasattr(module, "A_log"):
+            if module is not None and _attribute(module, self.A_log_path) is not None:
                 return module
         return None
+
+    def attention_dims(self, config) -> tuple[int, int, int]:
+        """(key / value heads, key dim, value dim) of an attention layer's cached keys and values."""
+        shape = self.attention_shape(config)  # type: ignore[misc]  # set for every hybrid
+        return shape[0], shape[1], shape[-1]
 
     def cache_class(self) -> type:
         return getattr(importlib.import_module(f"{__package__}.{self.cache_module}"), self.cache_class_name)
@@ -152,6 +160,12 @@ class Architecture:
         """Whether ``cls`` is :meth:`cache_class`, compared by name: no import, so that a forward traced by
         ``torch.compile(fullgraph=True)`` (which cannot trace ``importlib``) stays one graph."""
         return cls.__module__ == f"{__package__}.{self.cache_module}" and cls.__qualname__ == self.cache_class_name
+
+
+def _attribute(obj, path: tuple[str, ...]):
+    for name in path:
+        obj = getattr(obj, name, None)
+    return obj
 
 
 def _torch():
@@ -659,7 +673,9 @@ def _hybrid_A_log_of(layout):
         if not 0 <= v < len(layers):
             return None
         mixer = layout.mixer_of(backbone.layers[layers[v]])
-        return getattr(mixer, "A_log", None)
+        A_log = _attribute(mixer, layout.A_log_path)
+        # one per head: Kimi's forget gate keeps it [1, 1, H, 1] (a view, so that edits reach the parameter)
+        return A_log.view(-1) if A_log is not None and len(layout.decay_shapes(backbone.config)[1]) == 1 else A_log
 
     return A_log_of
 
@@ -673,7 +689,7 @@ for _a in HYBRIDS:  # the A_log lookup closes over the first object: point it at
 
 # ---------------------------------------------------------------------------------------------- delta-rule hybrids
 # Gated DeltaNet layers plus attention layers (transformers' qwen3_next, qwen3_5_text, qwen3_5_moe_text,
-# olmo_hybrid). A GDN layer's state per value head is S [k_dim, v_dim] with the step
+# olmo_hybrid; Kimi Linear's Kimi delta attention below). A GDN layer's state per value head is S [k_dim, v_dim] with the step
 # S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ: a matrix transition, so a state layer carries, beside the
 # SSM state (``ssm_states[v]`` [B, H, k_dim, v_dim], float32) and the conv window ([B, 2·key_dim + value_dim, K]),
 # its context's *transition* ``transitions[v]`` [B, H, k_dim, k_dim] (float32): the product of the steps, latest on
@@ -681,7 +697,9 @@ for _a in HYBRIDS:  # the A_log lookup closes over the first object: point it at
 # scalar part of the decay, as for Mamba-2: ΣΔ[h] = Σ_t softplus(a_t + dt_bias)[h] and A = −exp(A_log) [H], so
 # exp(A · ΣΔ) is the product of the α_t (what soup / weighted and the checks read; the order-based methods read M).
 _GDN_FORWARD = "hf_statecompose.models.gated_deltanet:gated_deltanet_mixer_forward"
-_DELTA_NOTE = "GDN layers as affine maps by the method (`picaso_s` up to 12 states), attention keys of all contexts"
+_DELTA_NOTE = (
+    "delta-rule layers as affine maps by the method (`picaso_s` up to 12 states), attention keys of all contexts"
+)
 
 
 def _gdn_state_shapes(c):
@@ -706,31 +724,42 @@ def _check_transition_values(extras: dict, v: int, refuse, *, config, num_tokens
         )
 
 
-_TRANSITIONS = ExtraTensor(
-    "transitions",
-    "transition",
-    "transition",
-    lambda c: (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_key_head_dim),
-    lambda d: _torch().float32,
-    stored_like_state=True,
-)
+def _transitions(row_shape):
+    return ExtraTensor(
+        "transitions", "transition", "transition", row_shape, lambda d: _torch().float32, stored_like_state=True
+    )
 
 
-def _delta_rule_hybrid(name, *, folder, display_name, model_classes, mixer_class, rotary_dims):
+def _delta_rule_hybrid(
+    name,
+    *,
+    folder,
+    display_name,
+    model_classes,
+    mixer_class,
+    rotary_dims,
+    state_shapes=_gdn_state_shapes,
+    decay_shapes=lambda c: ((c.linear_num_value_heads,), (c.linear_num_value_heads,)),
+    transition_shape=lambda c: (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_key_head_dim),
+    mixer_paths=(("linear_attn",),),
+    A_log_path=("A_log",),
+    attention_shape=_kv_shape,
+):
     return Architecture(
         name=name,
         per_element_decay=False,
         num_state_layers=lambda c: sum(kind == "ssm" for kind in _listed_kinds("layer_types")(c)),
-        state_shapes=_gdn_state_shapes,
-        decay_shapes=lambda c: ((c.linear_num_value_heads,), (c.linear_num_value_heads,)),
+        state_shapes=state_shapes,
+        decay_shapes=decay_shapes,
         A_log_of=None,  # set below (it reads the layout), as for every hybrid
         cache_module="hybrid_cache",
         cache_class_name="ComposableDeltaRuleCache",
-        extras=(_TRANSITIONS,),
+        extras=(_transitions(transition_shape),),
         check_extra_values=_check_transition_values,
         layer_kinds=_listed_kinds("layer_types"),
-        mixer_paths=(("linear_attn",),),
-        attention_shape=_kv_shape,
+        mixer_paths=mixer_paths,
+        A_log_path=A_log_path,
+        attention_shape=attention_shape,
         rotary_dims=rotary_dims,
         display_name=display_name,
         model_module=compat.modeling_module(folder),
@@ -745,40 +774,61 @@ def _partial_rope(c):
     return int(_head_dim(c) * _rope_fraction(c))
 
 
-QWEN3_NEXT = _delta_rule_hybrid(
-    "qwen3_next",
-    folder="qwen3_next",
-    display_name="Qwen3-Next",
-    model_classes=("Qwen3NextModel", "Qwen3NextForCausalLM"),
-    mixer_class="Qwen3NextGatedDeltaNet",
-    rotary_dims=_partial_rope,
+# model_type: (transformers' models/ folder, display name, bare model class, causal LM class, stock GDN mixer class)
+_GDN_MODELS = {
+    "qwen3_next": ("qwen3_next", "Qwen3-Next", "Qwen3NextModel", "Qwen3NextForCausalLM", "Qwen3NextGatedDeltaNet"),
+    "qwen3_5_text": ("qwen3_5", "Qwen3.5", "Qwen3_5TextModel", "Qwen3_5ForCausalLM", "Qwen3_5GatedDeltaNet"),
+    "qwen3_5_moe_text": (
+        "qwen3_5_moe",
+        "Qwen3.5-MoE",
+        "Qwen3_5MoeTextModel",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeGatedDeltaNet",
+    ),
+    "olmo_hybrid": (
+        "olmo_hybrid",
+        "Olmo-Hybrid",
+        "OlmoHybridModel",
+        "OlmoHybridForCausalLM",
+        "OlmoHybridGatedDeltaNet",
+    ),
+}
+QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, OLMO_HYBRID = (
+    _delta_rule_hybrid(
+        name,
+        folder=folder,
+        display_name=display,
+        model_classes=(bare, causal),
+        mixer_class=mixer,
+        rotary_dims=_partial_rope,
+    )
+    for name, (folder, display, bare, causal, mixer) in _GDN_MODELS.items()
 )
-QWEN3_5 = _delta_rule_hybrid(
-    "qwen3_5_text",
-    folder="qwen3_5",
-    display_name="Qwen3.5",
-    model_classes=("Qwen3_5TextModel", "Qwen3_5ForCausalLM"),
-    mixer_class="Qwen3_5GatedDeltaNet",
-    rotary_dims=_partial_rope,
-)
-QWEN3_5_MOE = _delta_rule_hybrid(
-    "qwen3_5_moe_text",
-    folder="qwen3_5_moe",
-    display_name="Qwen3.5-MoE",
-    model_classes=("Qwen3_5MoeTextModel", "Qwen3_5MoeForCausalLM"),
-    mixer_class="Qwen3_5MoeGatedDeltaNet",
-    rotary_dims=_partial_rope,
-)
-OLMO_HYBRID = _delta_rule_hybrid(
-    "olmo_hybrid",
-    folder="olmo_hybrid",
-    display_name="Olmo-Hybrid",
-    model_classes=("OlmoHybridModel", "OlmoHybridForCausalLM"),
-    mixer_class="OlmoHybridGatedDeltaNet",
-    rotary_dims=_partial_rope,
+# Kimi Linear: Kimi delta attention (KDA) layers, whose step (I − β_t k_t k_tᵀ) Diag(exp g_t) decays each key channel
+# (g_t = A · softplus(f_t + dt_bias), A = −exp(A_log) per head): ΣΔ [H, k_dim], A [H]; q, k and v have the same heads
+# (no GQA), conv over [q | k | v]. Its attention is MLA without positional encoding (NoPE): the cache holds the
+# compressed latent [B, 1, L, kv_lora_rank] as the keys and the shared rotary key part [B, 1, L, qk_rope_head_dim]
+# (never rotated) as the values; they compose as cached, like any NoPE keys.
+KIMI_LINEAR = _delta_rule_hybrid(
+    "kimi_linear",
+    folder="kimi_linear",
+    display_name="Kimi Linear",
+    model_classes=("KimiLinearModel", "KimiLinearForCausalLM"),
+    mixer_class="KimiLinearDeltaAttention",
+    rotary_dims=lambda c: 0,
+    state_shapes=lambda c: (
+        (c.linear_num_heads, c.linear_head_dim, c.linear_head_dim),
+        (3 * c.linear_num_heads * c.linear_head_dim, c.linear_conv_kernel_dim),
+    ),
+    decay_shapes=lambda c: ((c.linear_num_heads, c.linear_head_dim), (c.linear_num_heads,)),
+    transition_shape=lambda c: (c.linear_num_heads, c.linear_head_dim, c.linear_head_dim),
+    mixer_paths=(("self_attn",),),
+    A_log_path=("forget_gate", "A_log"),
+    attention_shape=lambda c: (1, c.kv_lora_rank, c.qk_rope_head_dim),
 )
 DELTA_RULE_HYBRIDS = tuple(
-    dataclasses.replace(a, A_log_of=_hybrid_A_log_of(a)) for a in (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, OLMO_HYBRID)
+    dataclasses.replace(a, A_log_of=_hybrid_A_log_of(a))
+    for a in (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, OLMO_HYBRID, KIMI_LINEAR)
 )
 for _a in DELTA_RULE_HYBRIDS:
     object.__setattr__(_a, "A_log_of", _hybrid_A_log_of(_a))

@@ -175,7 +175,8 @@ class ComposableMambaCache(compat.DynamicCache):
     def log_decay(self, layer_idx: int) -> torch.Tensor:
         """log of the context's accumulated decay for a layer, broadcastable to ``ssm_states[layer_idx]``.
 
-        Mamba-1: ``ΣΔ[b, d] · A[d, n]`` as ``[B, D, N]``; Mamba-2: ``ΣΔ[b, h] · A[h]`` as ``[B, H, 1, 1]``.
+        Mamba-1: ``ΣΔ[b, d] · A[d, n]`` as ``[B, D, N]``; Mamba-2: ``ΣΔ[b, h] · A[h]`` as ``[B, H, 1, 1]``;
+        Kimi delta attention: ``ΣΔ[b, h, k] · A[h]`` as ``[B, H, K, 1]``.
         """
         layer = self.state_layers[layer_idx]
         delta_sum, A = layer.delta_sum, layer.A
@@ -183,6 +184,8 @@ class ComposableMambaCache(compat.DynamicCache):
             raise ValueError(f"layer {layer_idx} of this cache holds no state yet; encode a context first")
         if architecture(self.architecture).per_element_decay:
             return delta_sum[:, :, None] * A[None]
+        if delta_sum.dim() == 3:  # Kimi delta attention: ΣΔ[b, h, k] · A[h], one per key channel (a row of S)
+            return (delta_sum * A[None, :, None])[..., None]
         return (delta_sum * A[None])[:, :, None, None]
 
     # ------------------------------------------------------------------ writes (used by the mixers)

@@ -80,18 +80,17 @@ _MULTIMODAL = (
     "this is the multimodal model (vision and text); its states are those of its text model: load that one "
     "({}.from_pretrained(...), model_type {!r}) for text contexts"
 )
-_NOT_YET = (
-    "its linear layers are {}: a matrix transition per head that this release does not encode yet (supported "
-    "delta-rule models: Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Olmo-Hybrid)"
-)
 REFUSED_MODEL_TYPES = {
     "lfm2": "its recurrent layers are short gated convolutions without an SSM state or decay: there is nothing for the "
     "decay-weighted rules to weigh, only a window of the last few inputs",
     "qwen3_5": _MULTIMODAL.format("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "qwen3_5_moe": _MULTIMODAL.format("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
-    "kimi_linear": _NOT_YET.format("Kimi delta attention (a per-channel decay inside the transition)"),
-    "bailing_hybrid": _NOT_YET.format("Kimi delta attention (a per-channel decay inside the transition)"),
-    "glm5_next_text": _NOT_YET.format("Kimi delta attention (a per-channel decay inside the transition)"),
+    "bailing_hybrid": "its linear layers are Kimi delta attention (supported in Kimi Linear, not wired for this model "
+    "yet) and its MLA attention caches keys rotated by interleaved RoPE (pairs of adjacent dims), which this release "
+    "does not re-rotate when contexts are concatenated",
+    "glm5_next_text": "its linear layers are Kimi delta attention (supported in Kimi Linear, not wired for this model "
+    "yet) and its attention layers are indexed (sparse) attention with hyper-connections, whose cache this release "
+    "does not compose",
     "qwen4_exp_text": "its gated DeltaNet layers are supported, but its attention layers are indexed (sparse) "
     "attention, whose cache this release does not compose",
     "lara_mini": "its gated DeltaNet layers are supported, but its sliding-window attention layers keep only a window "

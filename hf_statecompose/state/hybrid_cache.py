@@ -148,13 +148,15 @@ class ComposableHybridCache(ComposableMambaCache):
 
 
 class ComposableDeltaRuleCache(ComposableHybridCache):
-    """A delta-rule hybrid's state (Qwen3-Next, Qwen3.5, Olmo-Hybrid: gated DeltaNet layers plus attention layers).
+    """A delta-rule hybrid's state (Qwen3-Next, Qwen3.5, Olmo-Hybrid: gated DeltaNet layers plus attention layers;
+    Kimi Linear: Kimi delta attention layers plus MLA layers).
 
-    Its SSM layers are :class:`~.layers.ComposableDeltaLayer` objects: a gated DeltaNet layer's recurrent state
+    Its SSM layers are :class:`~.layers.ComposableDeltaLayer` objects: a delta-rule layer's recurrent state
     ``ssm_states[v]`` ``[B, H, k_dim, v_dim]`` (float32), conv window ``conv_states[v]`` ``[B, 2·key_dim + value_dim,
-    K]``, the scalar part of its decay as ΣΔ ``[B, H]`` with ``A`` ``[H]`` (as Mamba-2's), and the context's
+    K]``, the scalar part of its decay as ΣΔ ``[B, H]`` with ``A`` ``[H]`` (as Mamba-2's; Kimi delta attention, which
+    decays each key channel: ``[B, H, k_dim]``), and the context's
     transition ``transitions[v]`` ``[B, H, k_dim, k_dim]`` (float32): the product of the layer's steps
-    ``exp(g_t) (I − β_t k_t k_tᵀ)`` over the context, latest on the left. A context maps a state ``S`` to
+    ``exp(g_t) (I − β_t k_t k_tᵀ)`` (KDA: ``(I − β_t k_t k_tᵀ) Diag(exp g_t)``) over the context, latest on the left. A context maps a state ``S`` to
     ``M S + S_C``; the composer composes these affine maps (in order for ``caso``, their mean over the cyclic
     orders for ``picaso_r``, over all orders for ``picaso_s``). The mixers keep the transition up to date whenever a
     layer holds one (it costs one more recurrence of width ``k_dim`` beside the state's ``v_dim``)."""

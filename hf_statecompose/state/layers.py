@@ -40,7 +40,7 @@ class SeRpEntSSMLayer(ComposableSSMLayer):
 
 
 class ComposableDeltaLayer(ComposableSSMLayer):
-    """A delta-rule layer's state (gated DeltaNet): an SSM layer's tensors plus the context's transition
+    """A delta-rule layer's state (gated DeltaNet, Kimi delta attention): an SSM layer's tensors plus the context's transition
     ``transition`` ``[B, H, k_dim, k_dim]`` (float32), the product of its steps, latest on the left."""
 
     _row_tensors = ComposableSSMLayer._row_tensors + ("transition",)

@@ -219,13 +219,13 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
     layout = architecture(state.architecture)
     batch = state.batch_size if batch is None else batch
     device = state.device if device is None else device
-    heads, head_dim = layout.attention_shape(state.config)  # type: ignore[misc]  # set for every hybrid (the states with attention layers)
+    heads, key_dim, value_dim = layout.attention_dims(state.config)
     first_positions, length = None, None
     for i, layer in zip(state.attention_layer_indices, state.attention_layers):
         if not getattr(layer, "has_keys", False):
             _refuse(where, f"layer {i} (attention) holds no keys and values")
         keys, values, positions = layer.keys, layer.values, layer.positions
-        for name, tensor in (("keys", keys), ("values", values)):
+        for name, tensor, head_dim in (("keys", keys, key_dim), ("values", values, value_dim)):
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
                 _refuse(
                     where,

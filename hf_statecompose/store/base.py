@@ -218,7 +218,7 @@ class StateStore:
         }
         # a hybrid model's attention layers (model layer indices): each entry also holds their keys, values and positions
         self._attention_layers = tuple(getattr(template, "attention_layer_indices", ()))
-        self._attention_shape = self._layout.attention_shape(model.config) if self._attention_layers else None
+        self._attention_dims = self._layout.attention_dims(model.config) if self._attention_layers else None
         # the A lists (read once per checksum, shared by the states built from them) compared with the model's
         self._A_compared: list[list[torch.Tensor]] = []
         return tokenizer_info, checked_json(dict(info or {}), "info")
@@ -464,11 +464,11 @@ class StateStore:
         encoded alone: no padding, every layer at the same positions)."""
         from ..state.serialization import attention_tensor_names
 
-        heads, head_dim = self._attention_shape
+        heads, key_dim, value_dim = self._attention_dims
         expected_positions = torch.arange(num_tokens).unsqueeze(0)
         for i in self._attention_layers:
             keys, values, positions = attention_tensor_names(i)
-            for name, kind in ((keys, "keys"), (values, "values")):
+            for name, kind, head_dim in ((keys, "keys", key_dim), (values, "values", value_dim)):
                 tensor = tensors[name]
                 if tensor.dtype != self._keys_dtype or tuple(tensor.shape) != (1, heads, num_tokens, head_dim):
                     raise ValueError(
