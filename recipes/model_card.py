@@ -40,10 +40,10 @@ so that the state database, composition and evaluation run offline on a CPU. It 
 {_abilities(s)}
 {_architecture(s)}
 ## Training
-- Recipe: `python recipes/train_demo.py --arch {arch} --minutes {s["train_seconds"] / 60:.0f}{_hybrid_flags(s)}` ({s["steps"]} steps of
+- Recipe: `python recipes/train_demo.py --arch {arch} {_budget(s)}{_hybrid_flags(s)}` ({s["steps"]} steps of
   {s["batch_size"]} × {s["seq_len"]} tokens = {s["tokens_seen"] / 1e6:.2f}M tokens, {s["train_seconds"] / 60:.1f} min on
   {s["device"]} with {s["threads"]} threads; AdamW, lr {s["lr"]}, warm-up + cosine; seed {s["seed"]}).
-- Data: 3/8 of each batch Wikipedia, 5/8 synthetic recall:
+- Data: {_mix(s)}:
   - the training articles of the English Wikipedia excerpt shipped in the `gensim` wheel
     (`gensim/test/test_data/enwiki-latest-pages-articles1*.bz2`). Text © Wikipedia contributors,
     licensed [CC BY-SA 4.0](https://creativecommons.org/licenses/by-sa/4.0/); the held-out articles
@@ -71,6 +71,21 @@ same licence. Architecture: transformers' `{CLASSES[arch]}`.
 """
 
 
+def _budget(s: dict) -> str:
+    """The run's length as its command gave it: ``--steps N`` (fixed) or ``--minutes M`` (steps from the speed)."""
+    return f"--steps {s['steps_arg']}" if s.get("steps_arg") else f"--minutes {s['train_seconds'] / 60:.0f}"
+
+
+def _mix(s: dict) -> str:
+    """The data mixture, with the recall-only first phase where the run had one."""
+    mix = "3/8 of each batch Wikipedia, 5/8 synthetic recall"
+    if s.get("recall_only_steps"):
+        start = s.get("recall_max_towns_start")
+        towns = f" (at most {start} towns rising to {s.get('max_towns', 8)})" if start else ""
+        mix = f"the first {s['recall_only_steps']} steps synthetic recall only{towns}, then " + mix
+    return mix
+
+
 def _abilities(s: dict) -> str:
     """What the model does with its context, from the run's recall figures (a model that did not learn recall says so)."""
     if s["recall_accuracy_with_context"] - s["recall_accuracy_no_context"] >= 0.25:
@@ -94,12 +109,20 @@ def _hybrid_flags(s: dict) -> str:
         flags += f" --init-from {s['init_from']}"
     if s["arch"] == "gdn" and s.get("gdn_init", "fla") != "fla":
         flags += f" --gdn-init {s['gdn_init']}"
+    if s["arch"] == "gdn" and s.get("layer_types"):
+        kinds = "".join("*" if t == "full_attention" else "G" for t in s["layer_types"])
+        if kinds != "GGG*GGG":
+            flags += f" --gdn-layers '{kinds}'"
     for key, default in (
         ("max_towns", 8),
         ("attn_init_std", 0.0),
         ("qk_init_std", None),
         ("attn_lr_mult", 1.0),
         ("freeze_ssm_steps", 0),
+        ("intermediate_size", 256),
+        ("recall_only_steps", 0),
+        ("recall_max_towns_start", None),
+        ("warmup", 30),
     ):
         if s.get(key, default) != default:
             flags += f" --{key.replace('_', '-')} {s[key]}"
@@ -302,7 +325,7 @@ def _gdn_architecture(s: dict) -> str:
 transformers' `Qwen3_5ForCausalLM` (the Qwen3.5 text model, model_type `qwen3_5_text`), hidden size 256,
 {len(s["layer_types"])} layers `{kinds}` (`G`: a gated DeltaNet layer, `linear_attention`: 2 key heads × 64, 4 value
 heads × 64, short conv 4, gated RMSNorm output; `*`: Qwen3.5's gated attention layer, `full_attention`: 4 query heads
-× 64, 2 key/value heads, partial RoPE on a quarter of each head); every layer followed by a SwiGLU MLP of 256;
+× 64, 2 key/value heads, partial RoPE on a quarter of each head); every layer followed by a SwiGLU MLP of {s.get("intermediate_size", 256)};
 lm_head tied to the embeddings. Same tokenizer as the Mamba-2 demo. {start} Trained with transformers' stock forward
 (no cache; the PyTorch reference of the chunked gated delta rule, no `flash-linear-attention` on this CPU).
 """

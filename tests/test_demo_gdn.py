@@ -17,12 +17,14 @@ from hf_statecompose.demo import DEMO_DIR, DEMO_SPECS
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = DEMO_DIR / "gdn"
 
-# measured on the shipped checkpoint (the first 8 demo questions, k = 2, recipes/eval_gdn_demo.py): answer loss 1.527
-# without context, 1.481 concatenated, 1.482 / 1.483 / 1.482 / 1.482 composed (soup / CASO / PICASO-S / PICASO-R);
-# right: 2 / 1 / 0 / 0 / 0 / 0 of 8. The context lowers the loss a little (0.046 nats) but brings no recall; every
-# composition lands within 0.003 nats of the concatenation. The test asks for half the context's gap, composition
-# within 0.015 of concatenation, and (the measured absence of recall) no more than 2 more right answers with context.
-CONTEXT_GAP, COMPOSED_VS_CONCAT, MAX_EXTRA_CORRECT = 0.02, 0.015, 2
+# measured on the shipped checkpoint (the first 8 demo questions, recipes/eval_gdn_demo.py), right of 8 / answer loss:
+# k = 1: no context 0 / 1.680; concatenated and every composition (soup, CASO, PICASO-S, PICASO-R) 8 / 0.009.
+# k = 2: no context 0 / 1.680; concatenated 8 / 0.006; soup 8 / 0.286; CASO 8 / 0.007; PICASO-S, PICASO-R 8 / 0.007.
+# The test asks: with context (text or composed state) at least 6 of 8 right and no context at most 2; the answer loss
+# with context under 0.5 (no context: 1.68); at k = 1 every composition within 0.02 nats of the concatenation, at k = 2
+# CASO / PICASO-S / PICASO-R within 0.02 and soup (which averages the answer's state with the other's) within 0.5.
+MIN_RIGHT, MAX_RIGHT_NO_CONTEXT, MAX_CONTEXT_LOSS, MIN_NO_CONTEXT_LOSS = 6, 2, 0.5, 1.2
+COMPOSED_VS_CONCAT, SOUP_VS_CONCAT_K2 = 0.02, 0.5
 METHODS = ("soup", "caso", "picaso_s", "picaso_r")
 
 
@@ -53,18 +55,19 @@ def test_is_qwen3_5_text_with_gdn_layers_and_one_attention_layer(gdn):
     config = model.config
     assert config.model_type == "qwen3_5_text" and isinstance(model, Qwen3_5ForCausalLM)
     assert config.layer_types.count("full_attention") == 1
-    assert config.layer_types.count("linear_attention") == len(config.layer_types) - 1 >= 4
+    assert config.layer_types.count("linear_attention") == len(config.layer_types) - 1 >= 3
     assert config.tie_word_embeddings and model.lm_head.weight is model.get_input_embeddings().weight
     assert len(tokenizer) == config.vocab_size == 4096
     assert not model.training
     state = hsc.encode(model, tokenizer("Sollo river North.\n", return_tensors="pt").input_ids)
     assert type(state).__name__ == "ComposableDeltaRuleCache"
-    assert len(state.ssm_states) == 6 and len(state.transitions) == 6
+    gdn_layers = config.layer_types.count("linear_attention")
+    assert len(state.ssm_states) == gdn_layers and len(state.transitions) == gdn_layers
 
 
 def test_a_context_changes_the_answer(gdn):
-    """The answer's passage given as a state changes the greedy answer after the query (measured: 7 of the first
-    8 demo questions, a total variation of 0.05–0.10 between the next-token distributions), and the state path is
+    """The answer's passage given as a state changes the greedy answer after the query (measured: 8 of the first
+    8 demo questions, a total variation of 0.90–0.98 between the next-token distributions), and the state path is
     the concatenation's: one state + query = passage + query."""
     model, tokenizer = gdn
     items = _recipe()._hybrid_recipe().questions_with_passages(1, limit=8)
@@ -77,35 +80,41 @@ def test_a_context_changes_the_answer(gdn):
             with_state = model(query, past_states=[hsc.encode(model, passage)]).logits[0, -1].log_softmax(-1)
             full = model(torch.cat([passage, query], 1)).logits[0, -1].log_softmax(-1)
         torch.testing.assert_close(with_state, full, rtol=1e-4, atol=1e-4)
-        assert (with_state.exp() - alone.exp()).abs().sum() / 2 > 0.02, item["query"]
+        assert (with_state.exp() - alone.exp()).abs().sum() / 2 > 0.5, item["query"]
         changed += int(with_state.argmax() != alone.argmax())
-    assert changed >= 4, f"{changed}/{len(items)}"
+    assert changed >= 6, f"{changed}/{len(items)}"
 
 
 def test_the_measured_ordering(gdn):
-    """On the first 8 demo questions with the answer's passage and one other (k = 2), the ordering measured by
-    ``recipes/eval_gdn_demo.py`` (see the model card), with margins of about half the measured gaps."""
+    """On the first 8 demo questions with the answer's passage alone (k = 1) and with one other (k = 2), the ordering
+    measured by ``recipes/eval_gdn_demo.py`` (see the model card): the model recalls from its context, the text or a
+    composed state, and answers at chance without it; the compositions track the concatenation."""
     model, tokenizer = gdn
     recipe = _recipe()
-    result = recipe.evaluate(model, tokenizer, ks=(2,), limit=8, log=lambda *args: None)["k"][2]
-    loss = {condition: r["answer_loss"] for condition, r in result.items()}
-    right = {condition: round(r["accuracy"] * 8) for condition, r in result.items()}
-    assert set(loss) == {"none", "concat", *METHODS}
-    for condition in ("concat", *METHODS):  # any context (its text, or its state composed) lowers the answer loss
-        assert loss[condition] < loss["none"] - CONTEXT_GAP, loss
-    for method in METHODS:  # every composition lands where the concatenated text does
-        assert abs(loss[method] - loss["concat"]) < COMPOSED_VS_CONCAT, loss
-    # the measured absence of recall (the card says so): if a retrained checkpoint recalls, update the card and this test
-    assert max(right[c] for c in ("concat", *METHODS)) <= right["none"] + MAX_EXTRA_CORRECT, right
+    results = recipe.evaluate(model, tokenizer, ks=(1, 2), limit=8, log=lambda *args: None)["k"]
+    for k, result in results.items():
+        loss = {condition: r["answer_loss"] for condition, r in result.items()}
+        right = {condition: round(r["accuracy"] * 8) for condition, r in result.items()}
+        assert set(loss) == {"none", "concat", *METHODS}
+        assert right["none"] <= MAX_RIGHT_NO_CONTEXT and loss["none"] > MIN_NO_CONTEXT_LOSS, (k, right, loss)
+        for condition in ("concat", *METHODS):  # recall: the context's text or its state composed gives the answer
+            assert right[condition] >= MIN_RIGHT, (k, right)
+            assert loss[condition] < MAX_CONTEXT_LOSS, (k, loss)
+        for method in METHODS:  # the compositions land where the concatenated text does (soup, at k = 2, near it)
+            tolerance = SOUP_VS_CONCAT_K2 if (k, method) == (2, "soup") else COMPOSED_VS_CONCAT
+            assert abs(loss[method] - loss["concat"]) < tolerance, (k, method, loss)
 
 
 def test_model_card_names_the_gdn_training_flags():
-    """The card's recipe line repeats the GDN run's flags (learning rate, threads, the embeddings' warm start)."""
+    """The card's recipe line repeats the GDN run's flags (steps, learning rate, threads, the embeddings' warm start,
+    the layer pattern and the recall-only first phase)."""
     sys.path.insert(0, str(ROOT / "recipes"))
     from model_card import render
 
     summary = json.loads((FOLDER / "training_log.json").read_text())["summary"]
     card = render(summary)
-    assert f"--arch gdn --minutes {summary['train_seconds'] / 60:.0f} --lr {summary['lr']}" in card
+    assert f"--arch gdn --steps {summary['steps_arg']} --lr {summary['lr']}" in card
+    assert "--gdn-layers 'GG*G'" in card and f"--recall-only-steps {summary['recall_only_steps']}" in card
+    assert "--arch gdn --minutes 30 --lr" in render({**summary, "steps_arg": None})
     assert ("--init-from" in card) == bool(summary.get("init_from"))
     assert "--gdn-init transformers" in render({**summary, "gdn_init": "transformers"})
