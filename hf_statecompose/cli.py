@@ -10,8 +10,8 @@
     hf-statecompose encode-corpus DST passages.jsonl  [--model demo] [--actors 2]   (Ray Data -> Lance store)
     hf-statecompose lm-eval run --model statecompose --model_args ... --tasks ...
 
-(also ``python -m hf_statecompose``). ``--model`` is ``demo`` (the embedded Mamba-2), ``demo-hybrid`` (the embedded hybrid), ``demo-mamba``
-(the embedded Mamba-1) or a local checkpoint folder; ``build`` records it in the store, so the other
+(also ``python -m hf_statecompose``). ``--model`` is ``demo`` (the embedded Mamba-2), ``demo-hybrid`` (the embedded hybrid), ``demo-gdn`` (the
+embedded gated DeltaNet hybrid), ``demo-mamba`` (the embedded Mamba-1) or a local checkpoint folder; ``build`` records it in the store, so the other
 commands reopen the same model by default. Input: ``.jsonl`` with one object per line (``"text"`` plus
 any other fields, kept as metadata) or UTF-8 plain text, one passage per blank-line-separated paragraph.
 A failed ``build`` of a new store leaves nothing behind (a killed one's hidden folder is removed by the
@@ -474,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="lm-eval's own command line with the `statecompose` model and the bundled tasks (see: lm-eval --help)",
     )
     store_help = "store folder (made by build)"
-    model_help = "demo (embedded Mamba-2) | demo-mamba (embedded Mamba-1) | demo-hybrid (embedded NemotronH hybrid) | a local checkpoint folder"
+    model_help = "demo (embedded Mamba-2) | demo-mamba (embedded Mamba-1) | demo-hybrid (embedded NemotronH hybrid) | demo-gdn (embedded Qwen3.5 gated DeltaNet hybrid) | a local checkpoint folder"
 
     build = sub.add_parser("build", help="encode passages into a store (creates it, or extends an existing one)")
     build.add_argument("store", help="store folder: a new or empty one is created, an existing store is extended")

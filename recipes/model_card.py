@@ -7,9 +7,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-NAMES = {"mamba2": "Mamba-2", "mamba": "Mamba-1 (Mamba)", "hybrid": "hybrid Mamba-2 + attention (NemotronH)"}
-CLASSES = {"mamba2": "Mamba2ForCausalLM", "mamba": "MambaForCausalLM", "hybrid": "NemotronHForCausalLM"}
-LOAD_ARGS = {"mamba2": "", "mamba": 'arch="mamba"', "hybrid": '"hybrid"'}
+NAMES = {
+    "mamba2": "Mamba-2",
+    "mamba": "Mamba-1 (Mamba)",
+    "hybrid": "hybrid Mamba-2 + attention (NemotronH)",
+    "gdn": "gated DeltaNet + attention hybrid (Qwen3.5)",
+}
+CLASSES = {
+    "mamba2": "Mamba2ForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "hybrid": "NemotronHForCausalLM",
+    "gdn": "Qwen3_5ForCausalLM",
+}
+LOAD_ARGS = {"mamba2": "", "mamba": 'arch="mamba"', "hybrid": '"hybrid"', "gdn": '"gdn"'}
+TAGS = {"hybrid": "mamba, hybrid, state-space-model", "gdn": "gated-deltanet, linear-attention, qwen3_5_text"}
 
 
 def render(summary: dict) -> str:
@@ -19,21 +30,20 @@ def render(summary: dict) -> str:
 license: cc-by-sa-4.0
 library_name: transformers
 pipeline_tag: text-generation
-tags: [mamba, {arch}, state-space-model, hf_statecompose, demo{", nemotron_h" if arch == "hybrid" else ""}]
+tags: [{TAGS.get(arch, f"mamba, {arch}, state-space-model")}, hf_statecompose, demo{", nemotron_h" if arch == "hybrid" else ""}]
 ---
 
 # hf_statecompose demo {NAMES[arch]} ({s["parameters"] / 1e6:.2f}M parameters)
 
 A tiny {NAMES[arch]} causal LM shipped inside `hf_statecompose` (`hsc.load_demo({LOAD_ARGS[arch]})`)
 so that the state database, composition and evaluation run offline on a CPU. It is a **demo model**:
-it writes Wikipedia-flavoured English and recalls facts from its context; it knows little and should
-not be used for anything but exercising and measuring the library.
+{_abilities(s)}
 {_architecture(s)}
 ## Training
-- Recipe: `python recipes/train_demo.py --arch {arch} --minutes {s["train_seconds"] / 60:.0f}{_hybrid_flags(s)}` ({s["steps"]} steps of
+- Recipe: `python recipes/train_demo.py --arch {arch} {_budget(s)}{_hybrid_flags(s)}` ({s["steps"]} steps of
   {s["batch_size"]} × {s["seq_len"]} tokens = {s["tokens_seen"] / 1e6:.2f}M tokens, {s["train_seconds"] / 60:.1f} min on
   {s["device"]} with {s["threads"]} threads; AdamW, lr {s["lr"]}, warm-up + cosine; seed {s["seed"]}).
-- Data: 3/8 of each batch Wikipedia, 5/8 synthetic recall:
+- Data: {_mix(s)}:
   - the training articles of the English Wikipedia excerpt shipped in the `gensim` wheel
     (`gensim/test/test_data/enwiki-latest-pages-articles1*.bz2`). Text © Wikipedia contributors,
     licensed [CC BY-SA 4.0](https://creativecommons.org/licenses/by-sa/4.0/); the held-out articles
@@ -61,16 +71,58 @@ same licence. Architecture: transformers' `{CLASSES[arch]}`.
 """
 
 
+def _budget(s: dict) -> str:
+    """The run's length as its command gave it: ``--steps N`` (fixed) or ``--minutes M`` (steps from the speed)."""
+    return f"--steps {s['steps_arg']}" if s.get("steps_arg") else f"--minutes {s['train_seconds'] / 60:.0f}"
+
+
+def _mix(s: dict) -> str:
+    """The data mixture, with the recall-only first phase where the run had one."""
+    mix = "3/8 of each batch Wikipedia, 5/8 synthetic recall"
+    if s.get("recall_only_steps"):
+        start = s.get("recall_max_towns_start")
+        towns = f" (at most {start} towns rising to {s.get('max_towns', 8)})" if start else ""
+        mix = f"the first {s['recall_only_steps']} steps synthetic recall only{towns}, then " + mix
+    return mix
+
+
+def _abilities(s: dict) -> str:
+    """What the model does with its context, from the run's recall figures (a model that did not learn recall says so)."""
+    if s["recall_accuracy_with_context"] - s["recall_accuracy_no_context"] >= 0.25:
+        return (
+            "it writes Wikipedia-flavoured English and recalls facts from its context; it knows little and should\n"
+            "not be used for anything but exercising and measuring the library."
+        )
+    return (
+        "it writes Wikipedia-flavoured English but **has not learnt to recall facts from its context** (see below:\n"
+        "its answers are no better with the passage than without), so it exercises the library's state path and\n"
+        "composition on its architecture, not the quality of a composition; it knows little and should not be used\n"
+        "for anything else."
+    )
+
+
 def _hybrid_flags(s: dict) -> str:
-    if s["arch"] != "hybrid":
+    if s["arch"] not in ("hybrid", "gdn"):
         return ""
     flags = f" --lr {s['lr']} --threads {s['threads']}"
+    if s["arch"] == "gdn" and s.get("init_from"):
+        flags += f" --init-from {s['init_from']}"
+    if s["arch"] == "gdn" and s.get("gdn_init", "fla") != "fla":
+        flags += f" --gdn-init {s['gdn_init']}"
+    if s["arch"] == "gdn" and s.get("layer_types"):
+        kinds = "".join("*" if t == "full_attention" else "G" for t in s["layer_types"])
+        if kinds != "GGG*GGG":
+            flags += f" --gdn-layers '{kinds}'"
     for key, default in (
         ("max_towns", 8),
         ("attn_init_std", 0.0),
         ("qk_init_std", None),
         ("attn_lr_mult", 1.0),
         ("freeze_ssm_steps", 0),
+        ("intermediate_size", 256),
+        ("recall_only_steps", 0),
+        ("recall_max_towns_start", None),
+        ("warmup", 30),
     ):
         if s.get(key, default) != default:
             flags += f" --{key.replace('_', '-')} {s[key]}"
@@ -81,6 +133,8 @@ def _hybrid_flags(s: dict) -> str:
 
 def _evaluation(arch: str) -> str:
     """The composition figures measured on this checkpoint (from ``benchmarks/results/``), where they exist."""
+    if arch == "gdn":
+        return _gdn_evaluation()
     if arch == "hybrid":
         path = RESULTS / "eval_hybrid_demo_hybrid.json"
         if not path.exists():
@@ -163,8 +217,49 @@ def _adapter_composition(arch: str, name: str) -> str:
     )
 
 
+def _gdn_evaluation() -> str:
+    """The GDN demo's composition table (``recipes/eval_gdn_demo.py``'s JSON), where measured."""
+    path = RESULTS / "eval_gdn_demo.json"
+    if not path.exists():
+        return (
+            "Its evaluation with contexts (none / concatenated / soup / CASO / PICASO-S / PICASO-R, on the demo\n"
+            "questions) is `python recipes/eval_gdn_demo.py`."
+        )
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_gdn_demo", ROOT / "recipes" / "eval_gdn_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    d = json.loads(path.read_text())
+    questions = d["k"][next(iter(d["k"]))]["none"]["questions"]
+    return (
+        "## Composition (`python recipes/eval_gdn_demo.py`)\n"
+        f"The {questions} demo questions, each with k passages (the answer's and k − 1 others, each encoded alone "
+        "and composed, or their texts concatenated before the query); exact greedy answers / answer loss "
+        "(nats/token):\n\n" + module.wide_table(d) + "\n\n" + d.get("summary", "") + _gdn_reading(d)
+    ).rstrip()
+
+
+def _gdn_reading(d: dict) -> str:
+    """What the table says, when the concatenated text brings no recall (accuracy within 25 points of none)."""
+    per_k = d["k"].values()
+    if max(r["concat"]["accuracy"] - r["none"]["accuracy"] for r in per_k) >= 0.25:
+        return ""
+    gap = min(r["none"]["answer_loss"] - r["concat"]["answer_loss"] for r in per_k)
+    spread = max(abs(r[m]["answer_loss"] - r["concat"]["answer_loss"]) for r in per_k for m in d["methods"])
+    return (
+        "\n\n**This checkpoint has not learnt recall**: even the concatenated text leaves its answers at chance "
+        f"(the context lowers the answer loss by {gap:.3f} nats or a little more, whether or not the answer's "
+        f"passage is alone), so the table measures no composition quality; every method lands within {spread:.3f} "
+        "nats of the concatenation. Recall did not emerge in three CPU runs of 20–50 minutes "
+        "(`recipes/train_demo.py`'s docstring)."
+    )
+
+
 def _architecture(s: dict) -> str:
-    """The hybrid's layer pattern (the Mamba models' architecture is their class name)."""
+    """The hybrids' layer pattern (the Mamba models' architecture is their class name)."""
+    if s["arch"] == "gdn":
+        return _gdn_architecture(s)
     if s["arch"] != "hybrid":
         return ""
     if s.get("attn_init_std"):
@@ -207,6 +302,32 @@ attention has none; the Mamba-2 layers before it carry the order); no MLP layers
 NemotronH does not tie its lm_head to the embeddings, hence the small attention layers (the file stays
 under 20 MB). `time_step_min` is 1e-6: NemotronH clamps the SSM step from below at it (Mamba-2 does not).
 Same tokenizer as the Mamba-2 demo. {start} Trained with transformers' stock forward (no cache).
+"""
+
+
+def _gdn_architecture(s: dict) -> str:
+    kinds = "".join("*" if t == "full_attention" else "G" for t in s["layer_types"])
+    if s.get("init_from"):
+        start = (
+            f"Its token embeddings (= its lm_head) started from `{s['init_from']}`'s (the Mamba-2 demo's, same "
+            "tokenizer and width); every other weight from the config's init."
+        )
+    else:
+        start = "Trained from scratch."
+    if s.get("gdn_init", "fla") == "fla":
+        start += (
+            " The GDN layers' decay parameters were initialised as the gated DeltaNet reference does for training from "
+            "scratch (`A ~ U(0, 16)`, `dt_bias = softplus⁻¹(dt)` with `dt` log-uniform in [0.001, 0.1]), not as "
+            "transformers' Qwen3.5 init (`dt_bias = 1`: every head starts forgetting within a few tokens)."
+        )
+    return f"""
+## Architecture
+transformers' `Qwen3_5ForCausalLM` (the Qwen3.5 text model, model_type `qwen3_5_text`), hidden size 256,
+{len(s["layer_types"])} layers `{kinds}` (`G`: a gated DeltaNet layer, `linear_attention`: 2 key heads × 64, 4 value
+heads × 64, short conv 4, gated RMSNorm output; `*`: Qwen3.5's gated attention layer, `full_attention`: 4 query heads
+× 64, 2 key/value heads, partial RoPE on a quarter of each head); every layer followed by a SwiGLU MLP of {s.get("intermediate_size", 256)};
+lm_head tied to the embeddings. Same tokenizer as the Mamba-2 demo. {start} Trained with transformers' stock forward
+(no cache; the PyTorch reference of the chunked gated delta rule, no `flash-linear-attention` on this CPU).
 """
 
 

@@ -1,4 +1,4 @@
-"""The embedded demo: three small checkpoints (``models/``), bundled passages (``data/``), the main job
+"""The embedded demo: four small checkpoints (``models/``), bundled passages (``data/``), the main job
 (``python -m hf_statecompose.demo``, ``run.py``), the corpora and the PICASO evaluation (``eval.py``)."""
 
 from __future__ import annotations
@@ -6,9 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_DIR = Path(__file__).resolve().parent / "models"
-DEMO_ARCHS = ("mamba2", "mamba", "hybrid")
+DEMO_ARCHS = ("mamba2", "mamba", "hybrid", "gdn")
 # names that mean an embedded demo checkpoint (CLI --model, lm-eval pretrained=, recipes' model=)
-DEMO_SPECS = {"demo": "mamba2", "demo-mamba2": "mamba2", "demo-mamba": "mamba", "demo-hybrid": "hybrid"}
+DEMO_SPECS = {
+    "demo": "mamba2",
+    "demo-mamba2": "mamba2",
+    "demo-mamba": "mamba",
+    "demo-hybrid": "hybrid",
+    "demo-gdn": "gdn",
+}
 # a checkpoint folder holds one of these when it has a tokenizer (without any, transformers 5 makes an
 # empty one that turns every text into no tokens)
 TOKENIZER_FILES = (
@@ -42,13 +48,14 @@ def checkpoint_problem(path) -> str | None:
 
 
 def load_demo(arch: str = "mamba2", device=None):
-    """``(model, tokenizer)`` of an embedded demo model (``"mamba2"``, default, ``"mamba"`` or
-    ``"hybrid"``), enabled.
+    """``(model, tokenizer)`` of an embedded demo model (``"mamba2"``, default, ``"mamba"``, ``"hybrid"`` or
+    ``"gdn"``), enabled.
 
-    Small (3.6M parameters) Mamba-2 / Mamba-1 causal LMs and a 4.4M-parameter hybrid (transformers'
-    NemotronH: Mamba-2 layers and two attention layers without positional encoding) trained by
-    ``recipes/train_demo.py`` on the Wikipedia excerpt of the gensim wheel and a synthetic fact-recall
-    task; see ``model_cards/``. Loaded from the package's files, never from the Hub.
+    Small (3.6M parameters) Mamba-2 / Mamba-1 causal LMs, a 4.9M-parameter hybrid (transformers'
+    NemotronH: Mamba-2 layers and two attention layers without positional encoding) and a 4.3M-parameter
+    gated DeltaNet hybrid (transformers' Qwen3.5 text model, ``qwen3_5_text``: six gated DeltaNet layers and
+    one attention layer) trained by ``recipes/train_demo.py`` on the Wikipedia excerpt of the gensim wheel
+    and a synthetic fact-recall task; see ``model_cards/``. Loaded from the package's files, never from the Hub.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,6 +1,6 @@
 """The main job on the embedded demo model: store contexts once, retrieve, compose, generate.
 
-    python -m hf_statecompose.demo [--arch mamba2|mamba] [--method picaso_r] [-k 4] [--store DIR]
+    python -m hf_statecompose.demo [--arch mamba2|mamba|hybrid|gdn] [--method picaso_r] [-k 4] [--store DIR]
 
 1. Load the embedded demo model (``load_demo``: a 3.6M-parameter Mamba-2, or Mamba-1, trained on
    Wikipedia text and a synthetic fact-recall task; no download).
