@@ -537,3 +537,20 @@ def test_lance_input_output_failures_are_permission_and_os_errors_naming_the_sto
     assert store.table.version == version and sorted(store.ids()) == sorted(ids)  # nothing was committed
     store.delete(ids[0])  # and the same calls work without the fault
     assert store.compact()["removed_entries"] == 1 and sorted(store.ids()) == sorted(ids[1:])
+
+
+def test_compact_removes_a_single_deleted_row_of_a_compacted_store(tmp_path):
+    """One deleted row in one large fragment (under Lance's default 10% threshold for rewriting a fragment with
+    deletions, and no other fragment to merge it with): compact still removes it, as it says (a store compacted by
+    another process and then deleted from held the row on after compact, which a concurrency test caught)."""
+    model = tiny_model("mamba")
+    store = make_store(tmp_path / "s", model)
+    texts = [f"{i}: {TEXTS[i % len(TEXTS)]}" for i in range(24)]
+    ids = store.add(texts, batch_size=24, show_progress=False)
+    store.compact(keep_versions_for=0)
+    assert store.stats()["fragments"] == 1
+    store.delete([ids[5]])
+    assert store.stats()["deleted_pending"] == 1
+    report = store.compact(keep_versions_for=0)
+    assert report["removed_entries"] == 1
+    assert store.stats()["deleted_pending"] == 0 and len(store) == 23 and ids[5] not in store
