@@ -215,3 +215,14 @@ def save_tiny_finetune_base(folder) -> None:
     )
     Mamba2ForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
+
+
+def load_recipe(name: str):
+    """``recipes/<name>.py`` imported as a module (the recipes are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

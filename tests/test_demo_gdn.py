@@ -2,7 +2,6 @@
 as small safetensors with its card, loads offline with the Mamba-2 demo's tokenizer, has the promised architecture,
 its context changes its answers, and the ordering measured by ``recipes/eval_gdn_demo.py`` holds."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,6 +12,8 @@ from transformers import Qwen3_5ForCausalLM
 
 import hf_statecompose as hsc
 from hf_statecompose.demo import DEMO_DIR, DEMO_SPECS
+
+from helpers import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = DEMO_DIR / "gdn"
@@ -34,10 +35,7 @@ def gdn():
 
 
 def _recipe():
-    spec = importlib.util.spec_from_file_location("eval_gdn_demo", ROOT / "recipes" / "eval_gdn_demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("eval_gdn_demo")
 
 
 def test_checkpoint_is_small_safetensors_with_model_card():

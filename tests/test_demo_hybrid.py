@@ -2,7 +2,6 @@
 positional encoding): it ships as small safetensors with its card, loads offline with the Mamba-2 demo's
 tokenizer, has the promised architecture, and uses its context (measured with the evaluation recipe)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,8 @@ from transformers import NemotronHForCausalLM
 
 import hf_statecompose as hsc
 from hf_statecompose.demo import DEMO_DIR
+
+from helpers import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = DEMO_DIR / "hybrid"
@@ -27,10 +28,7 @@ MARGIN, MIN_EXTRA_CORRECT = 0.7, 4
 
 
 def _recipe():
-    spec = importlib.util.spec_from_file_location("eval_hybrid_demo", ROOT / "recipes" / "eval_hybrid_demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("eval_hybrid_demo")
 
 
 def test_checkpoint_is_small_safetensors_with_model_card():
