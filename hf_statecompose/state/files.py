@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import secrets
 import struct
-import tempfile
 import threading
 
 import torch
@@ -15,10 +15,14 @@ import torch
 
 def atomic_write(path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never half:
-    a temporary file in the same folder, fsynced, renamed over ``path``, then the folder fsynced."""
+    a temporary file in the same folder, fsynced, renamed over ``path``, then the folder fsynced.
+
+    The file gets the mode any new file gets (``0o666`` less the process's umask: ``0o644`` under the usual
+    umask 022), as ``open(path, "wb")`` would give it: ``tempfile.mkstemp`` makes ``0o600`` files, which other
+    users and tools could not read in a shared store."""
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = _new_temporary(directory)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -30,6 +34,19 @@ def atomic_write(path, data: bytes) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(directory)
+
+
+def _new_temporary(directory: str) -> tuple[int, str]:
+    """``(fd, path)`` of a new, empty, hidden file in ``directory``, created with ``O_EXCL`` (never an existing
+    file, nor a link's target) and mode ``0o666``, which the kernel narrows by the umask."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = os.path.join(directory, f".tmp-{secrets.token_hex(8)}")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:  # 2**64 names: only a hostile folder gets here twice
+            continue
+    raise FileExistsError(f"no free temporary file name in {directory}")
 
 
 def fsync_dir(directory) -> None:

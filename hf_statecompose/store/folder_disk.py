@@ -248,7 +248,7 @@ class ShardFolder:
             self._check_links()
             lock_path = self.path / ".lock"
             try:
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
                 if not shared and not os.access(self.path / "shards", os.W_OK):
                     os.close(fd)
                     raise PermissionError(errno.EACCES, "no write permission", str(self.path / "shards"))
