@@ -78,6 +78,13 @@ def stats_record(counts: dict, header: dict, indexed: bool, version: int) -> dic
     }
 
 
+def _has_vector_index(dataset) -> bool:
+    """Whether the states table has its ANN index on ``vector`` (as ``LanceStateStore._has_index`` asks LanceDB)."""
+    if hasattr(dataset, "describe_indices"):  # pylance >= 14 (list_indices is deprecated there)
+        return any(list(index.field_names) == ["vector"] for index in dataset.describe_indices())
+    return any(list(index.get("fields", ())) == ["vector"] for index in dataset.list_indices())
+
+
 def read_lance_stats(uri: str, storage_options: dict | None = None) -> dict:
     """:meth:`LanceStateStore.stats <hf_statecompose.store.lance.LanceStateStore.stats>` of the Lance store at
     ``uri``, read-only, without its model, torch or LanceDB (``pylance`` only): the header's seal is verified, the
@@ -109,7 +116,7 @@ def read_lance_stats(uri: str, storage_options: dict | None = None) -> dict:
     try:
         states = lance.dataset(table_uri(uri, STATES_TABLE), storage_options=storage_options)
         counts = dataset_stats(states, uri)
-        indexed = any(list(index.get("fields", ())) == ["vector"] for index in states.list_indices())
+        indexed = _has_vector_index(states)
         version = states.version
     except Exception as error:  # noqa: BLE001 - whatever Lance raises on a damaged table
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
