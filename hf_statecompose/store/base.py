@@ -7,8 +7,8 @@ checks of every public method's arguments, embedding and tokenizing, and the enc
 the verified decoding back into a state (dtypes, shapes, finite values, ΣΔ >= 0 against the model). Each backend
 implements the storage: ``add``, ``get``, ``retrieve``, ``delete``, ``compact``, ``entries``, ``ids``,
 ``refresh``, ``stats``, ``__len__``, ``__contains__``, and registers itself by name (:func:`register_backend`);
-the package's ``__init__`` imports the built-in backends (``"folder"``; ``"lance"`` registered by its module path,
-imported on first use: its dependencies are an optional extra).
+the built-in backends (``"folder"``, ``"lance"``) are registered below by their module paths, each imported on first
+use (the ``lance`` backend's dependencies are an optional extra).
 """
 
 from __future__ import annotations
@@ -37,8 +37,12 @@ from .format import (
 
 # ------------------------------------------------------------------------------------ the backends' registry
 # name -> the backend class, or "package.module:Class" for a backend imported on first use (as fsspec's
-# known_implementations); filled by register_backend (the backend modules, the package __init__, users)
-_BACKENDS: dict[str, type[StateStore] | str] = {}
+# known_implementations); filled by register_backend (the backend modules, users). The built-in backends are
+# registered here by their module paths (imported on first use: the package's __init__ imports no backend)
+_BACKENDS: dict[str, type[StateStore] | str] = {
+    "folder": "hf_statecompose.store.folder:FolderStateStore",
+    "lance": "hf_statecompose.store.lance:LanceStateStore",
+}
 _BACKENDS_LOCK = threading.Lock()
 # what a backend implements: StateStore's methods that only raise NotImplementedError (checked at registration and
 # when a backend class is instantiated, as an abstract base class would, without making StateStore abstract: mypy

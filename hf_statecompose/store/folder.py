@@ -10,7 +10,6 @@ new entries get ids derived from their content (:func:`~hf_statecompose.store.fo
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -338,40 +337,10 @@ class FolderStateStore(ShardFolder, StateStore):
     def stats(self) -> dict:
         """Entries and bytes: ``entries``, ``shards``, ``deleted_pending`` (tombstoned, not yet compacted),
         ``bytes`` (all files), ``state_bytes_per_entry`` (tensor bytes of one entry's state),
-        ``storage_dtype``, ``orphan_files``."""
-        with self._locked(shared=True):
-            self.refresh()
-            shard_dir = self.path / "shards"
-            total = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
-            names = os.listdir(shard_dir)
-            committed = {name[:-5] for name in names if name.endswith(".json") and is_id(name[:-5], "shard")}
-            orphans = [
-                name
-                for name in names
-                if name.endswith(".safetensors") and name[: -len(".safetensors")] not in committed
-            ]
-            all_ids = {r["id"] for sid in self._live_shards for r in self._manifests[sid]["entries"]}
-            per_entry = None
-            if self._entries:
-                entry_id, (sid, _) = next(iter(self._entries.items()))
-                handle, _ = self._open_shard(sid)
-                with handle:
-                    per_entry = sum(
-                        handle.nbytes(name)
-                        for name in handle.keys()
-                        if name.startswith(entry_id + ".") and not name.endswith("token_ids")
-                    )
-            return {
-                "entries": len(self._entries),
-                "shards": len(self._live_shards),
-                "deleted_pending": len(all_ids) - len(self._entries),
-                "bytes": total,
-                "state_bytes_per_entry": per_entry,
-                "storage_dtype": self.header["storage_dtype"],
-                "orphan_files": len(orphans),
-                "superseded_shards": len(committed) - len(self._live_shards),
-                "retriever": self.header["retriever"],
-            }
+        ``storage_dtype``, ``orphan_files``, ``superseded_shards``, ``retriever``; read from the store's files
+        (:meth:`~hf_statecompose.store.folder_index.ShardIndex.folder_stats`, which
+        :func:`~hf_statecompose.store.folder_index.read_folder_stats` runs without a model)."""
+        return self.folder_stats()
 
     def __repr__(self):
         return (

@@ -68,10 +68,6 @@ nothing created); ``add``, ``delete`` and ``compact`` then raise one ``Permissio
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
-import json
 import os
 import threading
 import uuid
@@ -83,16 +79,14 @@ import torch
 from ..state.cache import ComposableMambaCache
 from ..state.files import MappedSafetensors, atomic_write, fsync_dir
 from ..state.validation import expected_num_layers
+from .folder_index import ShardIndex, _identity
 from .format import (
-    CHECKSUM_PATTERN,
     FORMAT_VERSION,
-    STORAGE_DTYPES,
     all_finite,
     check_id,
     checksum,
     is_id,
     seal,
-    unseal,
 )
 
 
@@ -126,12 +120,6 @@ def _run_all(fn, jobs: list[tuple]) -> None:
             pass
 
 
-def _identity(path: Path) -> tuple:
-    """What changes whenever a file's content may have changed (a rewrite in place bumps mtime/ctime)."""
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 # per process: shard file path -> (its identity when verified, names verified: entry ids, "A", "embeddings")
 _VERIFIED: dict[str, tuple[tuple, set]] = {}
 _VERIFIED_LOCK = threading.Lock()
@@ -145,7 +133,7 @@ def _verified(path: Path, identity: tuple) -> set:
         return known[1]
 
 
-class ShardFolder:
+class ShardFolder(ShardIndex):
     """The folder store's files: a mixin of :class:`~hf_statecompose.store.folder.FolderStateStore`, which sets
     ``path`` and ``fingerprint`` and provides the checks of an entry against the model (``_entry_tensor_names``,
     ``_check_entry_tensors``) and the state made from checked tensors (``_state``), all from
@@ -164,9 +152,7 @@ class ShardFolder:
     def _open_folder(self, new_header: Callable[[], dict]) -> None:
         """Make the folders (if missing), write ``store.json`` from ``new_header()`` if there is
         none (refused where shard manifests exist without it), read it into ``header`` and start the index."""
-        self._thread_lock = threading.RLock()
-        self._lock_mode: str | None = None
-        self._lock_depth = 0
+        self._start_index()
         if (self.path / "store_header.lance").exists():
             raise ValueError(f"{self.path} holds a Lance store: open it with StateStore(..., backend='lance')")
         self._check_links()
@@ -188,245 +174,9 @@ class ShardFolder:
                     )
                 _write(header_path, seal(new_header()))
             self.header = self._read_header()
-        self._manifests: dict[str, dict] = {}  # shard id -> manifest (manifests never change: cached by id)
         self._embeddings: dict[str, torch.Tensor] = {}  # shard id -> verified [n, E]
         self._A: dict[str, list[torch.Tensor]] = {}  # A checksum -> verified A tensors (normally one for all shards)
-        self._entries: dict[str, tuple[str, int]] = {}  # live entry id -> (shard id, row)
         self._flat: tuple[list[str], torch.Tensor] | None = None  # live ids and their embeddings, for retrieve
-        self._live_shards: list[str] = []  # manifests not superseded by another
-        self._tombstones: dict[str, list[str]] = {}  # tombstone file name -> the ids it deletes (files never change)
-        self._deleted: set[str] = set()  # ids tombstoned (live in a manifest or not)
-
-    def _read_header(self) -> dict:
-        header_path = self.path / "store.json"
-        try:
-            raw = json.loads(header_path.read_bytes())
-        except (OSError, ValueError):
-            raw = None
-        if isinstance(raw, dict) and raw.get("format_version") == 1:
-            raise ValueError(
-                f"{header_path}: a store of format 1 (an older hf_statecompose, no integrity seals); rebuild it from its passages"
-            )
-        header = unseal(header_path, "header (store.json)")
-        if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "hf_statecompose.store":
-            raise ValueError(f"{header_path}: unsupported store format version {header.get('format_version')!r}")
-        if header.get("storage_dtype") not in STORAGE_DTYPES or not isinstance(header.get("tokenizer"), dict):
-            raise ValueError(f"{header_path}: malformed store header; restore it from a backup")
-        return header
-
-    # ------------------------------------------------------------------------------------ locking
-    def _check_links(self) -> None:
-        """Refuse a store whose own files are symbolic links: compaction removes files by name in these
-        folders, and must never reach files outside the store."""
-        for name in ("store.json", "shards", "deleted", ".lock"):
-            if os.path.islink(self.path / name):
-                raise ValueError(
-                    f"{self.path / name} is a symbolic link: a store's files and folders must be its own "
-                    "(replace the link by the folder or file it points to)"
-                )
-
-    def _read_only(self, error: OSError) -> PermissionError:
-        return PermissionError(
-            f"the store at {self.path} is read-only: {error.strerror or error} "
-            "(reads work; add, delete and compact need write access: copy the store to a writable place)"
-        )
-
-    @contextlib.contextmanager
-    def _locked(self, shared: bool = False):
-        """``flock`` on ``.lock``: exclusive for writers, shared for readers; re-entrant in this object.
-        On a read-only store ``.lock`` is opened read-only (``flock`` works on it) and writers are refused."""
-        with self._thread_lock:
-            if self._lock_depth:
-                if self._lock_mode == "shared" and not shared:
-                    raise RuntimeError("internal error: exclusive store lock requested under a shared one")
-                self._lock_depth += 1
-                try:
-                    yield
-                finally:
-                    self._lock_depth -= 1
-                return
-            self._check_links()
-            lock_path = self.path / ".lock"
-            try:
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
-                if not shared and not os.access(self.path / "shards", os.W_OK):
-                    os.close(fd)
-                    raise PermissionError(errno.EACCES, "no write permission", str(self.path / "shards"))
-            except OSError as error:
-                if not isinstance(error, PermissionError) and error.errno != errno.EROFS:
-                    raise
-                if not shared:
-                    raise self._read_only(error) from None
-                try:
-                    fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-                except FileNotFoundError:
-                    if error.errno != errno.EROFS:
-                        raise PermissionError(
-                            f"cannot create {lock_path} to lock the store for reading: {error.strerror or error}"
-                        ) from None
-                    fd = None  # a read-only filesystem without .lock: no writer can exist, nothing to lock against
-            try:
-                if fd is not None:
-                    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-                self._lock_mode, self._lock_depth = ("shared" if shared else "exclusive"), 1
-                try:
-                    yield
-                finally:
-                    self._lock_mode, self._lock_depth = None, 0
-                    if fd is not None:
-                        fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-
-    # ------------------------------------------------------------------------------------ index
-    def _read_manifest(self, sid: str) -> dict | None:
-        path = self.path / "shards" / f"{sid}.json"
-        manifest = unseal(path, f"shard manifest {sid}", missing_ok=True)
-        if manifest is None:
-            return None
-
-        def bad(why):
-            return ValueError(
-                f"{path}: {why}; the shard cannot be trusted (restore the file, or move {sid}.json and {sid}.safetensors out of the store to drop its entries)"
-            )
-
-        if manifest.get("format_version") != FORMAT_VERSION or manifest.get("kind") != "shard":
-            raise bad("not a shard manifest of this store format")
-        if manifest.get("shard") != sid:
-            raise bad(
-                f"it describes shard {str(manifest.get('shard'))[:40]!r}, not the file's own (copied or renamed by hand)"
-            )
-        if manifest.get("fingerprint") != self.fingerprint:
-            raise bad("it was written for another model (fingerprint differs)")
-        supersedes, entries = manifest.get("supersedes"), manifest.get("entries")
-        if not isinstance(supersedes, list) or not all(is_id(s, "shard") for s in supersedes):
-            raise bad("malformed 'supersedes'")
-        if not isinstance(entries, list) or not entries:
-            raise bad("no entries")
-        for record in entries:
-            if not (
-                isinstance(record, dict)
-                and is_id(record.get("id"), "entry")
-                and isinstance(record.get("text"), str)
-                and isinstance(record.get("metadata"), dict)
-                and isinstance(record.get("num_tokens"), int)
-                and record["num_tokens"] >= 1
-                and isinstance(record.get("checksum"), str)
-                and CHECKSUM_PATTERN.fullmatch(record["checksum"])
-            ):
-                raise bad(f"malformed entry record {str(record)[:80]!r}")
-        if len({r["id"] for r in entries}) != len(entries):
-            raise bad("an entry id is listed twice")
-        for key in ("embeddings_checksum", "shared_checksum"):
-            if not isinstance(manifest.get(key), str) or not CHECKSUM_PATTERN.fullmatch(manifest[key]):
-                raise bad(f"malformed {key}")
-        if not isinstance(manifest.get("shard_size"), int):
-            raise bad("malformed shard_size")
-        return manifest
-
-    def _load_manifests(self) -> set[str]:
-        """Read the manifests on disk into ``_manifests``; returns the superseded shard ids. A damaged
-        manifest is an error unless a readable one supersedes it (left by a compaction killed midway)."""
-        shard_dir = self.path / "shards"
-        listing = {name[:-5] for name in os.listdir(shard_dir) if name.endswith(".json") and is_id(name[:-5], "shard")}
-        for sid in list(self._manifests):
-            if sid not in listing:
-                del self._manifests[sid]
-                self._embeddings.pop(sid, None)
-        damaged: dict[str, ValueError] = {}
-        for sid in sorted(listing - set(self._manifests)):
-            try:
-                manifest = self._read_manifest(sid)
-            except ValueError as error:
-                damaged[sid] = error
-                continue
-            if manifest is not None:
-                self._manifests[sid] = manifest
-        superseded = {s for m in self._manifests.values() for s in m["supersedes"]}
-        for sid, problem in sorted(damaged.items()):
-            if sid not in superseded:
-                raise problem
-        return superseded
-
-    def _load_tombstones(self) -> set[str]:
-        """The ids tombstoned in ``deleted/``: one sealed ``<32 hex>.json`` per ``delete`` call (its ids),
-        or an empty ``<id>`` per id (written by earlier versions)."""
-        deleted, names = set(), set()
-        with os.scandir(self.path / "deleted") as listing:
-            for item in listing:
-                if is_id(item.name, "entry"):
-                    deleted.add(item.name)
-                elif item.name.endswith(".json") and is_id(item.name[:-5], "shard"):
-                    names.add(item.name)
-        for name in list(self._tombstones):
-            if name not in names:
-                del self._tombstones[name]
-        for name in sorted(names - set(self._tombstones)):
-            path = self.path / "deleted" / name
-            record = unseal(path, "tombstone", missing_ok=True)
-            if record is None:  # removed by a compaction meanwhile (another process)
-                continue
-            ids = record.get("ids")
-            if (
-                record.get("format_version") != FORMAT_VERSION
-                or record.get("kind") != "tombstones"
-                or record.get("fingerprint") != self.fingerprint
-                or not isinstance(ids, list)
-                or not ids
-                or not all(is_id(i, "entry") for i in ids)
-            ):
-                raise ValueError(
-                    f"{path}: not a tombstone of this store (damaged, or copied from another store); restore it from a backup "
-                    "(removing it would bring its deleted entries back)"
-                )
-            self._tombstones[name] = ids
-        for ids in self._tombstones.values():
-            deleted.update(ids)
-        return deleted
-
-    def _check_superseded(self, superseded: set[str], deleted: set[str]) -> None:
-        """Every entry of a superseded shard is listed by a manifest superseding it, or deleted: true at
-        every instant of a compaction (kills included), so a manifest claiming otherwise is forged or
-        hand-edited, and reading past it (or compacting, which removes superseded shards) would lose
-        entries."""
-        for sid in sorted(superseded & set(self._manifests)):
-            kept = {r["id"] for m in self._manifests.values() if sid in m["supersedes"] for r in m["entries"]}
-            lost = [r["id"] for r in self._manifests[sid]["entries"] if r["id"] not in kept and r["id"] not in deleted]
-            if lost:
-                by = sorted(other for other, m in self._manifests.items() if sid in m["supersedes"])
-                raise ValueError(
-                    f"{self.path}: shard {sid[:12]}… is superseded by {', '.join(b[:12] + '…' for b in by)}, which lack its entries "
-                    f"{lost[:2]} (not deleted either): a forged or hand-edited manifest; nothing was removed. Restore the "
-                    "store from a backup, or move the superseding manifests out of shards/"
-                )
-
-    def refresh(self) -> None:
-        """Re-read the shard manifests and tombstones (other processes may have added, deleted or compacted)."""
-        with self._locked(shared=True):
-            superseded = self._load_manifests()
-            deleted = self._load_tombstones()
-            if superseded:
-                self._check_superseded(superseded, deleted)
-            entries: dict[str, tuple[str, int]] = {}
-            owner: dict[str, str] = {}
-            for sid in sorted(self._manifests):
-                if sid in superseded:
-                    continue
-                for row, record in enumerate(self._manifests[sid]["entries"]):
-                    entry_id = record["id"]
-                    if entry_id in owner:
-                        raise ValueError(
-                            f"entry {entry_id} is listed by two live shard manifests of {self.path} ({owner[entry_id]}, {sid}): "
-                            "the store was modified by hand; move one of the two shards (.json and .safetensors) out of the store"
-                        )
-                    owner[entry_id] = sid
-                    if entry_id not in deleted:
-                        entries[entry_id] = (sid, row)
-            self._live_shards = [sid for sid in sorted(self._manifests) if sid not in superseded]
-            self._deleted = deleted
-        if entries != self._entries:
-            self._entries, self._flat = entries, None
 
     # ------------------------------------------------------------------------------------ write
     def _shard(

@@ -1,5 +1,8 @@
 """The on-disk format shared by both store backends: ids, sealed JSON, checksums, the tokenizer record,
-the header checks, :class:`StoreEntry`. No I/O beyond reading one sealed file (:func:`unseal`)."""
+the header checks, :class:`StoreEntry`. No I/O beyond reading one sealed file (:func:`unseal`).
+
+Importing it does not import torch (``hf-statecompose stats`` reads a store's files without it): torch is imported by
+the functions that need it, and :data:`STORAGE_DTYPES` (names -> torch dtypes) on first access (PEP 562)."""
 
 from __future__ import annotations
 
@@ -11,13 +14,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from ..state.cache import ComposableMambaCache
 
+    STORAGE_DTYPES: dict[str, torch.dtype]
+
 FORMAT_VERSION = 2
-STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the names of STORAGE_DTYPES, without torch
+STORAGE_DTYPE_NAMES = ("fp32", "bf16")
+
+
+def __getattr__(name: str):
+    if name == "STORAGE_DTYPES":  # name -> torch dtype, made (and torch imported) on first use
+        import torch
+
+        value = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # one pattern for every id the store makes (uuid4 hex: 16 digits for entries, 32 for shards)
 _ID_PATTERN = re.compile(r"[0-9a-f]{16}(?:[0-9a-f]{16})?")
 _ID_LENGTH = {"entry": 16, "shard": 32}
@@ -239,6 +257,8 @@ def checksum(tensors: dict) -> str:
     """SHA-256 (first 128 bits) over names, dtypes, shapes and raw bytes, hashed in place (no copy).
     SHA-256 rather than blake2b: CPUs with SHA extensions (x86 since about 2017-2019, ARMv8) hash it
     about twice as fast (1.2 vs 0.5 GB/s on the machine of benchmarks/store_read.py)."""
+    import torch
+
     digest = hashlib.sha256()
     for name in sorted(tensors):
         tensor = tensors[name].detach().cpu().contiguous()
@@ -251,4 +271,6 @@ def checksum(tensors: dict) -> str:
 def all_finite(tensor: torch.Tensor) -> bool:
     # a NaN or inf anywhere makes the sum non-finite; a finite sum clears the tensor at a fraction of
     # isfinite(tensor).all()'s cost, which then only decides the rare overflowing sum
+    import torch
+
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())

@@ -81,9 +81,8 @@ from .format import (
     seal,
     unseal_bytes,
 )
+from .lance_files import HEADER_TABLE, STATES_TABLE, dataset_stats, stats_record
 
-HEADER_TABLE = "store_header"
-STATES_TABLE = "states"
 # below this many entries a query is an exact scan (fast enough, and PQ training wants data); compact()
 # builds the ANN index once the table holds this many
 DEFAULT_INDEX_THRESHOLD = 10_000
@@ -954,39 +953,10 @@ class LanceStateStore(StateStore):
     def stats(self) -> dict:
         """Entries and bytes: ``entries``, ``deleted_pending``, ``fragments``, ``bytes`` (all files of a
         local store; ``None`` on object storage), ``state_bytes_per_entry`` (tensor bytes of one entry's
-        state), ``blob_bytes_per_entry`` (its state column), ``storage_dtype``, ``indexed``, ``version``."""
-        fragments, physical, rows = self._fragment_counts()
-        per_entry = blob = None
-        if rows:
-            from safetensors import safe_open  # noqa: F401 (the blob's header says the sizes)
-
-            first = self.table.search().select(["state"]).limit(1).to_arrow().column("state")[0].as_py()
-            length = int.from_bytes(first[:8], "little")
-            header = json.loads(first[8 : 8 + length])
-            per_entry = sum(
-                v["data_offsets"][1] - v["data_offsets"][0]
-                for name, v in header.items()
-                if name not in ("__metadata__", "token_ids", "num_tokens")
-            )
-            blob = len(first)
-        local = "://" not in self.uri or self.uri.startswith("file://")
-        total = None
-        if local:
-            root = self.uri[len("file://") :] if self.uri.startswith("file://") else self.uri
-            total = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-        return {
-            "backend": "lance",
-            "entries": rows,
-            "deleted_pending": physical - rows,
-            "fragments": fragments,
-            "bytes": total,
-            "state_bytes_per_entry": per_entry,
-            "blob_bytes_per_entry": blob,
-            "storage_dtype": self.header["storage_dtype"],
-            "retriever": self.header["retriever"],
-            "indexed": self._has_index(),
-            "version": self.table.version,
-        }
+        state), ``blob_bytes_per_entry`` (its state column), ``storage_dtype``, ``indexed``, ``version``
+        (:func:`~hf_statecompose.store.lance_files.read_lance_stats` reads them without a model)."""
+        counts = self._read(lambda: dataset_stats(self.table.to_lance(), self.uri))
+        return stats_record(counts, self.header, self._has_index(), self.table.version)
 
     def __repr__(self):
         return f"LanceStateStore({self.uri!r}, entries={len(self)}, storage_dtype={self.header['storage_dtype']!r})"
