@@ -5,16 +5,33 @@ maps each known result to its PNG name and drawing function); every script that 
 draws its figure into ``docs/img/`` with ``--plot``, and ``benchmarks/plot_all.py`` redraws every PNG under ``docs/img/``. Figures show
 ratios against the baseline of the same run where the benchmark has one (absolute times on the shared 2-core
 machine are noisy). matplotlib (the ``recipes`` extra) with the Agg backend, 100 dpi: each PNG is small.
+
+Readable on the docs pages (which show a figure at the text width, about 750 px): fonts of 10-12 pt (``STYLE``) and
+every legend outside the plotting area (``_legends_outside``: one legend under the figure where its panels share
+their entries, else one right of its panel), so that no legend covers data; ``constrained`` layout makes room for
+them. ``draw`` returns the laid-out figure (tests/test_benchmark_plots.py checks that no legend covers a line or a
+bar of any figure).
 """
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 DPI = 100
+# readable at the docs' text width: a 10-inch figure is shown about 750 px wide, so 12 pt is about 12 px there
+STYLE = {
+    "font.size": 12,
+    "axes.titlesize": 12,
+    "axes.labelsize": 12,
+    "xtick.labelsize": 11,
+    "ytick.labelsize": 11,
+    "legend.fontsize": 11,
+    "figure.titlesize": 13,
+}
 
 
 def _pyplot():
@@ -26,11 +43,31 @@ def _pyplot():
     return plt
 
 
+def _legends_outside(fig) -> None:
+    """Move every axes' legend out of its plotting area: panels that share their legend entries get one legend
+    under the figure, any other legend goes right of its panel. Uses the ``constrained`` layout, which makes room
+    for both."""
+    fig.set_layout_engine("constrained")
+    legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend() is not None]
+    if not legends:
+        return
+    entries = [ax.get_legend_handles_labels() for ax, _ in legends]
+    for _, legend in legends:
+        legend.remove()
+    shared = len(legends) > 1 and all(labels == entries[0][1] for _, labels in entries)
+    if shared:
+        handles, labels = entries[0]
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 4), frameon=False)
+        return
+    for (ax, _), (handles, labels) in zip(legends, entries):
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
+
+
 def _bars(ax, labels, values, xlabel, baseline=1.0, log=False):
     """Horizontal bars, one per label, with a dashed line at the baseline (1.0 for ratios)."""
     ys = range(len(labels))
     ax.barh(list(ys), values, color="tab:blue")
-    ax.set_yticks(list(ys), labels, fontsize=8)
+    ax.set_yticks(list(ys), labels)
     ax.invert_yaxis()
     if baseline is not None:
         ax.axvline(baseline, color="black", linestyle="--", linewidth=0.8)
@@ -46,10 +83,10 @@ def _compose_floor(d, plt):
         x = range(len(rows))
         ax.bar([i - 0.2 for i in x], [r["over_floor_sum"] for r in rows], 0.4, label="/ plain torch sum")
         ax.bar([i + 0.2 for i in x], [r["over_floor_bandwidth"] for r in rows], 0.4, label="/ bytes÷bandwidth")
-        ax.set_xticks(list(x), [r["method"] for r in rows], fontsize=8)
+        ax.set_xticks(list(x), [r["method"] for r in rows])
         ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
         ax.set(ylabel="time / floor (same run)", title=f"compose n = {d['n']} states, {arch} 130M shapes")
-        ax.legend(fontsize=7)
+        ax.legend()
     return fig
 
 
@@ -61,23 +98,23 @@ def _compose_vs_concat(d, plt):
             ax.plot(
                 [r["n"] for r in rows], [r["ttft_speedup_vs_concat"] for r in rows], "-o", markersize=3, label=method
             )
-        ax.set(xlabel="contexts n", ylabel="TTFT speed-up vs concat prefill", title=arch, yscale="log")
+        ax.set(xlabel="contexts n", ylabel="TTFT speed-up\nvs concat prefill", title=arch, yscale="log")
         ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
-        ax.legend(fontsize=7)
+        ax.legend()
     return fig
 
 
 def _kernels(d, plt):
     fig, ax = plt.subplots(figsize=(7, 3.2))
     rows = d["encode"]
-    labels = [f"{r['arch']} {r['tokens']}" for r in rows]
+    labels = [f"{r['arch']}\n{r['tokens']}" for r in rows]
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["encode_over_floor"] for r in rows], 0.4, label="our encode")
     ax.bar([i + 0.2 for i in x], [r["transformers_over_floor"] for r in rows], 0.4, label="transformers' prefill")
-    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_xticks(list(x), labels)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
     ax.set(ylabel="time / dense-projection floor", title=f"encode, 130M shapes ({d.get('clock', 'wall')} clock)")
-    ax.legend(fontsize=7)
+    ax.legend()
     return fig
 
 
@@ -86,7 +123,7 @@ def _store_read(d, plt):
     for ax, row in zip(axes[0], d["rows"]):
         ratios = row["ratio_to_load_file"]
         _bars(ax, list(ratios), list(ratios.values()), "time / safetensors load_file")
-        ax.set_title(f"k = {row['k']}, {row['entries_per_shard']} entries per shard", fontsize=9)
+        ax.set_title(f"k = {row['k']}, {row['entries_per_shard']} entries per shard")
     return fig
 
 
@@ -94,11 +131,11 @@ def _scale_store(d, plt):
     fig, axes = plt.subplots(1, 2, figsize=(11, 3))
     speed = d["encode"]["speed_vs_folder_add_loop"]
     _bars(axes[0], list(speed), list(speed.values()), "speed / folder store.add loop")
-    axes[0].set_title(f"encode {d['encode']['passages']} passages", fontsize=9)
+    axes[0].set_title(f"encode {d['encode']['passages']} passages")
     med = d["retrieval"]["median_seconds"]
     base = med["lance exact, top 10"]
     _bars(axes[1], list(med), [v / base for v in med.values()], "time / Lance exact top 10")
-    axes[1].set_title(f"retrieve from {d['retrieval']['entries']:,} entries", fontsize=9)
+    axes[1].set_title(f"retrieve from {d['retrieval']['entries']:,} entries")
     return fig
 
 
@@ -106,7 +143,7 @@ def _rows_ratio(title, xlabel, log=False):
     def draw(d, plt):
         fig, ax = plt.subplots(figsize=(8, 0.4 * len(d["rows"]) + 1.2))
         _bars(ax, [r["what"] for r in d["rows"]], [r["ratio"] for r in d["rows"]], xlabel, log=log)
-        ax.set_title(title, fontsize=9)
+        fig.suptitle(title)  # (over the figure: a long title does not fit over the bars beside long labels)
         return fig
 
     return draw
@@ -115,7 +152,7 @@ def _rows_ratio(title, xlabel, log=False):
 def _state_checks(d, plt):
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(d["rows"]) + 1.2))
     _bars(ax, [r["case"].strip() for r in d["rows"]], [r["ms"] for r in d["rows"]], "ms (median)", baseline=None)
-    ax.set_title("in-memory state checks", fontsize=9)
+    ax.set_title("in-memory state checks")
     return fig
 
 
@@ -139,11 +176,11 @@ def _ttft(d, plt):
                 markersize=3,
                 label=label,
             )
-    axes[0].set(xlabel="stored contexts k (256 tokens each)", ylabel="speed-up vs transformers' prefill", yscale="log")
+    axes[0].set(xlabel="stored contexts k (256 tokens each)", ylabel="speed-up vs\ntransformers' prefill", yscale="log")
     axes[1].set(xlabel="stored contexts k", ylabel="TTFT(k) / TTFT(1)")
     for ax in axes:
-        ax.legend(fontsize=7)
-    fig.suptitle("time to first token through a folder store, Mamba-2 shapes", fontsize=10)
+        ax.legend()
+    fig.suptitle("time to first token through a folder store, Mamba-2 shapes")
     return fig
 
 
@@ -151,12 +188,10 @@ def _hybrid_ttft(d, plt):
     rows = d["result"]["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
     axes[0].plot([r["k"] for r in rows], [r["speedup"] for r in rows], "-o", markersize=3)
-    axes[0].set(xlabel="hybrid states k (256 tokens each)", ylabel="speed-up vs transformers' prefill")
+    axes[0].set(xlabel="hybrid states k (256 tokens each)", ylabel="speed-up vs\ntransformers' prefill")
     axes[1].plot([r["k"] for r in rows], [r["ttft_over_k1"] for r in rows], "-o", markersize=3)
     axes[1].set(xlabel="hybrid states k", ylabel="TTFT(k) / TTFT(1)")
-    fig.suptitle(
-        f"time to first token, {d['result']['size']} ({d['composition']}, attention {d['attention']})", fontsize=10
-    )
+    fig.suptitle(f"time to first token, {d['result']['size']} ({d['composition']}, attention {d['attention']})")
     return fig
 
 
@@ -176,7 +211,7 @@ def _hybrid_state_size(d, plt):
     ax.set(
         xlabel="context tokens", ylabel="state size (MiB, bf16)", title="one context's state, on paper from the configs"
     )
-    ax.legend(fontsize=7)
+    ax.legend()
     return fig
 
 
@@ -200,11 +235,14 @@ def _serpent_speed(d, plt):
         dec = [by["serpent", L]["decode_step_seconds"] / by[other, L]["decode_step_seconds"] for L in lengths]
         axes[0].plot(lengths, fwd, "-o", markersize=3, label=f"÷ {other}")
         axes[1].plot(lengths, dec, "-o", markersize=3, label=f"÷ {other}")
-    axes[0].set(xlabel="sequence length L", ylabel="SeRpEnt forward time ratio", xscale="log")
-    axes[1].set(xlabel="sequence length L", ylabel="SeRpEnt decode step time ratio", xscale="log")
+    axes[0].set(xlabel="sequence length L", ylabel="forward time ratio", xscale="log")
+    axes[1].set(xlabel="sequence length L", ylabel="decode step time ratio", xscale="log")
+    fig.suptitle("SeRpEnt's time / the other model's time")
     for ax in axes:
+        ax.set_xticks(lengths, [str(L) for L in lengths], minor=False)
+        ax.set_xticks([], minor=True)
         ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
-        ax.legend(fontsize=7)
+        ax.legend()
     return fig
 
 
@@ -220,9 +258,9 @@ def _serpent_composition(d, plt):
                 0.8 / len(ns),
                 label=f"n = {n}",
             )
-        ax.set_xticks([j + 0.2 for j in range(len(methods))], methods, fontsize=8)
+        ax.set_xticks([j + 0.2 for j in range(len(methods))], methods)
         ax.set(ylabel="KL(concat‖method) / KL(concat‖none)", title=model)
-        ax.legend(fontsize=7)
+        ax.legend()
     return fig
 
 
@@ -244,7 +282,7 @@ def _coffee_parallel(d, plt):
     ax.set(
         xlabel="L", ylabel="parallel / sequential time", xscale="log", title="COFFEE mixer: Newton (DEER) vs loop, CPU"
     )
-    ax.legend(fontsize=7)
+    ax.legend()
     return fig
 
 
@@ -264,6 +302,7 @@ def _store_dtype(d, plt):
             values.append(row["loss"]["bf16"][method] / row["loss"]["fp32"][method])
     _bars(ax, labels, values, "loss with bf16 states / loss with fp32 states")
     ax.set_xlim(0.99, 1.01)
+    ax.set_xticks([0.99, 0.995, 1.0, 1.005, 1.01])
     return fig
 
 
@@ -277,7 +316,7 @@ def _adversarial(d, plt):
         left = [a + b for a, b in zip(left, values)]
     ax.invert_yaxis()
     ax.set(xlabel="cases", ylabel="group", title=f"adversarial trial: {d['table']['total']['cases']} cases")
-    ax.legend(fontsize=7)
+    ax.legend()
     return fig
 
 
@@ -307,7 +346,7 @@ def _coffee_composition(d, plt):
     ax.set(
         xlabel="extra noise tokens m", ylabel="target recall", xscale="log", title="COFFEE IH model under composition"
     )
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend()
     return fig
 
 
@@ -322,13 +361,16 @@ def _picaso_eval(d, plt):
     axes[0].set(xlabel="retrieved contexts k", ylabel="continuation loss (nats/token)", title=title)
     axes[1].set(xlabel="retrieved contexts k", ylabel="time to the state (ms)", yscale="log", title=title)
     for ax in axes:
-        ax.legend(fontsize=7)
+        ax.legend()
     return fig
 
 
 def _finetune(d, plt):
     datasets = list(next(iter(d["variants"].values())))
-    fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 3.4), squeeze=False)
+    # (one panel: room for its legend on the right)
+    fig, axes = plt.subplots(
+        1, len(datasets), figsize=(5.5 * len(datasets) + 3.5 * (len(datasets) == 1), 3.8), squeeze=False
+    )
     for ax, dataset in zip(axes[0], datasets):
         for i, (name, per) in enumerate(d["variants"].items()):
             loss = per[dataset]["loss"]
@@ -339,7 +381,7 @@ def _finetune(d, plt):
             ylabel="continuation loss (nats/token)",
             title=f"demo {d['arch']} · {dataset}",
         )
-        ax.legend(fontsize=6)
+        ax.legend()
     return fig
 
 
@@ -360,7 +402,7 @@ def _hybrid_demo(d, plt):
     )
     axes[1].set(xlabel="passages k", ylabel="answer loss (nats/token)", title=d["model"])
     for ax in axes:
-        ax.legend(fontsize=7)
+        ax.legend()
     return fig
 
 
@@ -426,21 +468,37 @@ def _key(json_path) -> str:
     return max(matches, key=len) if matches else Path(json_path).name
 
 
-def plot(json_path, out_png, figure: str | None = None) -> Path:
-    """Draw the figure of one result JSON into ``out_png``; ``figure`` is its ``FIGURES`` key (default: found from
-    the JSON's path under ``benchmarks/results/``)."""
+def draw(json_path, figure: str | None = None):
+    """The laid-out matplotlib figure of one result JSON (the caller closes it); ``figure`` is its ``FIGURES`` key
+    (default: found from the JSON's path under ``benchmarks/results/``)."""
     key = figure or _key(json_path)
     if key not in FIGURES:
         raise KeyError(
             f"no figure for {json_path}: known results are {sorted(FIGURES)} (add a drawing to benchmarks/_plot.py FIGURES)"
         )
     plt = _pyplot()
-    fig = FIGURES[key][1](json.loads(Path(json_path).read_text()), plt)
-    fig.tight_layout()
+    with plt.rc_context(STYLE):
+        fig = FIGURES[key][1](json.loads(Path(json_path).read_text()), plt)
+        _legends_outside(fig)
+        fig.canvas.draw()  # lays it out (fonts of STYLE)
+    return fig
+
+
+def plot(json_path, out_png, figure: str | None = None) -> Path:
+    """Draw the figure of one result JSON into ``out_png``; ``figure`` is its ``FIGURES`` key (default: found from
+    the JSON's path under ``benchmarks/results/``)."""
+    plt = _pyplot()
+    fig = draw(json_path, figure)
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=DPI)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=DPI, format="png")
     plt.close(fig)
+    # a 256-colour palette (Pillow comes with matplotlib): a third of the size, no visible change on a plot
+    from PIL import Image
+
+    with Image.open(buffer) as image:
+        image.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(out_png, optimize=True)
     return out_png
 
 
