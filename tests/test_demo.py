@@ -178,7 +178,11 @@ def test_the_main_job_reports_what_it_measured(demo_store, capsys):
     # the table: three rows, each "right/n"
     table = {
         label: int(re.search(rf"^  {re.escape(label)}\s+(\d+)/{n} ", printed, re.M).group(1))
-        for label in (f"composed states (picaso_r, k={k})", f"concatenated contexts (k={k})", "no context")
+        for label in (
+            f"composed states (picaso_r, k={k})" if k > 1 else "one stored state (k=1)",
+            f"concatenated contexts (k={k})",
+            "no context",
+        )
     }
     composed, concat, none = table.values()
     # the same counts through generate_with_retrieval (the composed states) and plain generate (concatenated tokens)
@@ -220,18 +224,21 @@ def test_the_main_job_reports_what_it_measured(demo_store, capsys):
         assert f"{named} of the {n - composed} wrong answers are another retrieved town's value" in printed
 
 
-def test_the_grid(demo_store, capsys):
+def test_the_grid(demo_store, capsys, tmp_path):
     """`--grid`: right answers per k and method; at k = 1 every method is the one stored state, which generates what
     the passage's tokens + query generate (concat), so the row agrees; no context is the same at every k."""
     from hf_statecompose.demo.run import GRID_KS, GRID_METHODS, main
 
-    main(["--grid", "--questions", "6", "--store", demo_store])
+    main(["--grid", "--questions", "6", "--store", demo_store, "--out", str(tmp_path / "grid.json")])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "/6 |" in line]
     assert [row.split("|")[1].strip() for row in rows] == [str(k) for k in GRID_KS]
     cells = [[cell.strip() for cell in row.split("|")[2:-1]] for row in rows]
     assert all(len(row) == 3 + len(GRID_METHODS) for row in cells)
     assert len({row[1] for row in cells}) == 1  # no context
     assert len(set(cells[0][2:])) == 1, cells[0]  # k = 1: concat and every method
+    written = json.loads((tmp_path / "grid.json").read_text())
+    assert written["questions"] == 6 and written["k"] == list(GRID_KS)
+    assert [f"{r}/6" for r in written["right"]["picaso_r"]] == [row[-1] for row in cells]
 
 
 def test_diagnoses_are_computed_from_the_retrieved_passages():

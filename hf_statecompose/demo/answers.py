@@ -20,7 +20,6 @@ import torch
 
 from ..composition import StateComposer
 from ..pipeline import context_order
-from ..state.cache import ComposableMambaCache
 
 MAX_NEW_TOKENS = 4  # every bundled answer (" North.", " 1880.") fits in 4 tokens
 _FACT = re.compile(r"(\S+) (\S+) (\S+\.)")  # "Tari river Iron."
@@ -162,8 +161,8 @@ def answer_questions(model, tokenizer, store, questions, ks, methods, log=None) 
     """Answer every question with no context, and for every ``k`` in ``ks`` by re-reading the top-k retrieved
     passages (``concat``: their tokens, least relevant first, then the query; one stock ``generate``) and from
     their stored states composed by each of ``methods`` (``generate(query, past_states=..., composition=...)``).
-    Each run's ``state_s`` is timed apart (``compose`` / ``encode`` of the concatenated passages), ``total_s`` is
-    the ``generate`` call. Retrieval runs once per question (``max(ks)`` passages)."""
+    Each run's ``state_s`` is timed apart (``compose`` / the stock model's forward over the concatenated passages),
+    ``total_s`` is the ``generate`` call. Retrieval runs once per question (``max(ks)`` passages)."""
     device = next(model.parameters()).device
     composers = {m: StateComposer(m) for m in methods}
     options = {"max_new_tokens": MAX_NEW_TOKENS, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
@@ -174,7 +173,7 @@ def answer_questions(model, tokenizer, store, questions, ks, methods, log=None) 
 
     def concat(query_ids, entries):
         contexts = torch.cat([s.token_ids.to(device) for s in context_order(entries)], 1)
-        _, state_s = _timed(lambda: ComposableMambaCache.encode(model, contexts))  # the re-reading alone
+        _, state_s = _timed(lambda: model(input_ids=contexts))  # the re-reading alone: the stock model's forward
         text, total_s = _timed(lambda: generate(torch.cat([contexts, query_ids], 1)))
         return Run(text, state_s, total_s)
 

@@ -1,7 +1,8 @@
 """The main job on the embedded demo model: store contexts once, retrieve, compose, generate; measured.
 
     python -m hf_statecompose.demo [--arch mamba2|mamba|hybrid|gdn] [--method picaso_r] [-k K] [--store DIR]
-    python -m hf_statecompose.demo --grid [--arch ...]     # accuracy for k = 1..4, every method, and the baselines
+    python -m hf_statecompose.demo --grid [--arch ...] [--out benchmarks/results/demo_grid_mamba2.json]
+                                  # right answers for k = 1..4, every method, and the baselines
 
 1. Load the embedded demo model (``load_demo``: a 3.6M-parameter Mamba-2 by default; no download). It was
    trained on Wikipedia text and on a synthetic fact-recall task (``"Tari river Iron."`` facts about fictional
@@ -39,6 +40,7 @@ import json
 import tempfile
 import time
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -123,18 +125,27 @@ def _show_answers(items: list[Answered], method: str, k: int, size: str) -> None
         print(f"    {q['query']!r} -> {item.runs[key].answer!r} (expected {q['answer']!r}): {diagnoses[id(item)]}")
     confused = sum(d.kind == "same relation" for d in diagnoses.values())
     also_concat = sum(not item.right(("concat", k)) for item in wrong)
+    reading = (
+        "re-reading the passage's tokens instead of using its state"
+        if k == 1
+        else "re-reading the passages' tokens instead of composing their states"
+    )
+    verdict = (
+        "the model's limit, not the composition's"
+        if also_concat == len(wrong)
+        else f"the other {len(wrong) - also_concat} are the composition's"
+    )
     print(
-        f"  {confused} of the {len(wrong)} wrong answers are another retrieved town's value for the same relation:"
-        f" this {size} model mixes up towns that share a relation. Re-reading the passages' tokens instead of"
-        f" composing their states gets {also_concat} of these {len(wrong)} wrong too: the model's limit, not the"
-        " composition's."
+        f"  {confused} of the {len(wrong)} wrong answers are another retrieved town's value for the same relation"
+        + (f": this {size} model mixes up towns that share a relation" if confused else "")
+        + f". {reading[0].upper()}{reading[1:]} gets {also_concat} of these {len(wrong)} wrong too: {verdict}."
     )
 
 
 def _comparison(items: list[Answered], method: str, k: int) -> None:
     n = len(items)
     rows = [
-        (f"composed states ({method}, k={k})", (method, k), "compose"),
+        (f"composed states ({method}, k={k})" if k > 1 else "one stored state (k=1)", (method, k), "compose"),
         (f"concatenated contexts (k={k})", ("concat", k), "re-read"),
         ("no context", "none", None),
     ]
@@ -143,9 +154,12 @@ def _comparison(items: list[Answered], method: str, k: int) -> None:
         right = right_count(items, key)
         state = f"{mean_ms(items, key, 'state_s'):6.1f} {how}" if how else f"{'-':>6}"
         print(f"  {label:33}{f'{right:2}/{n} ({right / n:.0%})':<13}{state:<18}{mean_ms(items, key):6.1f}")
+    tokens = sum(sum(e.state.token_ids.shape[1] for e in item.retrieved[:k]) for item in items) / n
     print(
-        "  (means over the questions; state: composing the stored states vs re-reading the passages' tokens;"
-        f" per query: the whole generate call, state and {MAX_NEW_TOKENS} new tokens)"
+        "  (means over the questions; state: composing the stored states vs the stock model re-reading the passages'"
+        f" tokens; per query: the whole generate call, state and {MAX_NEW_TOKENS} new tokens. The"
+        f" {'passage holds' if k == 1 else f'{k} passages hold'} {tokens:.0f} tokens: re-reading them is one short"
+        " forward pass; it grows with their length, composing does not: 10 contexts below)"
     )
 
 
@@ -172,6 +186,24 @@ def grid_table(items: list[Answered], ks=GRID_KS, methods=GRID_METHODS) -> str:
     return "\n".join(lines)
 
 
+def grid_result(items: list[Answered], ks=GRID_KS, methods=GRID_METHODS) -> dict:
+    """The grid as JSON: right answers (counts) and mean milliseconds per condition and k."""
+    ms = lambda key, what="total_s": round(mean_ms(items, key, what), 3)
+    conditions = ("concat", *methods)
+    return {
+        "questions": len(items),
+        "k": list(ks),
+        "answer_passage_retrieved": [sum(item.gold_rank(k) is not None for item in items) for k in ks],
+        "right": {
+            "none": right_count(items, "none"),
+            **{c: [right_count(items, (c, k)) for k in ks] for c in conditions},
+        },
+        "ms_per_query": {"none": ms("none"), **{c: [ms((c, k)) for k in ks] for c in conditions}},
+        "ms_to_state": {c: [ms((c, k), "state_s") for k in ks] for c in conditions},
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
 def _run(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="mamba2", choices=list(DEMO_ARCHS))
@@ -186,6 +218,7 @@ def _run(argv=None):
         action="store_true",
         help=f"only print the accuracy grid: k in {GRID_KS}, methods {', '.join(GRID_METHODS)}, concat, no context",
     )
+    parser.add_argument("--out", default=None, help="with --grid: also write it to this JSON file")
     args = parser.parse_args(argv)
     k = args.k if args.k is not None else DEFAULT_K[args.arch]
     if k < 1:
@@ -213,6 +246,9 @@ def _run(argv=None):
             items = answer_questions(model, tok, store, questions, GRID_KS, GRID_METHODS)
             print(f"\ndemo {args.arch}, {len(questions)} questions: right answers\n")
             print(grid_table(items))
+            if args.out:
+                result = {"model": f"demo-{args.arch}", "torch": torch.__version__, **grid_result(items)}
+                Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
             return
 
         items = answer_questions(model, tok, store, questions, (k,), (args.method,))
@@ -221,7 +257,8 @@ def _run(argv=None):
         if args.k is None:
             print(
                 f"  k={k} is this model's default: no other k in 1..4 answers more of these questions (measured by"
-                " --grid); more retrieved passages bring in more towns that share the question's relation"
+                " --grid: fewer passages miss more answers, more bring in more towns that share the question's"
+                " relation)"
             )
 
         # leave-one-out on the first question answered right
