@@ -23,14 +23,14 @@
    context + query generates; exits with an error if not) and time composition against re-reading contexts.
 
 Default k per model (``DEFAULT_K``), from ``--grid`` (all 24 questions, k = 1..4; table in
-docs/getting-started/quickstart.md): the k at which PICASO-R answers the most questions right, on a tie the
+docs/getting-started/quickstart.md, every model in docs/experiments/demo-grid.md): the k at which PICASO-R answers the most questions right, on a tie the
 smallest k >= 2 (so that states are composed). The Mamba-2 (default) and the hybrid: k = 2 (the Mamba-2 answers as
 many at k = 1, fewer at 3 and 4; the answer's passage is retrieved first for 21 questions of 24, in the first two
 for 23); the Mamba-1: k = 1 (about half as many right at k = 2); the GDN model: k = 3 (every question, as soon as
 the answer's passage is among those retrieved). The reason for the small k: more retrieved passages bring more
 towns that share the question's relation, which the Mamba models confuse (re-reading the passages' tokens too).
-The method stays PICASO-R (order-invariant): at each model's default k it answers as many questions as soup, CASO
-and PICASO-S, except on the hybrid, where CASO answers one more (of 24).
+The method stays PICASO-R (order-invariant): at each model's default k it answers at least as many questions as soup
+and PICASO-S, and as many as CASO except on the hybrid (one fewer of 24).
 """
 
 from __future__ import annotations
