@@ -138,3 +138,136 @@ def test_evaluation_protocol_on_recall(tmp_path):
     plot([result], tmp_path / "fig.png")
     assert (tmp_path / "fig.png").stat().st_size > 10_000
     assert "PICASO-R" in table([result])
+
+
+# ------------------------------------------------------------------------------------ the main job
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory):
+    """One store of the bundled passages for the demo-runs below (the demo builds it on its first run)."""
+    return str(tmp_path_factory.mktemp("demo") / "store")
+
+
+def _lines_after(printed: str, header: str) -> list[str]:
+    """The indented lines that follow the line starting with ``header`` (stripped)."""
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(header))
+    out = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("    "):
+            break
+        out.append(line.strip())
+    return out
+
+
+def test_the_main_job_reports_what_it_measured(demo_store, capsys):
+    """`python -m hf_statecompose.demo`, defaults (Mamba-2, every question, k = DEFAULT_K, PICASO-R): what the model
+    can and cannot do, right answers and a diagnosis of each wrong one, the table of composed states vs concatenated
+    contexts vs no context; every figure recomputed here through the library's ordinary path."""
+    import re
+
+    from hf_statecompose.demo.run import DEFAULT_K, bundled, main
+    from hf_statecompose.pipeline import generate_with_retrieval
+
+    main(["--store", demo_store])
+    printed = capsys.readouterr().out
+    k, n = DEFAULT_K["mamba2"], len(bundled("questions.jsonl"))
+    assert "model: demo mamba2" in printed and "\n  can: " in printed and "\n  cannot: write English" in printed
+    assert "what it cannot do: write." in printed  # the Wikipedia continuation is labelled as such
+    assert "one stored state + query == generate(context + query): True" in printed
+
+    # the table: three rows, each "right/n"
+    table = {
+        label: int(re.search(rf"^  {re.escape(label)}\s+(\d+)/{n} ", printed, re.M).group(1))
+        for label in (
+            f"composed states (picaso_r, k={k})" if k > 1 else "one stored state (k=1)",
+            f"concatenated contexts (k={k})",
+            "no context",
+        )
+    }
+    composed, concat, none = table.values()
+    # the same counts through generate_with_retrieval (the composed states) and plain generate (concatenated tokens)
+    model, tok = hsc.load_demo("mamba2")
+    store = hsc.StateStore(demo_store, model, tok)
+    right = {"composed": 0, "none": 0, "concat": 0}
+    for q in bundled("questions.jsonl"):
+        with_states = generate_with_retrieval(model, tok, q["query"], store, k=k, max_new_tokens=4, do_sample=False)
+        without = generate_with_retrieval(model, tok, q["query"], store, k=0, max_new_tokens=4, do_sample=False)
+        ids = torch.cat(
+            [e.state.token_ids for e in reversed(with_states.retrieved)]
+            + [tok(q["query"], return_tensors="pt").input_ids],
+            1,
+        )
+        reread = tok.decode(model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :])
+        right["composed"] += with_states.text.split(".")[0] + "." == q["answer"]
+        right["none"] += without.text.split(".")[0] + "." == q["answer"]
+        right["concat"] += reread.split(".")[0] + "." == q["answer"]
+    assert (composed, concat, none) == (right["composed"], right["concat"], right["none"])
+    assert composed > none + n // 3  # the composed states carry the answers (the context changes the output)
+
+    # right and wrong answers: the counts agree with the table, and every wrong one is listed with a diagnosis
+    assert f"right: {composed}/{n}" in printed
+    if composed < n:
+        wrong = _lines_after(printed, f"wrong: {n - composed}/{n}")
+        assert len(wrong) == n - composed
+        # a diagnosis that names another retrieved town with the same relation: that fact is in that retrieved passage
+        pattern = re.compile(r"^'(\S+) (\S+)' -> '(.+?)' .*?'(\S+) (\S+) (\S+)', retrieved \[(\d)\].*same relation")
+        named = 0
+        for line in wrong:
+            match = pattern.match(line)
+            if not match:
+                continue
+            town, relation, answer, other, other_relation, value, rank = match.groups()
+            assert other != town and other_relation == relation and answer == f" {value}"
+            passage = store.retrieve(f"{town} {relation}", k)[int(rank) - 1].text
+            assert f"{other} {relation} {value}" in passage.splitlines()
+            named += 1
+        assert f"{named} of the {n - composed} wrong answers are another retrieved town's value" in printed
+
+
+def test_the_grid(demo_store, capsys, tmp_path):
+    """`--grid`: right answers per k and method; at k = 1 every method is the one stored state, which generates what
+    the passage's tokens + query generate (concat), so the row agrees; no context is the same at every k."""
+    from hf_statecompose.demo.run import GRID_KS, GRID_METHODS, main
+
+    main(["--grid", "--questions", "6", "--store", demo_store, "--out", str(tmp_path / "grid.json")])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "/6 |" in line]
+    assert [row.split("|")[1].strip() for row in rows] == [str(k) for k in GRID_KS]
+    cells = [[cell.strip() for cell in row.split("|")[2:-1]] for row in rows]
+    assert all(len(row) == 3 + len(GRID_METHODS) for row in cells)
+    assert len({row[1] for row in cells}) == 1  # no context
+    assert len(set(cells[0][2:])) == 1, cells[0]  # k = 1: concat and every method
+    written = json.loads((tmp_path / "grid.json").read_text())
+    assert written["questions"] == 6 and written["k"] == list(GRID_KS)
+    assert [f"{r}/6" for r in written["right"]["picaso_r"]] == [row[-1] for row in cells]
+
+
+def test_diagnoses_are_computed_from_the_retrieved_passages():
+    from types import SimpleNamespace
+
+    from hf_statecompose.demo.answers import Answered, Run, diagnose
+
+    def item(passages, answer, without=" Oslo."):
+        question = {"query": "Sollo river", "answer": " North.", "town": "Sollo", "relation": "river"}
+        out = Answered(question, [SimpleNamespace(text=p) for p in passages])
+        out.runs["none"] = Run(without, 0.0, 0.0)
+        out.runs["picaso_r", len(passages)] = Run(answer + "\nE", 0.0, 0.0)
+        return out
+
+    right, other = "Sollo river North.\nSuve river Grey.\n", "Tari river Iron.\nLori product tea.\n"
+    d = diagnose(item([right, other], " Iron."), ("picaso_r", 2))
+    assert (d.kind, d.fact.town, d.fact.rank, d.same_passage) == ("same relation", "Tari", 2, False)
+    assert "Tari river Iron." in str(d) and "same relation" in str(d)
+    d = diagnose(item([right, other], " Grey."), ("picaso_r", 2))
+    assert (d.kind, d.fact.town, d.same_passage) == ("same relation", "Suve", True)
+    assert diagnose(item([right, other], " tea."), ("picaso_r", 2)).kind == "other relation"
+    assert diagnose(item([other], " Green."), ("picaso_r", 1)).kind == "not retrieved"
+    assert diagnose(item([right], " Oslo."), ("picaso_r", 1)).kind == "no context"
+    assert diagnose(item([right], " Green."), ("picaso_r", 1)).kind == "elsewhere"
+    assert item([right], " North.").right(("picaso_r", 1))
+
+
+def test_every_demo_arch_has_a_default_k():
+    from hf_statecompose.demo import DEMO_ARCHS
+    from hf_statecompose.demo.run import DEFAULT_K
+
+    assert set(DEFAULT_K) == set(DEMO_ARCHS) and all(1 <= k <= 4 for k in DEFAULT_K.values())

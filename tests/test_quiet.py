@@ -68,7 +68,7 @@ def test_the_cli_and_the_demo_print_neither_loading_bars_nor_kernel_notices(tmp_
     for name in ("cli", "demo"):
         assert LOADING_BAR not in phases[name] and FALLBACK not in phases[name], phases[name]
     assert "encoding contexts: 100%" in phases["cli"]  # our own progress still shows
-    assert "generated:" in done.stdout and "answers right from composed states" in done.stdout
+    assert "generated:" in done.stdout and "one stored state (k=1)" in done.stdout
 
 
 def test_only_the_notices_are_dropped_and_the_settings_come_back():
