@@ -5,7 +5,14 @@
 # mypy, lint-imports, and builds the sdist and the wheel for twine check. Arguments go to pytest in both sessions, e.g.
 #   bash scripts/test.sh -k compose -x
 # and NOXSESSION=tests-lowest (or tests-newest) runs one session only.
+# The test runner (nox, uv) goes into the project's virtual environment, the one scripts/demo.sh uses (.venv/, or
+# HSC_VENV); the two sessions' environments (.nox/, about 7 GB) are removed when the run ends, pass or fail
+# (HSC_KEEP_NOX=1 keeps them, e.g. to re-run a test by hand with .nox/tests-newest/bin/python -m pytest ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/project_venv.sh
+if [ "${HSC_KEEP_NOX:-0}" != "1" ]; then
+    trap 'rm -rf .nox' EXIT
+fi
 python -c "import nox, uv" 2>/dev/null || python -m pip install -q nox uv
-exec python -m nox -- "$@"
+python -m nox -- "$@"
