@@ -271,3 +271,16 @@ def test_every_demo_arch_has_a_default_k():
     from hf_statecompose.demo.run import DEFAULT_K
 
     assert set(DEFAULT_K) == set(DEMO_ARCHS) and all(1 <= k <= 4 for k in DEFAULT_K.values())
+
+
+def test_each_default_k_is_the_one_its_measured_grid_picks():
+    """DEFAULT_K follows from the committed grids (``--grid --out``): the k where PICASO-R answers the most questions,
+    on a tie the smallest k >= 2 (so that states are composed), else the smallest."""
+    from hf_statecompose.demo.run import DEFAULT_K
+
+    for arch, k in DEFAULT_K.items():
+        grid = json.loads((ROOT / "benchmarks" / "results" / f"demo_grid_{arch}.json").read_text())
+        right = dict(zip(grid["k"], grid["right"]["picaso_r"], strict=True))
+        best = [kk for kk, n in right.items() if n == max(right.values())]
+        composed = [kk for kk in best if kk >= 2]
+        assert k == (min(composed) if composed else min(best)), (arch, right)
