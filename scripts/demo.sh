@@ -7,8 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/project_venv.sh
-python -m pip install -q torch==2.13.0
-python -m pip install -q -c constraints.txt -e ".[retrieval]"
+python -m pip install -qq torch==2.13.0  # -qq: pip's errors, not its warnings (e.g. about a machine's pip configuration)
+python -m pip install -qq -c constraints.txt -e ".[retrieval]"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 python -m hf_statecompose.demo "$@"
 echo "(the package is installed in $HSC_VENV: 'source $HSC_VENV/bin/activate' to use it, e.g. the README's Quickstart)"

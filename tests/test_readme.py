@@ -83,7 +83,7 @@ def test_quickstart_is_short_and_runs_as_written_after_the_install_it_names(tmp_
     section = README.split("\n## Quickstart\n", 1)[1].split("```python", 1)[0]
     extras = _named_install(section)
     assert extras == ("retrieval",)  # what scripts/demo.sh installs
-    assert 'pip install -q -c constraints.txt -e ".[retrieval]"' in (ROOT / "scripts" / "demo.sh").read_text()
+    assert 'pip install -qq -c constraints.txt -e ".[retrieval]"' in (ROOT / "scripts" / "demo.sh").read_text()
     code = _quickstart()
     assert len(code.strip().splitlines()) <= 30
     done = _run_with_only(extras, code, tmp_path)
