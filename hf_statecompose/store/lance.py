@@ -81,7 +81,7 @@ from .format import (
     seal,
     unseal_bytes,
 )
-from .lance_files import HEADER_TABLE, STATES_TABLE, dataset_stats, stats_record
+from .lance_files import HEADER_TABLE, STATES_TABLE, dataset_stats, lance_header, stats_record
 
 # below this many entries a query is an exact scan (fast enough, and PQ training wants data); compact()
 # builds the ANN index once the table holds this many
@@ -383,15 +383,7 @@ class LanceStateStore(StateStore):
             raise ValueError(
                 f"{where}: the store's header table is damaged (rows {sorted(rows)}); restore it from a backup"
             )
-        header = unseal_bytes(rows["header"]["json"].encode(), where, "header")
-        if (
-            header.get("format_version") != FORMAT_VERSION
-            or header.get("kind") != "hf_statecompose.store"
-            or header.get("backend") != "lance"
-        ):
-            raise ValueError(
-                f"{where}: not an hf_statecompose Lance store header (format {header.get('format_version')!r})"
-            )
+        header = lance_header(rows, where)
         if (
             header.get("storage_dtype") not in STORAGE_DTYPES
             or not isinstance(header.get("tokenizer"), dict)

@@ -78,6 +78,20 @@ def stats_record(counts: dict, header: dict, indexed: bool, version: int) -> dic
     }
 
 
+def lance_header(rows: dict, where: str) -> dict:
+    """The store header from the header table's rows (name -> row), its seal checked and its kind a Lance store's."""
+    header = unseal_bytes(rows["header"]["json"].encode(), where, "header")
+    if (
+        header.get("format_version") != FORMAT_VERSION
+        or header.get("kind") != "hf_statecompose.store"
+        or header.get("backend") != "lance"
+    ):
+        raise ValueError(
+            f"{where}: not an hf_statecompose Lance store header (format {header.get('format_version')!r})"
+        )
+    return header
+
+
 def _has_vector_index(dataset) -> bool:
     """Whether the states table has its ANN index on ``vector`` (as ``LanceStateStore._has_index`` asks LanceDB)."""
     if hasattr(dataset, "describe_indices"):  # pylance >= 14 (list_indices is deprecated there)
@@ -104,15 +118,7 @@ def read_lance_stats(uri: str, storage_options: dict | None = None) -> dict:
         ) from None
     if "header" not in rows:
         raise ValueError(f"{where}: the store's header row is missing; restore it from a backup")
-    header = unseal_bytes(rows["header"]["json"].encode(), where, "header")
-    if (
-        header.get("format_version") != FORMAT_VERSION
-        or header.get("kind") != "hf_statecompose.store"
-        or header.get("backend") != "lance"
-    ):
-        raise ValueError(
-            f"{where}: not an hf_statecompose Lance store header (format {header.get('format_version')!r})"
-        )
+    header = lance_header(rows, where)
     try:
         states = lance.dataset(table_uri(uri, STATES_TABLE), storage_options=storage_options)
         counts = dataset_stats(states, uri)
