@@ -53,7 +53,7 @@ from typing import Any
 logger = logging.getLogger("hf_statecompose")
 
 # [lowest tested, first untested): the releases the test command runs (tests-lowest / tests-newest in noxfile.py)
-TESTED_TRANSFORMERS = ("5.23", "5.25")
+TESTED_TRANSFORMERS = ("5.23", "5.26")
 TESTED_TRANSFORMERS_TEXT = f">={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}"
 
 # transformers' models live in transformers.models.<folder>.modeling_<folder>: the architecture table
@@ -148,6 +148,35 @@ def pop_cache(kwargs: dict, default=None):
     return values[0] if values else default
 
 
+def cache_parameter(function) -> str | None:
+    """The name under which ``function`` (a stock ``forward`` of transformers') takes its cache on the installed
+    release: the one of :data:`CACHE_NAMES` in its own signature (under the wrappers of ``deprecate_kwarg``, whose old
+    names it renames to this one before the call), or None. A cache passed under another name is, for that forward,
+    just another keyword argument: stock passes it on (to ``**kwargs``) and never reads it as its cache."""
+    try:
+        parameters = inspect.signature(without_deprecations(function)).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin or C function
+        return None
+    return next((name for name in CACHE_NAMES if name in parameters), None)
+
+
+def cache_names_taken(function) -> tuple[str, ...]:
+    """Every name under which ``function`` takes its cache on the installed release: its own
+    (:func:`cache_parameter`) and the older names that its ``deprecate_kwarg`` wrappers rename to it (with a
+    ``FutureWarning``), e.g. ``("cache", "cache_params")`` for a Mamba ``forward`` of 5.24."""
+    own = cache_parameter(function)
+    names = [own] if own is not None else []
+    while function is not None:  # through every wrapper (can_return_tuple, ...) down to the function itself
+        if not _is_deprecation_wrapper(function):
+            function = getattr(function, "__wrapped__", None)
+            continue
+        cells = dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__)))
+        if cells.get("new_name") in names and cells.get("old_name") in CACHE_NAMES:
+            names.append(cells["old_name"])
+        function = cells["func"]
+    return tuple(names)
+
+
 def resolve_cache(cache, kwargs: dict):
     """In a ``forward(..., cache=None, **kwargs)``: the cache, whether it came as ``cache`` or as ``cache_params``
     in ``kwargs`` (removed from them)."""
@@ -195,6 +224,33 @@ def cache_output(cls):
     cls = dataclasses.dataclass(cls)
     cls.cache = property(lambda self: self.cache_params, doc="The cache (its name from transformers 5.24 on).")
     return cls
+
+
+# what makes transformers' generate() assisted (speculative) decoding: a draft model, prompt lookup, early exit of the
+# model itself, multi-token prediction heads (generate()'s arguments, and the same names in a GenerationConfig)
+ASSISTED_GENERATION_ARGUMENTS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+def refuse_assisted_generation(kwargs: dict, generation_config=None, *, starting_from: str) -> None:
+    """Refuse assisted / speculative decoding (:data:`ASSISTED_GENERATION_ARGUMENTS` set in ``kwargs`` or in
+    ``generation_config``) with one line that says why. Its verifier rolls the state back to the last accepted token
+    after every draft: transformers 5.25 keeps the recurrent state after each token of a forward for that
+    (``activate_past_recording`` / ``crop``), and before 5.25 refused stateful models. The state path here computes a
+    layer's new state in one scan over the tokens (SSM state, conv window, ΣΔ, transitions) and keeps no such
+    history, so a rollback would be wrong or fail; refused before any token is generated."""
+    asked = [name for name in ASSISTED_GENERATION_ARGUMENTS if kwargs.get(name) not in (None, False)]
+    if not asked and generation_config is not None:
+        asked = [
+            name
+            for name in ASSISTED_GENERATION_ARGUMENTS[1:]
+            if name not in kwargs and getattr(generation_config, name, None) not in (None, False)
+        ]
+    if asked:
+        raise ValueError(
+            f"assisted generation ({asked[0]}=...) cannot start from {starting_from}: its verifier rolls the state back "
+            "to the last accepted token, which needs the recurrent state after every token, and the state path keeps "
+            "none; generate without it, or pass the context's tokens before the query"
+        )
 
 
 def _make_deprecation_wrapper_code():
@@ -371,6 +427,13 @@ def _make_ssm_layer_base():
             self.has_previous_state[0] = True
             self.conv_kernel_size[0] = conv_state.shape[-1]
             self.dtype, self.device = conv_state.dtype, conv_state.device
+
+        def set_seen_tokens(self, count) -> None:
+            """transformers >= 5.25 counts the tokens a linear layer has seen (``cumulative_length_linear``, a 0-dim
+            int64 tensor that its ``get_seq_length`` returns and its own updates advance in place): set it to
+            ``count`` (a 0-dim tensor, copied). Before 5.25 layers count nothing: a no-op."""
+            if "cumulative_length_linear" in self.__dict__:
+                self.cumulative_length_linear = count.detach().to(dtype=torch.long).clone()
 
         def _map_row_tensors(self, fn, names=None) -> None:
             """``fn`` of each per-row tensor (or of ``names``) that is set."""
@@ -591,6 +654,17 @@ def _make_generation_mixin():
 
         def _hsc_empty_cache(self):  # pragma: no cover - the model class provides it
             raise NotImplementedError
+
+        @functools.wraps(GenerationMixin.generate)  # generate()'s own signature (past_states binds arguments to it)
+        def generate(self, *args, **kwargs):
+            # a model that always runs on this package's cache: no assisted decoding (its rollback needs a history of
+            # states that the cache does not keep); transformers < 5.25 refused it through `_is_stateful`
+            refuse_assisted_generation(
+                kwargs,
+                kwargs.get("generation_config") or self.generation_config,
+                starting_from=f"a {type(self).__name__}'s state cache",
+            )
+            return super().generate(*args, **kwargs)
 
         def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
             cache = pop_cache(model_kwargs)

@@ -142,22 +142,26 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
     if stock not in _ENABLED_CLASSES:
         # the stock methods are looked up at each call, so that later patches of the stock class still apply
         forward_signature = inspect.signature(stock.forward)
+        # the one name the stock forward takes its cache under on the installed release (`cache` from transformers
+        # 5.24; `cache_params` / `past_key_values` before): under any other name a cache is an unknown keyword that
+        # stock passes on and never reads, and so does this forward (compat.cache_parameter)
+        cache_name = compat.cache_parameter(stock.forward) or compat.CACHE_ARG
 
         def forward(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
             if past_states is None:
                 _refuse_attention_without_states(attention)
-                if any(isinstance(kwargs.get(name), ComposableMambaCache) for name in compat.CACHE_NAMES):
+                if isinstance(kwargs.get(cache_name), ComposableMambaCache):
                     refuse_layer_checkpointing(self)
                 return compat.without_deprecations(stock.forward)(self, *args, **kwargs)
             refuse_layer_checkpointing(self)
             named = _by_name(forward_signature, self, args, kwargs)
-            if compat.cache_given(named):
-                raise ValueError("pass either past_states or a cache (cache / cache_params), not both")
+            if named.get(cache_name) is not None:
+                raise ValueError(f"pass either past_states or a cache ({cache_name}=), not both")
             composition = composer_for(composition, attention)
             batch = _check_query(named, ("input_ids",), self)
-            compat.pop_cache(named)
+            named.pop(cache_name, None)
             composed = compose_for_batch(self, past_states, composition, batch, model_inputs=named)
-            named.update(compat.cache_kwargs(composed, hybrid=_is_hybrid(composed)))
+            named[cache_name] = composed
             named["use_cache"] = True
             out = compat.without_deprecations(stock.forward)(self, **named)
             _record_appended_positions(composed, named)
@@ -187,6 +191,7 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
                 composition = composer_for(composition, attention)
                 batch = _check_query(named, ("inputs", "input_ids"), self)
                 config = named.get("generation_config") or self.generation_config
+                compat.refuse_assisted_generation(named, config, starting_from="past_states")
                 _check_inferred_mask(named, config)
                 expand = max(
                     named.get("num_beams", getattr(config, "num_beams", 1)) or 1,
@@ -195,10 +200,12 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
                 composed = compose_for_batch(
                     self, past_states, composition, batch, model_inputs=named, pad_token_id=_pad_for_mask(named, config)
                 )
+                if not _is_hybrid(composed):
+                    _recurrent_query_mask(composed, named, _pad_for_mask(named, config))
                 # generate() expands input_ids for beams / return sequences but never a user cache: do it here
                 compat.pop_cache(named)
                 cache = composed.repeat_interleave(expand) if expand > 1 else composed
-                named.update(compat.cache_kwargs(cache, hybrid=_is_hybrid(composed)))
+                named[cache_name] = cache
                 named["use_cache"] = True
                 out = compat.without_deprecations(stock.generate)(self, **named)
                 _record_appended_positions(cache, named)
@@ -260,17 +267,7 @@ def _hybrid_query_inputs(composed, named: dict, pad_token_id=None) -> None:
     (the query's left padding kept, the keys' padding masked) and its positions start after the composed
     keys' last position, per row (``position_ids`` passed explicitly: stock Bamba would restart RoPE at 0, and
     with the ``"shared"`` placement the start is not the number of keys). A user's ``position_ids`` are kept."""
-    ids = next((named[name] for name in ("inputs", "input_ids") if torch.is_tensor(named.get(name))), None)
-    embeds: Any = named.get("inputs_embeds")  # a tensor where ids is None
-    shape = tuple(ids.shape) if ids is not None else tuple(embeds.shape[:2])
-    device = (ids if ids is not None else embeds).device
-    query_mask = named.get("attention_mask")
-    if query_mask is None:
-        query_mask = (
-            ids.ne(pad_token_id).long()
-            if ids is not None and pad_token_id is not None
-            else torch.ones(shape, dtype=torch.long, device=device)
-        )
+    query_mask, shape, device = _query_mask(named, pad_token_id)
     key_mask = composed.key_mask
     if key_mask is None:
         key_mask = torch.zeros(shape[0], 0, dtype=torch.long, device=device)
@@ -284,6 +281,34 @@ def _hybrid_query_inputs(composed, named: dict, pad_token_id=None) -> None:
         )
         steps = (query_mask.long().cumsum(-1) - 1).masked_fill(query_mask == 0, 0)
         named["position_ids"] = (start.to(device)[:, None] + steps).masked_fill(query_mask == 0, 0)
+
+
+def _query_mask(named: dict, pad_token_id=None):
+    """The query's attention mask ``[B, L]``: the user's, else the one stock ``generate`` infers (ids that are not the
+    pad token), else ones; with the query's shape and device."""
+    ids = next((named[name] for name in ("inputs", "input_ids") if torch.is_tensor(named.get(name))), None)
+    embeds: Any = named.get("inputs_embeds")  # a tensor where ids is None
+    shape = tuple(ids.shape) if ids is not None else tuple(embeds.shape[:2])
+    device = (ids if ids is not None else embeds).device
+    mask = named.get("attention_mask")
+    if mask is None:
+        mask = (
+            ids.ne(pad_token_id).long()
+            if ids is not None and pad_token_id is not None
+            else torch.ones(shape, dtype=torch.long, device=device)
+        )
+    return mask, shape, device
+
+
+def _recurrent_query_mask(composed, named: dict, pad_token_id=None) -> None:
+    """``generate`` from the states of a model without attention layers: the attention mask covers the composed
+    state's tokens, then the query (``[ones | query mask]``), as a hybrid's covers its keys. transformers 5.25 takes a
+    cache that has seen tokens (:meth:`~ComposableMambaCache.get_seq_length`) to mean that ``input_ids`` start with
+    those tokens, and cuts them off the prompt unless the mask is longer than ``input_ids``; the mixers read the
+    mask's last ``length`` columns only, so the state's columns change nothing else."""
+    query_mask, shape, device = _query_mask(named, pad_token_id)
+    seen = composed.get_seq_length()
+    named["attention_mask"] = torch.cat([query_mask.new_ones(shape[0], seen), query_mask.to(device)], dim=-1)
 
 
 def _record_appended_positions(cache, named: dict) -> None:

@@ -52,16 +52,28 @@ def _new_state_aware_mixer(base: type):
 def _composable_mixer_class(base: type) -> type:
     if base not in _COMPOSABLE_MIXER_CLASSES:
         path = _path_for(base)
+        # the name the stock forward takes its cache under on the installed release (`cache` from transformers 5.24,
+        # `cache_params` before): a cache under another name is, for stock, an unknown keyword that it passes on and
+        # never reads, so this forward does not read it either (it passes it on too)
+        stock: Any = base
+        name = compat.cache_parameter(stock.forward)
+        stock_forward = compat.without_deprecations(stock.forward)
 
         def forward(self, hidden_states, *args, **kwargs):
-            # the stock signature is (hidden_states, cache, attention_mask); the block passes the cache as `cache`
-            # (transformers >= 5.24) or `cache_params` (5.23)
+            # the stock signature is (hidden_states, cache, attention_mask); this runs inside copies of the stock
+            # forward's deprecation wrappers, so an old name the stock forward renames has been renamed already
             args = list(args)
-            cache = args.pop(0) if args else compat.pop_cache(kwargs)
+            if args:
+                cache = args.pop(0)
+            elif name is not None:
+                cache = kwargs.pop(name, None)
+            else:  # pragma: no cover - every stock mixer of the table names its cache
+                cache = compat.pop_cache(kwargs)
             attention_mask = args.pop(0) if args else kwargs.pop("attention_mask", None)
             if not isinstance(cache, ComposableMambaCache):
-                return base.forward(
-                    self, hidden_states, *args, attention_mask=attention_mask, **compat.cache_kwargs(cache), **kwargs
+                cache_kwargs = {name: cache} if name is not None else compat.cache_kwargs(cache)
+                return stock_forward(
+                    self, hidden_states, *args, attention_mask=attention_mask, **cache_kwargs, **kwargs
                 )
             length = hidden_states.shape[1]
             mask = None
@@ -75,7 +87,12 @@ def _composable_mixer_class(base: type) -> type:
             return out
 
         _COMPOSABLE_MIXER_CLASSES[base] = type(
-            f"Composable{base.__name__}", (_StateAwareMixer, base), {"forward": forward, "_hsc_stock_class": base}
+            f"Composable{base.__name__}",
+            (_StateAwareMixer, base),
+            {
+                "forward": compat.wrap_inside_deprecations(stock.forward, lambda _: forward),
+                "_hsc_stock_class": base,
+            },
         )
     return _COMPOSABLE_MIXER_CLASSES[base]
 

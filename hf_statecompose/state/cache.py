@@ -77,6 +77,48 @@ class ComposableMambaCache(compat.DynamicCache):
         self.num_tokens: torch.Tensor | None = None  # [B] int64
         self.token_ids: torch.Tensor | None = None  # [B, T] int64, left-padded with -1
 
+    # the tokens each row has seen ([B] int64, or None): a property, so that the layers' own token counters
+    # (transformers >= 5.25 asks a linear layer how many tokens it has seen) follow every change of it
+    @property
+    def num_tokens(self) -> torch.Tensor | None:
+        return self.__dict__.get("_num_tokens")
+
+    @num_tokens.setter
+    def num_tokens(self, value: torch.Tensor | None) -> None:
+        self.__dict__["_num_tokens"] = value
+        count = value.max() if value is not None and value.numel() else torch.zeros((), dtype=torch.long)
+        for layer in self.layers:
+            if isinstance(layer, compat.SSMLayerBase):
+                layer.set_seen_tokens(count)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The tokens this cache has seen, where transformers asks (a model that is given no ``position_ids`` starts
+        the next tokens' positions there): an attention layer's keys (for a layer without keys, the first attention
+        layer's, as transformers 5.24 answers for a hybrid); a cache without attention layers, the most tokens of
+        any row. transformers 5.25 asks layer 0, which a hybrid's recurrent layer never answered for before."""
+        layers = self.layers
+        if layer_idx >= len(layers):
+            return 0
+        attention = compat.AttentionLayerBase
+        layer = layers[layer_idx]
+        if not isinstance(layer, attention):
+            layer = next((other for other in layers if isinstance(other, attention)), None)
+        if layer is not None:
+            return int(layer.get_seq_length())
+        return int(self.num_tokens.max()) if self.num_tokens is not None and self.num_tokens.numel() else 0
+
+    # transformers' assisted decoding and its rollback (`crop`): the state path keeps no history of states to roll
+    # back to (generate() refuses assisted decoding first: compat.refuse_assisted_generation)
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError(
+            f"a {type(self).__name__} cannot be cropped: its recurrent states (SSM states, conv windows, ΣΔ) cannot be "
+            "rolled back to an earlier token (assisted generation is not supported from composed states)"
+        )
+
     ssm_states = layer_attribute(
         "ssm_state", "Per layer: the SSM state (Mamba-1 ``[B, D, N]``, Mamba-2 ``[B, H, P, N]``)."
     )
