@@ -69,7 +69,9 @@ INTERNALS: dict[str, str] = {
     "transformers.cache_utils.DynamicLayer": "cache_utils.py:DynamicLayer",
     "transformers.cache_utils.LinearAttentionCacheLayerMixin": "cache_utils.py:LinearAttentionCacheLayerMixin",
     "transformers.cache_utils.LinearAttentionLayer": "cache_utils.py:LinearAttentionLayer",
-    "transformers.cache_utils.LinearAttentionAndFullAttentionLayer": "cache_utils.py:LinearAttentionAndFullAttentionLayer",
+    "transformers.cache_utils.LinearAttentionAndFullAttentionLayer": (
+        "cache_utils.py:LinearAttentionAndFullAttentionLayer"
+    ),
     "transformers.cache_utils.DummyLayer": "cache_utils.py:DummyLayer",
     "transformers.cache_utils.Cache": "cache_utils.py:Cache",
     "transformers.cache_utils.DynamicCache": "cache_utils.py:DynamicCache",
@@ -82,7 +84,9 @@ INTERNALS: dict[str, str] = {
     "transformers.generation.GenerationMixin.prepare_inputs_for_generation": (
         "generation/utils.py:GenerationMixin.prepare_inputs_for_generation"
     ),
-    "transformers.generation.GenerationMixin._assisted_decoding": "generation/utils.py:GenerationMixin._assisted_decoding",
+    "transformers.generation.GenerationMixin._assisted_decoding": (
+        "generation/utils.py:GenerationMixin._assisted_decoding"
+    ),
     "transformers.generation.GenerationMixin._get_candidate_generator": (
         "generation/utils.py:GenerationMixin._get_candidate_generator"
     ),
@@ -230,7 +234,8 @@ def _class_detail(old: list[ast.stmt], new: list[ast.stmt]) -> str:
     class body outside its methods)."""
     before, after = _members(old[0]), _members(new[0])
     parts = []
-    bases = [", ".join(ast.unparse(b) for b in [*n.bases, *n.keywords]) for n in (old[0], new[0])]  # type: ignore[attr-defined]
+    classes: list = [old[0], new[0]]  # ClassDefs (the caller checked)
+    bases = [", ".join(ast.unparse(b) for b in [*n.bases, *n.keywords]) for n in classes]
     if bases[0] != bases[1]:
         parts.append(f"bases: ({bases[0]}) -> ({bases[1]})")
     both = sorted(before.keys() & after.keys())
