@@ -14,7 +14,8 @@ The sessions:
   on TARGETED_5_24 only (the files that touch what 5.24 does differently from 5.23 and 5.25), no checks: a few
   minutes, in the default run (and CI) beside the two above.
 * tests-transformers-next (not in the default run): the canary. The newest releases of transformers and accelerate,
-  past pyproject.toml's caps (NEXT_OVERRIDES: uv's --override), and the newest torch this machine's pip gets; prints
+  past pyproject.toml's caps (NEXT_OVERRIDES: pinned in uv's --override file), and the newest torch this machine's
+  pip gets; prints
   what changed in the transformers internals the package reads (scripts/transformers_internals.py, against the
   newest tested release), then pytest on the whole suite, no checks. Run weekly in CI, allowed to fail: it says
   early what the next transformers breaks, before the caps are raised.
@@ -54,6 +55,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -112,9 +114,12 @@ TORCH = {
     "tests-transformers-next": "2.14.1",
 }
 
-# tests-transformers-next: uv's --override replaces every requirement on these names (pyproject.toml's caps, and
-# those of packages that depend on them) with this one, so the resolver installs their newest releases
-NEXT_OVERRIDES = ("transformers>=0", "accelerate>=0")
+# tests-transformers-next: the newest release of each (the index's, `pip index versions`) goes into uv's --override
+# file as `name==version`, which replaces every requirement on that name (pyproject.toml's caps, and those of packages
+# that depend on it). Pinned, not `>=0`: a cap elsewhere that the newest release conflicts with (e.g. our `kernels`
+# cap against a transformers that needs a newer kernels) then fails the install naming both, instead of the resolver
+# quietly backtracking to an older, tested transformers and the canary testing nothing new
+NEXT_OVERRIDES = ("transformers", "accelerate")
 # the canary runs on a transformers outside compat.TESTED_TRANSFORMERS: the package warns at import (a UserWarning,
 # which pyproject's filterwarnings leave a warning), and this one test, which asserts the installed release is in the
 # tested range, is expected to fail there; it is deselected, not edited, so that the default sessions still assert it
@@ -199,8 +204,10 @@ def tests_transformers_next(session: nox.Session) -> None:
     against the newest tested release, then the whole suite without the checks.
     ``python -m nox -s tests-transformers-next [-- pytest args]``. With HSC_CANARY_REPORT set, the internals report is
     also written to that file (CI shows it in the job summary)."""
+    newest = {name: _newest_release(session, name) for name in NEXT_OVERRIDES}
+    session.log("the newest releases: " + ", ".join(f"{name} {version}" for name, version in newest.items()))
     overrides = Path(session.virtualenv.location) / "overrides.txt"
-    overrides.write_text("".join(f"{line}\n" for line in NEXT_OVERRIDES))
+    overrides.write_text("".join(f"{name}=={version}\n" for name, version in newest.items()))
     _install(session, "--upgrade", "--override", str(overrides))
     _direct_versions(session)
     # the report is information, not a verdict (exit 2: it could not fetch the baseline's wheel): the tests decide
@@ -210,6 +217,17 @@ def tests_transformers_next(session: nox.Session) -> None:
         Path(os.environ["HSC_CANARY_REPORT"]).write_text(report or "")
     session.env[NEXT_ENV] = "1"
     _test(session, checks=False, deselect=NEXT_DESELECT)
+
+
+def _newest_release(session: nox.Session, name: str) -> str:
+    """The newest release of `name` on the index the venv's pip reads (its configuration, as for torch)."""
+    out = session.run("python", "-m", "pip", "index", "versions", name, silent=True, success_codes=[0, 1])
+    found = re.search(rf"^{re.escape(name)} \(([^)]+)\)", out or "", flags=re.MULTILINE | re.IGNORECASE)
+    if found is None:
+        session.error(
+            f"`pip index versions {name}` named no release ({(out or '').strip()[-300:]}): is the index reachable?"
+        )
+    return found.group(1)
 
 
 def _newest(session: nox.Session) -> None:
