@@ -133,16 +133,19 @@ NEXT_ENV = "HSC_TRANSFORMERS_NEXT"
 # compat's CACHE_ARG / cache_kwargs / cache_is_renamed switch on it; 5.25 changed the linear-attention layers'
 # counters (get_seq_length), crop and assisted generation, which 5.24 still has the old way. Files that do not exist
 # (yet) are left out at run time.
-TARGETED_5_24 = (
+TARGETED_5_24 = (  # the slow ones first: pytest-xdist hands the files out in this order
     "tests/test_compat.py",  # the switch itself: CACHE_ARG, pop_cache, cache_output, the deprecation wrappers
     "tests/test_transformers_525.py",  # the 5.25 counters / crop / assisted generation, checked to hold on 5.24 too
+    # transformers' own ModelTesterMixin (the 5.24 sdist's) on this package's models: generate() over a cache of
+    # linear-attention layers, whose get_seq_length 5.24 refuses and 5.25 counts (~45 s on one worker)
+    "tests/test_transformers_common.py",
+    "tests/test_delta_rule_models.py",  # hybrids continued via cache_kwargs(hybrid=True): past_key_values vs cache
     "tests/test_architecture_table.py",  # the `cache_params` FutureWarnings (5.24+) point at the user's line
     "tests/test_model_contract.py",  # this package's models step by step with `cache_params`, outputs under both names
     "tests/test_falcon_mamba.py",  # a transformers Mamba model continued with its cache under compat.CACHE_ARG
     "tests/test_exactness.py",  # the stock model's cache read back as `.cache_params` equals the enabled one's
     "tests/test_errors.py",  # a cache under either name plus past_states is refused, naming both names
-    "tests/test_delta_rule_models.py",  # hybrids continued via cache_kwargs(hybrid=True): past_key_values vs cache
-    "tests/test_hybrid_rope_keys.py",  # the same for a RoPE hybrid, with positions
+    "tests/test_hybrid_rope_keys.py",  # a RoPE hybrid continued via cache_kwargs(hybrid=True), with positions
     "tests/test_hybrid_mixers_2.py",  # a stock hybrid mixer called with the release's cache argument name
 )
 
