@@ -15,10 +15,9 @@ The sessions:
   minutes, in the default run (and CI) beside the two above.
 * tests-transformers-next (not in the default run): the canary. The newest releases of transformers and accelerate,
   past pyproject.toml's caps (NEXT_OVERRIDES: pinned in uv's --override file), and the newest torch this machine's
-  pip gets; prints
-  what changed in the transformers internals the package reads (scripts/transformers_internals.py, against the
-  newest tested release), then pytest on the whole suite, no checks. Run weekly in CI, allowed to fail: it says
-  early what the next transformers breaks, before the caps are raised.
+  pip gets; prints what changed in the transformers internals the package reads (scripts/transformers_internals.py,
+  against the newest tested release), then pytest on the whole suite, no checks. Run weekly in CI, allowed to fail:
+  it says early what the next transformers breaks, before the caps are raised.
 * tests-torch-2.15 (by hand): tests-newest on torch 2.15.0.
 
 tests-lowest installs the lowest version that pyproject.toml allows of every direct dependency (uv's
