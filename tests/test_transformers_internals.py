@@ -276,10 +276,9 @@ def test_the_command_prints_a_table_or_json_from_extracted_folders(releases, cap
 def test_the_default_baseline_is_the_newest_tested_release(tmp_path):
     low, high = internals.tested_range()
     assert (low, high) == tuple(ast.literal_eval(_tested_literal()))
-    below = f"{high.split('.')[0]}.{int(high.split('.')[1]) - 1}"
-    for version in (f"{low}.0", f"{below}.0", f"{below}.1", f"{high}.0"):
+    for version in (f"{low}.0", f"{low}.1", f"{high}.0", "not-a-version"):
         (tmp_path / version / "transformers").mkdir(parents=True)
-    assert internals.default_baseline(tmp_path) == (f"{below}.1", tmp_path / f"{below}.1")
+    assert internals.default_baseline(tmp_path) == (f"{low}.1", tmp_path / f"{low}.1")  # the highest below `high`
 
 
 def _tested_literal() -> str:
