@@ -1,13 +1,28 @@
 """The test sessions behind `bash scripts/test.sh`: each run builds fresh virtual environments, so a
 green run never rests on packages left over from an earlier one.
 
-    python -m nox                          # both sessions, the whole suite in each
+    python -m nox                          # the default sessions: tests-lowest, tests-newest, tests-transformers-5.24
     python -m nox -s tests-lowest          # one session
     python -m nox -- -k compose -x         # arguments after `--` go to pytest, in every session
+    python -m nox -s tests-transformers-next   # by hand (and weekly in CI): the canary, not in the default run
+
+The sessions:
+
+* tests-lowest: every direct dependency at its declared lower bound (transformers 5.23.x); checks, whole suite.
+* tests-newest: the newest that pyproject.toml allows (transformers 5.25.x); checks, whole suite.
+* tests-transformers-5.24: as tests-newest, but transformers pinned to 5.24.x, the release between both ends; pytest
+  on TARGETED_5_24 only (the files that touch what 5.24 does differently from 5.23 and 5.25), no checks: a few
+  minutes, in the default run (and CI) beside the two above.
+* tests-transformers-next (not in the default run): the canary. The newest releases of transformers and accelerate,
+  past pyproject.toml's caps (NEXT_OVERRIDES: pinned in uv's --override file), and the newest torch this machine's
+  pip gets; prints what changed in the transformers internals the package reads (scripts/transformers_internals.py,
+  against the newest tested release), then pytest on the whole suite, no checks. Run weekly in CI, allowed to fail:
+  it says early what the next transformers breaks, before the caps are raised.
+* tests-torch-2.15 (by hand): tests-newest on torch 2.15.0.
 
 tests-lowest installs the lowest version that pyproject.toml allows of every direct dependency (uv's
 lowest-direct resolution: transformers 5.23.x, torch 2.13.0, triton 3.7.1) and checks that each one really is at its
-declared lower bound; tests-newest installs the newest allowed (transformers 5.24.x, torch 2.14.1 and the triton
+declared lower bound; tests-newest installs the newest allowed (transformers 5.25.x, torch 2.14.1 and the triton
 3.8 it pins). Both run the checks, then pytest on
 the whole suite, offline on CPU, one pytest-xdist worker per core (at most 4, one thread each: PYTEST_WORKERS). The checks, each at the versions its session installed: `ruff check` and
 `ruff format --check` (the whole repository), `mypy` (the package, `[tool.mypy]` in pyproject.toml),
@@ -39,6 +54,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -83,13 +99,54 @@ CHECK_INSTALL = _load(ROOT / "scripts" / "check_install.py")
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "no"  # a fresh venv every run (the default, stated; `-r` would reuse)
-nox.options.sessions = ["tests-lowest", "tests-newest"]
+nox.options.sessions = ["tests-lowest", "tests-newest", "tests-transformers-5.24"]
 
 # The torch each session runs, installed by the venv's own pip (which reads this machine's pip configuration: the
 # 2.13.0 CPU wheel and 2.14.1, a CUDA build that runs on the CPU, lie on its disk; uv looks at neither). The lowest
 # session runs the lowest torch pyproject.toml allows, the newest the newest this machine's pip gets; 2.15 (PyPI's
 # CUDA build, ~3 GB: this machine caps pip at 2.14.1, which the session lifts) is the session run by hand.
-TORCH = {"tests-lowest": "2.13.0", "tests-newest": "2.14.1", "tests-torch-2.15": "2.15.0"}
+TORCH = {
+    "tests-lowest": "2.13.0",
+    "tests-newest": "2.14.1",
+    "tests-torch-2.15": "2.15.0",
+    "tests-transformers-5.24": "2.14.1",
+    "tests-transformers-next": "2.14.1",
+}
+
+# tests-transformers-next: the newest release of each (the index's, `pip index versions`) goes into uv's --override
+# file as `name==version`, which replaces every requirement on that name (pyproject.toml's caps, and those of packages
+# that depend on it). Pinned, not `>=0`: a cap elsewhere that the newest release conflicts with (e.g. our `kernels`
+# cap against a transformers that needs a newer kernels) then fails the install naming both, instead of the resolver
+# quietly backtracking to an older, tested transformers and the canary testing nothing new
+NEXT_OVERRIDES = ("transformers", "accelerate")
+# the canary runs on a transformers outside compat.TESTED_TRANSFORMERS: the package warns at import (a UserWarning,
+# which pyproject's filterwarnings leave a warning), and this one test, which asserts the installed release is in the
+# tested range, is expected to fail there; it is deselected, not edited, so that the default sessions still assert it
+NEXT_DESELECT = ("tests/test_compat.py::test_the_installed_transformers_is_in_the_tested_range",)
+# set in the canary's test environment: tests that must behave differently on an untested transformers read it
+NEXT_ENV = "HSC_TRANSFORMERS_NEXT"
+
+# tests-transformers-5.24: transformers 5.24 is the release between the lowest (5.23) and the newest (5.25) tested:
+# the whole suite runs at both ends; at 5.24 only the files that touch what differs from either end. 5.24 renamed the
+# Mamba family's cache argument and output field `cache_params` to `cache` (and the hybrids' `past_key_values`),
+# compat's CACHE_ARG / cache_kwargs / cache_is_renamed switch on it; 5.25 changed the linear-attention layers'
+# counters (get_seq_length), crop and assisted generation, which 5.24 still has the old way. Files that do not exist
+# (yet) are left out at run time.
+TARGETED_5_24 = (  # the slow ones first: pytest-xdist hands the files out in this order
+    "tests/test_compat.py",  # the switch itself: CACHE_ARG, pop_cache, cache_output, the deprecation wrappers
+    "tests/test_transformers_525.py",  # the 5.25 counters / crop / assisted generation, checked to hold on 5.24 too
+    # transformers' own ModelTesterMixin (the 5.24 sdist's) on this package's models: generate() over a cache of
+    # linear-attention layers, whose get_seq_length 5.24 refuses and 5.25 counts (~45 s on one worker)
+    "tests/test_transformers_common.py",
+    "tests/test_delta_rule_models.py",  # hybrids continued via cache_kwargs(hybrid=True): past_key_values vs cache
+    "tests/test_architecture_table.py",  # the `cache_params` FutureWarnings (5.24+) point at the user's line
+    "tests/test_model_contract.py",  # this package's models step by step with `cache_params`, outputs under both names
+    "tests/test_falcon_mamba.py",  # a transformers Mamba model continued with its cache under compat.CACHE_ARG
+    "tests/test_exactness.py",  # the stock model's cache read back as `.cache_params` equals the enabled one's
+    "tests/test_errors.py",  # a cache under either name plus past_states is refused, naming both names
+    "tests/test_hybrid_rope_keys.py",  # a RoPE hybrid continued via cache_kwargs(hybrid=True), with positions
+    "tests/test_hybrid_mixers_2.py",  # a stock hybrid mixer called with the release's cache argument name
+)
 
 
 @nox.session(name="tests-lowest", venv_params=["--seed"])
@@ -117,7 +174,7 @@ def tests_lowest(session: nox.Session) -> None:
 
 @nox.session(name="tests-newest", venv_params=["--seed"])
 def tests_newest(session: nox.Session) -> None:
-    """The newest versions pyproject.toml allows (transformers 5.24.x, torch 2.14.1 and its triton 3.8); the suite."""
+    """The newest versions pyproject.toml allows (transformers 5.25.x, torch 2.14.1 and its triton 3.8); the suite."""
     _newest(session)
 
 
@@ -126,6 +183,53 @@ def tests_torch_2_15(session: nox.Session) -> None:
     """By hand (not in the default run: it downloads ~3 GB): tests-newest on torch 2.15.0 and its triton 3.9.
     ``python -m nox -s tests-torch-2.15 [-- pytest args]``."""
     _newest(session)
+
+
+@nox.session(name="tests-transformers-5.24", venv_params=["--seed"])
+def tests_transformers_5_24(session: nox.Session) -> None:
+    """In the default run: tests-newest's install with transformers pinned to 5.24.x, the release between the two
+    ends; pytest on TARGETED_5_24 only (no checks: the other sessions run them), to stay a few minutes."""
+    pin = Path(session.virtualenv.location) / "transformers-pin.txt"
+    pin.write_text("transformers==5.24.*\n")
+    _install(session, "--upgrade", "-c", str(pin))
+    _direct_versions(session)
+    targeted = [path for path in TARGETED_5_24 if (ROOT / path).exists()]
+    if not targeted:
+        session.error("none of TARGETED_5_24 exists: name the test files that touch what 5.24 does differently")
+    _test(session, checks=False, paths=targeted)
+
+
+@nox.session(name="tests-transformers-next", venv_params=["--seed"])
+def tests_transformers_next(session: nox.Session) -> None:
+    """By hand and weekly in CI (not in the default run; allowed to fail): the newest transformers and accelerate,
+    past pyproject.toml's caps (NEXT_OVERRIDES), on the newest torch this machine's pip gets; the internals report
+    against the newest tested release, then the whole suite without the checks.
+    ``python -m nox -s tests-transformers-next [-- pytest args]``. With HSC_CANARY_REPORT set, the internals report is
+    also written to that file (CI shows it in the job summary)."""
+    newest = {name: _newest_release(session, name) for name in NEXT_OVERRIDES}
+    session.log("the newest releases: " + ", ".join(f"{name} {version}" for name, version in newest.items()))
+    overrides = Path(session.virtualenv.location) / "overrides.txt"
+    overrides.write_text("".join(f"{name}=={version}\n" for name, version in newest.items()))
+    _install(session, "--upgrade", "--override", str(overrides))
+    _direct_versions(session)
+    # the report is information, not a verdict (exit 2: it could not fetch the baseline's wheel): the tests decide
+    report = session.run("python", "scripts/transformers_internals.py", "installed", silent=True, success_codes=[0, 2])
+    session.log(f"what changed in the transformers internals the package reads:\n{report}")
+    if os.environ.get("HSC_CANARY_REPORT"):
+        Path(os.environ["HSC_CANARY_REPORT"]).write_text(report or "")
+    session.env[NEXT_ENV] = "1"
+    _test(session, checks=False, deselect=NEXT_DESELECT)
+
+
+def _newest_release(session: nox.Session, name: str) -> str:
+    """The newest release of `name` on the index the venv's pip reads (its configuration, as for torch)."""
+    out = session.run("python", "-m", "pip", "index", "versions", name, silent=True, success_codes=[0, 1])
+    found = re.search(rf"^{re.escape(name)} \(([^)]+)\)", out or "", flags=re.MULTILINE | re.IGNORECASE)
+    if found is None:
+        session.error(
+            f"`pip index versions {name}` named no release ({(out or '').strip()[-300:]}): is the index reachable?"
+        )
+    return found.group(1)
 
 
 def _newest(session: nox.Session) -> None:
@@ -149,15 +253,29 @@ def _install(session: nox.Session, *resolution: str) -> None:
     session.install(*resolution, "-c", str(pin), "-e", f".[{TESTED_EXTRAS}]")
 
 
-def _test(session: nox.Session) -> None:
+def _test(
+    session: nox.Session, checks: bool = True, paths: list[str] | None = None, deselect: tuple[str, ...] = ()
+) -> None:
+    """The checks (unless not `checks`), then pytest on `paths` (default: the whole suite) less `deselect`."""
     session.env.update(TEST_ENV)
     transformers = _versions(session, ["transformers"])["transformers"]
     tests = _transformers_tests(session, transformers)
     if tests is not None:
         session.env["HSC_TRANSFORMERS_TESTS"] = str(tests)
-    _checks(session)
+    if checks:
+        _checks(session)
     session.run("python", "-c", "import transformers; print('transformers', transformers.__version__)")
-    session.run("python", "-m", "pytest", "-q", *PYTEST_WORKERS, "tests", *session.posargs)
+    unselect = [arg for test in deselect for arg in ("--deselect", test)]
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        *PYTEST_WORKERS,
+        *(["tests"] if paths is None else paths),
+        *unselect,
+        *session.posargs,
+    )
 
 
 def _checks(session: nox.Session) -> None:

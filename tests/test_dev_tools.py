@@ -135,4 +135,21 @@ def test_the_github_workflow_runs_the_default_sessions_on_every_declared_python(
     assert set(matrix["python"]) == declared == {"3.11", "3.12", "3.13"}
     requires = SpecifierSet(PYPROJECT["project"]["requires-python"])
     assert all(f"{v}.0" in requires for v in declared) and "3.14.0" in requires  # no upper cap
-    assert sorted(matrix["session"]) == sorted(ast.literal_eval(default)) == ["tests-lowest", "tests-newest"]
+    assert sorted(matrix["session"]) == sorted(ast.literal_eval(default))
+    assert sorted(matrix["session"]) == ["tests-lowest", "tests-newest", "tests-transformers-5.24"]
+    assert workflow["jobs"]["nox"]["if"] == "github.event_name != 'schedule'"  # the weekly run is the canary's only
+
+
+def test_the_github_workflow_runs_the_transformers_canary_weekly_allowed_to_fail():
+    workflow = yaml.safe_load(WORKFLOW.read_text(encoding="utf-8"))
+    assert workflow[True]["schedule"][0]["cron"]  # YAML 1.1 reads the key `on` as True
+    canary = workflow["jobs"]["transformers-next"]
+    assert canary["continue-on-error"] is True
+    assert "schedule" in canary["if"] and "workflow_dispatch" in canary["if"]
+    steps = {step.get("name"): step for step in canary["steps"]}
+    assert steps["tests-transformers-next"]["run"].startswith("python -m nox -s tests-transformers-next")
+    assert steps["summary"]["if"] == "always()" and "GITHUB_STEP_SUMMARY" in steps["summary"]["run"]
+    assert "HSC_CANARY_REPORT" in steps["tests-transformers-next"]["env"]
+    # not in the default run: the canary installs past pyproject.toml's caps
+    noxfile = (ROOT / "noxfile.py").read_text(encoding="utf-8")
+    assert '@nox.session(name="tests-transformers-next"' in noxfile
