@@ -244,6 +244,8 @@ def test_composed_state_is_a_full_cache_that_saves_loads_and_generates(model, tm
                 assert value.keys() == other.keys() and all(
                     (x is y) or (x == y) for x, y in zip(value.values(), other.values())
                 ), key
+            elif key == "cumulative_length_linear":  # transformers 5.25's token counter: each layer's own copy
+                assert other is not value and torch.equal(other, value), key
             else:  # the layer's own tensors (ΣΔ, A) are the very ones set, other attributes equal
                 assert other is value or (not torch.is_tensor(value) and other == value), key
     storages = {

@@ -479,10 +479,12 @@ def test_native_library_is_cached_per_source(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("width, groups", [(48, 1), (40, 2), (7, 1)])
 def test_native_gated_rms_norm_matches_the_transformers_module_in_float64(width, groups):
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.mamba2 import modeling_mamba2
 
+    # transformers 5.25 renamed the module MambaRMSNormGated -> Mamba2RMSNormGated (same attributes and forward)
+    gated_norm = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
     g = torch.Generator().manual_seed(width)
-    norm = MambaRMSNormGated(width, group_size=width // groups, eps=1e-5)
+    norm = gated_norm(width, group_size=width // groups, eps=1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(width, generator=g))
     y = torch.randn(2, 5, width, generator=g) * 3
