@@ -260,3 +260,34 @@ def test_a_mixer_forward_replaced_on_the_instance_still_takes_the_state_path(arc
     assert torch.equal(_generate(duplicate, query, [state]), _generate(reference, query, [state]))
     hsc.disable(model)
     assert all(mixer.__dict__["forward"].__func__ is hub_forward for mixer in ssm_mixers(model))
+
+
+@torch.no_grad()
+def test_a_gated_deltanet_forward_replaced_on_the_instance_still_takes_the_state_path():
+    """The layer transformers maps to a Hub kernel by default (Qwen3.5's GatedDeltaNet, on sm_121 / gfx1151 GPUs),
+    replaced on the instance as kernelize does: its states and composed logits are the unreplaced model's, and a
+    plain forward (no states) runs the instance forward."""
+    import types
+
+    from hf_statecompose.models.mixers import ssm_mixers
+
+    from architectures import hybrid_model, ids
+
+    reference = hybrid_model("qwen3_5_text")
+    model = hybrid_model("qwen3_5_text", enable=False)
+    stock = type(ssm_mixers(model)[0])
+    calls = []
+
+    def hub_forward(self, hidden_states, *args, **kwargs):
+        calls.append(self.layer_idx)
+        return stock.forward(self, hidden_states, *args, **kwargs)
+
+    for mixer in ssm_mixers(model):
+        mixer.forward = types.MethodType(hub_forward, mixer)
+    hsc.enable(model)
+    context, query = ids(9), ids(3, seed=1)
+    state = hsc.encode(model, context)
+    logits = model(query, past_states=[state, state]).logits
+    assert torch.equal(logits, reference(query, past_states=[state, state]).logits) and calls == []
+    assert torch.equal(model(query).logits, reference(query).logits)
+    assert len(calls) == len(ssm_mixers(model))
