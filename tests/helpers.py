@@ -142,6 +142,29 @@ _TRUSTED_FUNCTIONS = {
 }
 
 
+# transformers' kernel-aware layers (`use_kernelized_func`: the Mamba / Mamba-2 / GDN mixers from 5.24) give each
+# instance private `kernels` wrappers, which pickle as kernels' `_rebuild_kernel_func(module, name)`, and a model
+# that `from_pretrained` kernelized keeps its kernels `Mode`; the module path is `kernels.layer` in 0.18 and
+# `kernels._internals.layer` in 0.19. Those two names only, and the rebuild only for a transformers module (it
+# imports the module it is given)
+_KERNELS_MODE = {("kernels.layer.mode", "Mode"), ("kernels._internals.layer.mode", "Mode")}
+_KERNELS_REBUILD = {
+    ("kernels.layer.layer", "_rebuild_kernel_func"),
+    ("kernels._internals.layer.layer", "_rebuild_kernel_func"),
+}
+
+
+def _kernels_rebuild_of_transformers(rebuild):
+    def rebuild_transformers_func(module_name, func_name):
+        if module_name.split(".")[0] != "transformers":
+            raise _pickle.UnpicklingError(
+                f"refusing kernels' rebuild of {module_name}.{func_name} in a test round trip"
+            )
+        return rebuild(module_name, func_name)
+
+    return rebuild_transformers_func
+
+
 def _attribute_of_trusted(obj, name):
     """``getattr`` as pickled bound methods use it (enabled stock models), limited to non-dunder attributes of
     objects whose class comes from a trusted package (never a module, never ``__globals__`` and the like)."""
@@ -156,8 +179,10 @@ class TrustedUnpickler(_pickle.Unpickler):
         if module in ("builtins", "__builtin__") and name == "getattr":
             return _attribute_of_trusted
         found = super().find_class(module, name)
-        if (module, name) in _TRUSTED_FUNCTIONS:
+        if (module, name) in _TRUSTED_FUNCTIONS or (module, name) in _KERNELS_MODE:
             return found
+        if (module, name) in _KERNELS_REBUILD:
+            return _kernels_rebuild_of_transformers(found)
         trusted_package = module.split(".")[0] in _TRUSTED_PACKAGES
         if trusted_package and (isinstance(found, (type, torch.dtype))):
             return found

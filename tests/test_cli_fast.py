@@ -174,6 +174,8 @@ MISSING_EXTRAS = [
     # (argv, the module made unimportable, the hint)
     (["lm-eval", "--help"], "lm_eval", 'lm-eval needs the eval extra: pip install "hf_statecompose[eval]"'),
     (["lm-eval", "run", "--tasks", "x"], "lm_eval", "needs the eval extra"),
+    # lm-eval installed without accelerate (which lm-eval declares only under its `hf` extra; [eval] brings it)
+    (["lm-eval", "run", "--tasks", "x"], "accelerate", "needs the eval extra"),
     (["stats", "{lance}"], "lance", 'needs the scale extra: pip install "hf_statecompose[scale]"'),
     (["compact", "{lance}"], "lancedb", "a Lance store ({lance}) needs the scale extra"),
     (["query", "{lance}", "q"], "lancedb", "needs the scale extra"),

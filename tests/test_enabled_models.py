@@ -220,3 +220,74 @@ def test_accelerate_hooks_before_enable_and_after_disable():
     hsc.disable(model)
     with pytest.raises(ValueError, match="enable"):
         model(query, past_states=[state])
+
+
+@torch.no_grad()
+def test_a_mixer_forward_replaced_on_the_instance_still_takes_the_state_path(arch):
+    """transformers' Hub kernels (kernels' ``kernelize``, at ``from_pretrained``) bind a Hub layer's forward on the
+    module instance (``module.forward = MethodType(layer.forward, module)``), which shadows the class that enable
+    swaps. Simulated here: enable routes such a mixer, so calls on our cache take the state path (the results of the
+    same model without the replacement) and every other call the instance forward; disable gives it back."""
+    import types
+
+    from hf_statecompose.models.mixers import ssm_mixers
+
+    reference = tiny_model(arch)
+    model = hsc.disable(copy.deepcopy(reference))
+    stock = type(ssm_mixers(model)[0])
+    calls = []
+
+    def hub_forward(self, hidden_states, *args, **kwargs):  # a Hub layer's forward: the stock computation, counted
+        calls.append(self.layer_idx)
+        return stock.forward(self, hidden_states, *args, **kwargs)
+
+    for mixer in ssm_mixers(model):
+        mixer.forward = types.MethodType(hub_forward, mixer)
+    hsc.enable(model)
+    context, query = random_ids(11), random_ids(4)
+    state = ComposableMambaCache.encode(model, context)
+    assert torch.equal(state.ssm_states[0], ComposableMambaCache.encode(reference, context).ssm_states[0])
+    assert torch.equal(_generate(model, query, [state, state]), _generate(reference, query, [state, state]))
+    assert torch.equal(model(query, past_states=[state]).logits, reference(query, past_states=[state]).logits)
+    assert calls == []  # nothing on our cache reached the instance forward
+    # any other call (the stock cache of a plain generate) runs the instance forward, as before enable
+    plain = model.generate(query, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(plain, reference.generate(query, max_new_tokens=NEW, do_sample=False))
+    assert len(calls) == NEW * len(ssm_mixers(model))
+    # enable again is a no-op, a deep copy keeps the routing, and disable puts the instance forward back
+    hsc.enable(model)
+    duplicate = copy.deepcopy(model)
+    assert torch.equal(_generate(duplicate, query, [state]), _generate(reference, query, [state]))
+    hsc.disable(model)
+    assert all(mixer.__dict__["forward"].__func__ is hub_forward for mixer in ssm_mixers(model))
+
+
+@torch.no_grad()
+def test_a_gated_deltanet_forward_replaced_on_the_instance_still_takes_the_state_path():
+    """The layer transformers maps to a Hub kernel by default (Qwen3.5's GatedDeltaNet, on sm_121 / gfx1151 GPUs),
+    replaced on the instance as kernelize does: its states and composed logits are the unreplaced model's, and a
+    plain forward (no states) runs the instance forward."""
+    import types
+
+    from hf_statecompose.models.mixers import ssm_mixers
+
+    from architectures import hybrid_model, ids
+
+    reference = hybrid_model("qwen3_5_text")
+    model = hybrid_model("qwen3_5_text", enable=False)
+    stock = type(ssm_mixers(model)[0])
+    calls = []
+
+    def hub_forward(self, hidden_states, *args, **kwargs):
+        calls.append(self.layer_idx)
+        return stock.forward(self, hidden_states, *args, **kwargs)
+
+    for mixer in ssm_mixers(model):
+        mixer.forward = types.MethodType(hub_forward, mixer)
+    hsc.enable(model)
+    context, query = ids(9), ids(3, seed=1)
+    state = hsc.encode(model, context)
+    logits = model(query, past_states=[state, state]).logits
+    assert torch.equal(logits, reference(query, past_states=[state, state]).logits) and calls == []
+    assert torch.equal(model(query).logits, reference(query).logits)
+    assert len(calls) == len(ssm_mixers(model))

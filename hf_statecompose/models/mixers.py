@@ -97,6 +97,38 @@ def _composable_mixer_class(base: type) -> type:
     return _COMPOSABLE_MIXER_CLASSES[base]
 
 
+class _KernelizedForward:
+    """The ``forward`` of a mixer whose forward was replaced on the instance (Hub kernels, see
+    :func:`_route_instance_forward`): a call on this package's cache runs the state-aware class's forward (the state
+    path), any other call the instance's forward, as the model ran it before ``enable``."""
+
+    def __init__(self, mixer, instance_forward):
+        self.mixer = mixer
+        self.instance_forward = instance_forward
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        # where the class forward finds the cache: the first positional argument, else `cache` / `cache_params`
+        cache = args[0] if args else compat.pop_cache(dict(kwargs))
+        if isinstance(cache, ComposableMambaCache):
+            return type(self.mixer).forward(self.mixer, hidden_states, *args, **kwargs)
+        return self.instance_forward(hidden_states, *args, **kwargs)
+
+
+def _route_instance_forward(mixer) -> None:
+    """Keep the state path of a mixer whose ``forward`` was replaced on the instance.
+
+    transformers kernelizes a model at load (``from_pretrained(use_kernels=...)``, on by default from 5.25 unless
+    ``USE_HUB_KERNELS=0``): the ``kernels`` package's ``kernelize`` binds a Hub layer's forward on each module whose
+    layer it maps on that device (``module.forward = MethodType(layer.forward, module)``; e.g. Qwen3.5's
+    GatedDeltaNet on sm_121 / gfx1151 GPUs). An instance attribute shadows the class, so the class swap of
+    :func:`enable_state_path` alone would leave such a mixer off the state path (states silently ignored). The
+    instance forward is kept for every call that is not on this package's cache; re-kernelizing (``model.train()``
+    switches kernels' mode) rebinds it, and the next ``enable`` / ``encode`` routes it again."""
+    instance_forward = mixer.__dict__.get("forward")
+    if instance_forward is not None and not isinstance(instance_forward, _KernelizedForward):
+        mixer.__dict__["forward"] = _KernelizedForward(mixer, instance_forward)
+
+
 def _first_ssm_layer(cache) -> int:
     """The model layer of the first SSM state layer: its mixer counts the tokens (a hybrid's first layer may be attention)."""
     indices = getattr(cache, "ssm_layer_indices", None)
@@ -149,14 +181,16 @@ def enable_state_path(model, backend: str | None = None):
         set_backend(model, "auto" if backend is None else backend)
     for mixer in ssm_mixers(model):
         base = type(mixer)
-        if isinstance(mixer, _StateAwareMixer) or getattr(mixer, "_hsc_runs_on_cache", False):
+        if getattr(mixer, "_hsc_runs_on_cache", False):
             continue
-        if _path_for(base) is None:
-            raise TypeError(
-                f"unsupported mixer {base.__name__}; expected one of the architecture table's: "
-                f"{', '.join(cls.__name__ for cls in stock_mixer_classes().values())}"
-            )
-        mixer.__class__ = _composable_mixer_class(base)
+        if not isinstance(mixer, _StateAwareMixer):
+            if _path_for(base) is None:
+                raise TypeError(
+                    f"unsupported mixer {base.__name__}; expected one of the architecture table's: "
+                    f"{', '.join(cls.__name__ for cls in stock_mixer_classes().values())}"
+                )
+            mixer.__class__ = _composable_mixer_class(base)
+        _route_instance_forward(mixer)
     return model
 
 
@@ -173,6 +207,9 @@ def disable_state_path(model):
     for mixer in ssm_mixers(model):
         if isinstance(mixer, _StateAwareMixer):
             mixer.__class__ = mixer._hsc_stock_class
+        routed = mixer.__dict__.get("forward")
+        if isinstance(routed, _KernelizedForward):  # the Hub kernel's forward, as the load left it
+            mixer.__dict__["forward"] = routed.instance_forward
         mixer.__dict__.pop("_hsc_backend", None)
     return model
 
