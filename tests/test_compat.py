@@ -37,8 +37,10 @@ def test_the_installed_transformers_is_in_the_tested_range():
         ("5.23.1", True),
         ("5.24.0", True),
         ("5.24.3", True),
-        ("5.25.0", False),
-        ("5.25.0rc1", False),
+        ("5.25.0", True),
+        ("5.25.4", True),
+        ("5.26.0", False),
+        ("5.25.0rc1", True),
         ("5.24.0.dev0", True),
         ("6.0.0", False),
         ("4.57.6", False),
@@ -56,7 +58,7 @@ def test_cache_rename_release(text, renamed):
 def test_an_untested_transformers_warns_once_naming_the_range(monkeypatch):
     monkeypatch.setattr(compat, "transformers_version", lambda: "5.26.0")
     monkeypatch.setattr(compat, "_warned", False)
-    with pytest.warns(UserWarning, match=r"tested with transformers >=5\.23,<5\.25.*transformers 5\.26\.0"):
+    with pytest.warns(UserWarning, match=r"tested with transformers >=5\.23,<5\.26.*transformers 5\.26\.0"):
         compat.warn_if_untested()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -87,7 +89,7 @@ def test_import_warns_in_a_fresh_process_on_an_untested_release(tmp_path):
         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
     )
     assert done.returncode == 0, done.stderr
-    assert done.stderr.count("tested with transformers >=5.23,<5.25") == 1, done.stderr
+    assert done.stderr.count("tested with transformers >=5.23,<5.26") == 1, done.stderr
 
 
 # ------------------------------------------------------------------------------------------ the cache's name

@@ -107,8 +107,10 @@ class _KernelizedForward:
         self.instance_forward = instance_forward
 
     def __call__(self, hidden_states, *args, **kwargs):
-        # where the class forward finds the cache: the first positional argument, else `cache` / `cache_params`
-        cache = args[0] if args else compat.pop_cache(dict(kwargs))
+        # where the class forward finds the cache: the first positional argument, else a name the stock forward
+        # takes it under on the installed release (compat.cache_names_taken)
+        names = compat.cache_names_taken(self.mixer._hsc_stock_class.forward)
+        cache = args[0] if args else next((kwargs[n] for n in names if kwargs.get(n) is not None), None)
         if isinstance(cache, ComposableMambaCache):
             return type(self.mixer).forward(self.mixer, hidden_states, *args, **kwargs)
         return self.instance_forward(hidden_states, *args, **kwargs)
