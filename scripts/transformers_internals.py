@@ -78,6 +78,8 @@ INTERNALS: dict[str, str] = {
     # the generation hooks that compat's CacheGenerationMixin overrides, and the paths that call the caches' layers
     # (assisted generation crops them); the class as a whole too (its other methods are what generate() runs)
     "transformers.generation.GenerationMixin": "generation/utils.py:GenerationMixin",
+    # generate() itself: compat's CacheGenerationMixin refuses assisted generation before it, with its signature
+    "transformers.generation.GenerationMixin.generate": "generation/utils.py:GenerationMixin.generate",
     "transformers.generation.GenerationMixin._prepare_cache_for_generation": (
         "generation/utils.py:GenerationMixin._prepare_cache_for_generation"
     ),

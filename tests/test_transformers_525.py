@@ -246,3 +246,20 @@ def test_the_cache_parameter_is_the_stock_forwards_own_name():
     mamba = ARCHITECTURES["mamba"].make(seed=0)._hsc_stock_class.forward
     expected = ("cache", "cache_params") if compat.cache_is_renamed() else ("cache_params",)
     assert compat.cache_names_taken(mamba) == expected
+
+
+@pytest.mark.parametrize("arch_name", TRANSFORMERS_NAMES)
+@torch.no_grad()
+def test_past_states_with_a_cache_under_any_name_the_forward_takes_is_refused(arch_name):
+    """Every name the release's forward reads a cache under (its own and the deprecated ones it renames): with
+    past_states, which one would win is not the user's to guess (stock's wrapper would keep `cache`)."""
+    arch = ARCHITECTURES[arch_name]
+    model = arch.make(seed=0)
+    context, query = _inputs(arch)
+    state = hsc.encode(model, context)
+    names = compat.cache_names_taken(model._hsc_stock_class.forward)
+    assert names
+    for name in names:
+        # named as passed, or by its new name where the deprecation wrapper renamed it first (with its FutureWarning)
+        with pytest.raises(ValueError, match=rf"pass either past_states or a cache \(({name}|{names[0]})=\), not both"):
+            model(query, past_states=[state], **{name: state.clone()})

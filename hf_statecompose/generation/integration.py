@@ -146,20 +146,24 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
         # 5.24; `cache_params` / `past_key_values` before): under any other name a cache is an unknown keyword that
         # stock passes on and never reads, and so does this forward (compat.cache_parameter)
         cache_name = compat.cache_parameter(stock.forward) or compat.CACHE_ARG
+        # every name it takes a cache under: its own and the older ones its deprecation wrappers rename to it
+        cache_names = compat.cache_names_taken(stock.forward) or (cache_name,)
 
         def forward(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
             if past_states is None:
                 _refuse_attention_without_states(attention)
-                if isinstance(kwargs.get(cache_name), ComposableMambaCache):
+                if any(isinstance(kwargs.get(name), ComposableMambaCache) for name in cache_names):
                     refuse_layer_checkpointing(self)
                 return compat.without_deprecations(stock.forward)(self, *args, **kwargs)
             refuse_layer_checkpointing(self)
             named = _by_name(forward_signature, self, args, kwargs)
-            if named.get(cache_name) is not None:
-                raise ValueError(f"pass either past_states or a cache ({cache_name}=), not both")
+            given = [name for name in cache_names if named.get(name) is not None]
+            if given:
+                raise ValueError(f"pass either past_states or a cache ({given[0]}=), not both")
             composition = composer_for(composition, attention)
             batch = _check_query(named, ("input_ids",), self)
-            named.pop(cache_name, None)
+            for name in cache_names:
+                named.pop(name, None)
             composed = compose_for_batch(self, past_states, composition, batch, model_inputs=named)
             named[cache_name] = composed
             named["use_cache"] = True
@@ -184,6 +188,7 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
             def generate(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
                 if past_states is None:
                     _refuse_attention_without_states(attention)
+                    _query_follows(kwargs.get(cache_name))  # a state handed as the cache: the query follows it
                     return compat.without_deprecations(stock.generate)(self, *args, **kwargs)
                 named = _by_name(generate_signature, self, args, kwargs)
                 if compat.cache_given(named):
@@ -200,11 +205,10 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
                 composed = compose_for_batch(
                     self, past_states, composition, batch, model_inputs=named, pad_token_id=_pad_for_mask(named, config)
                 )
-                if not _is_hybrid(composed):
-                    _recurrent_query_mask(composed, named, _pad_for_mask(named, config))
                 # generate() expands input_ids for beams / return sequences but never a user cache: do it here
                 compat.pop_cache(named)
                 cache = composed.repeat_interleave(expand) if expand > 1 else composed
+                _query_follows(cache)
                 named[cache_name] = cache
                 named["use_cache"] = True
                 out = compat.without_deprecations(stock.generate)(self, **named)
@@ -300,15 +304,13 @@ def _query_mask(named: dict, pad_token_id=None):
     return mask, shape, device
 
 
-def _recurrent_query_mask(composed, named: dict, pad_token_id=None) -> None:
-    """``generate`` from the states of a model without attention layers: the attention mask covers the composed
-    state's tokens, then the query (``[ones | query mask]``), as a hybrid's covers its keys. transformers 5.25 takes a
-    cache that has seen tokens (:meth:`~ComposableMambaCache.get_seq_length`) to mean that ``input_ids`` start with
-    those tokens, and cuts them off the prompt unless the mask is longer than ``input_ids``; the mixers read the
-    mask's last ``length`` columns only, so the state's columns change nothing else."""
-    query_mask, shape, device = _query_mask(named, pad_token_id)
-    seen = composed.get_seq_length()
-    named["attention_mask"] = torch.cat([query_mask.new_ones(shape[0], seen), query_mask.to(device)], dim=-1)
+def _query_follows(cache) -> None:
+    """``generate`` from a state of a model without attention layers (composed from ``past_states``, or handed as the
+    cache): the prompt is the query, which follows the state's tokens
+    (:meth:`~hf_statecompose.state.cache.ComposableMambaCache.query_follows`). A hybrid's state holds keys, and its
+    prompt's mask covers them (:func:`_hybrid_query_inputs`), as transformers expects of any cache with keys."""
+    if isinstance(cache, ComposableMambaCache) and not _is_hybrid(cache):
+        cache.query_follows()
 
 
 def _record_appended_positions(cache, named: dict) -> None:

@@ -97,7 +97,7 @@ class ComposableMambaCache(compat.DynamicCache):
         layer's, as transformers 5.24 answers for a hybrid); a cache without attention layers, the most tokens of
         any row. transformers 5.25 asks layer 0, which a hybrid's recurrent layer never answered for before."""
         layers = self.layers
-        if layer_idx >= len(layers):
+        if layer_idx >= len(layers) or self.__dict__.get("_query_follows"):
             return 0
         attention = compat.AttentionLayerBase
         layer = layers[layer_idx]
@@ -106,6 +106,14 @@ class ComposableMambaCache(compat.DynamicCache):
         if layer is not None:
             return int(layer.get_seq_length())
         return int(self.num_tokens.max()) if self.num_tokens is not None and self.num_tokens.numel() else 0
+
+    def query_follows(self) -> None:
+        """The next forward's tokens (a prompt given to ``generate``) follow this state's tokens and are not among
+        them: until that forward, :meth:`get_seq_length` answers 0. transformers 5.25 takes a cache that has seen
+        tokens to mean that the prompt starts with them (``input_ids``, or ``inputs_embeds``: the whole sequence) and
+        cuts them off it; a state here is the context *before* the query. The first forward on the cache (its first
+        state layer counts the tokens, :meth:`add_tokens`) ends it."""
+        self.__dict__["_query_follows"] = True
 
     # transformers' assisted decoding and its rollback (`crop`): the state path keeps no history of states to roll
     # back to (generate() refuses assisted decoding first: compat.refuse_assisted_generation)
@@ -247,6 +255,7 @@ class ComposableMambaCache(compat.DynamicCache):
     def add_tokens(self, count: torch.Tensor):
         """Account for ``count[b]`` more tokens per row; the stored token ids no longer describe the state."""
         count = count.to(torch.long)
+        self.__dict__.pop("_query_follows", None)
         self.num_tokens = count if self.num_tokens is None else self.num_tokens + count
         self.token_ids = None
 
