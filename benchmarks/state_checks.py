@@ -65,6 +65,70 @@ def tiny(arch):
     return hsc.enable(model.eval())
 
 
+def delta_rule_rows(repeats: int, g) -> list[dict]:
+    """Issue 41: the delta-rule transitions' bound (a Cholesky test per head) against what loading the state costs,
+    on a Qwen3.5-shaped state (3 gated-DeltaNet layers of 32 value heads of 128 x 128, random weights, 8 tokens)."""
+    import tempfile
+
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from hf_statecompose.state.architectures import _check_transition_values
+    except ImportError:  # an older commit: no delta-rule states
+        return []
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "qwen3_5_text",
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=32,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    )
+    model = hsc.enable(AutoModelForCausalLM.from_config(config).eval())
+    with torch.no_grad():
+        state = hsc.encode(model, torch.randint(3, 1000, (1, 8), generator=g))
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/s.safetensors"
+        state.save(path)
+        load = type(state).load
+        rows.append(
+            {
+                "case": "load a Qwen3.5-shaped state file (3 GDN layers of 32 x 128 x 128), checks included",
+                "ms": median_time(lambda: load(path), repeats, warmup=1) * 1e3,
+            }
+        )
+    layers = [(state.transitions[v], (state.delta_sums[v], state.A[v])) for v in range(state.num_layers)]
+
+    def bound_only():
+        for transition, decay in layers:
+            _check_transition_values({"transitions": transition}, 0, None, config=None, encoded=True, decay=decay)
+
+    rows.append(
+        {
+            "case": "  of which the transitions' bound (3 layers, one Cholesky per head)",
+            "ms": median_time(bound_only, repeats, warmup=1) * 1e3,
+        }
+    )
+    once = validation.check_state_once
+    once(state)
+    rows.append(
+        {
+            "case": "remembered check of that state (its contents' digest, per use)",
+            "ms": median_time(lambda: once(state), repeats, warmup=1) * 1e3,
+        }
+    )
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
@@ -153,6 +217,7 @@ def main(argv=None):
                 "ms": median_time(lambda: [once(s) for s in states], args.repeats, warmup=1) * 1e3,
             }
         )
+    rows += delta_rule_rows(args.repeats, g)
     for row in rows:
         print(f"{row['case']:<75} {row['ms']:9.2f} ms")
     write_result({"commit": git_commit(), "threads": args.threads, "repeats": args.repeats, "rows": rows}, args.out)

@@ -152,9 +152,16 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
         def forward(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
             if past_states is None:
                 _refuse_attention_without_states(attention)
-                if any(isinstance(kwargs.get(name), ComposableMambaCache) for name in cache_names):
+                cache = next(
+                    (kwargs[name] for name in cache_names if isinstance(kwargs.get(name), ComposableMambaCache)), None
+                )
+                if cache is not None:
                     refuse_layer_checkpointing(self)
-                return compat.without_deprecations(stock.forward)(self, *args, **kwargs)
+                check = cache is not None and cache.take_output_check()
+                out = compat.without_deprecations(stock.forward)(self, *args, **kwargs)
+                if check:
+                    check_output_finite(out, cache)
+                return out
             refuse_layer_checkpointing(self)
             named = _by_name(forward_signature, self, args, kwargs)
             given = [name for name in cache_names if named.get(name) is not None]
@@ -167,7 +174,10 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
             composed = compose_for_batch(self, past_states, composition, batch, model_inputs=named)
             named[cache_name] = composed
             named["use_cache"] = True
+            check = composed.take_output_check()
             out = compat.without_deprecations(stock.forward)(self, **named)
+            if check:
+                check_output_finite(out, composed)
             _record_appended_positions(composed, named)
             return out
 
@@ -189,6 +199,8 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
                 if past_states is None:
                     _refuse_attention_without_states(attention)
                     _query_follows(kwargs.get(cache_name))  # a state handed as the cache: the query follows it
+                    if isinstance(kwargs.get(cache_name), ComposableMambaCache):
+                        kwargs[cache_name].check_next_output()
                     return compat.without_deprecations(stock.generate)(self, *args, **kwargs)
                 named = _by_name(generate_signature, self, args, kwargs)
                 if compat.cache_given(named):
@@ -209,6 +221,7 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
                 compat.pop_cache(named)
                 cache = composed.repeat_interleave(expand) if expand > 1 else composed
                 _query_follows(cache)
+                cache.check_next_output()
                 named[cache_name] = cache
                 named["use_cache"] = True
                 out = compat.without_deprecations(stock.generate)(self, **named)
@@ -304,6 +317,30 @@ def _query_mask(named: dict, pad_token_id=None):
     return mask, shape, device
 
 
+def check_output_finite(out, cache) -> None:
+    """The first forward from composed states (or a state handed to ``generate``) must give finite outputs: a state
+    whose values are finite but overflow the forward (a crafted one, filled with 3e38) would otherwise give NaN
+    logits silently. One reduction and one host sync, at the first step only (:meth:`ComposableMambaCache.
+    check_next_output`)."""
+    from ..state.validation import all_finite
+
+    tensor = getattr(out, "logits", None)
+    if tensor is None:
+        tensor = getattr(out, "last_hidden_state", None)
+    if tensor is None and isinstance(out, tuple) and out and torch.is_tensor(out[0]):
+        tensor = out[0]
+    if not torch.is_tensor(tensor) or all_finite(tensor.detach()):
+        return
+    largest = max(
+        (float(t.detach().abs().max()) for t in cache.ssm_states if torch.is_tensor(t) and t.numel()), default=0.0
+    )
+    raise ValueError(
+        "the forward from these states gave NaN or inf outputs at its first step: a state's values overflow this "
+        f"model's forward (the largest SSM state entry is {largest:.3g}); a state encoded by this model keeps them "
+        "finite: the state was altered or hand-made, re-encode the context"
+    )
+
+
 def _query_follows(cache) -> None:
     """``generate`` from a state of a model without attention layers (composed from ``past_states``, or handed as the
     cache): the prompt is the query, which follows the state's tokens
@@ -351,6 +388,7 @@ def compose_for_batch(
     """One composed state row per query row, checked against ``model``. For a hybrid model, ``model_inputs`` (the
     call's arguments by name) get the attention mask and positions that continue after the composed keys."""
     composed = _compose_for_batch(model, past_states, composition, batch_size)
+    composed.check_next_output()
     if model_inputs is not None and _is_hybrid(composed):
         _hybrid_query_inputs(composed, model_inputs, pad_token_id)
     return composed

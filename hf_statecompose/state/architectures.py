@@ -66,7 +66,8 @@ class Architecture:
     cache_class_name: str
     extras: tuple[ExtraTensor, ...] = field(default=())
     # value checks of the extras of one state layer, after their dtypes and shapes were checked:
-    # ({attribute: tensor of that layer}, layer, refuse(problem), *, config, num_tokens, encoded) -> None; refuse raises
+    # ({attribute: tensor of that layer}, layer, refuse(problem), *, config, num_tokens, encoded, decay, rounding) -> None;
+    # refuse raises
     check_extra_values: Callable | None = None
     # checks across the state layers, after each layer's: ([{attribute: tensor} of every layer], refuse) -> None
     check_extras_across_layers: Callable | None = None
@@ -262,7 +263,9 @@ def _min_clock_step(config, v: int) -> int:
     return SERPENT_CLOCK_ONE if kappa >= 1.0 else max(0, math.floor(kappa * SERPENT_CLOCK_ONE) - 1)
 
 
-def _check_resampling_values(extras: dict, v: int, refuse, *, config, num_tokens=None, encoded: bool = False) -> None:
+def _check_resampling_values(
+    extras: dict, v: int, refuse, *, config, num_tokens=None, encoded: bool = False, decay=None, rounding: float = 0.0
+) -> None:
     """The invariants every real encoding satisfies (modeling_serpent.SeRpEntBranch.forward builds the state):
 
     * the clock only moves with real tokens: each adds a step s in [s_min, 2^20] (``round(δ · 2^20)``, δ in
@@ -708,20 +711,102 @@ def _gdn_state_shapes(c):
     return (heads, k_dim, v_dim), (conv_dim, c.linear_conv_kernel_dim)
 
 
-def _check_transition_values(extras: dict, v: int, refuse, *, config, num_tokens=None, encoded: bool = False) -> None:
-    """A real transition is a product of steps α (I − β k kᵀ) (β in [0, 2], |k| = 1, α in (0, 1]): every step has
-    spectral norm <= 1, so the product does, and so does every entry (an entry is bounded by the spectral norm)."""
+# what a real transition may exceed its bound by: float32 rounding of the encode (measured at most 1e-7 relative,
+# benchmarks/state_checks.py); below TRANSITION_FLOOR a transition contributes nothing a float32 state can hold (the
+# products of long contexts underflow there, where their bound exp(A·ΣΔ) is smaller still)
+TRANSITION_RTOL = 1e-4
+TRANSITION_FLOOR = 1e-30
+# a determinant is reliable only down to the rounding of the product: below this, KDA's bound is taken as this
+_LOG_DET_FLOOR = -13.8  # log(1e-6)
+
+
+def _spectral_norm(matrices):
+    """The exact largest singular value of each ``[..., k, k]`` matrix (float64)."""
+    import torch
+
+    return torch.linalg.matrix_norm(matrices.double(), ord=2)
+
+
+def _check_transition_values(
+    extras: dict,
+    v: int,
+    refuse,
+    *,
+    config,
+    num_tokens=None,
+    encoded: bool = False,
+    decay=None,
+    rounding: float = 0.0,
+) -> None:
+    """What a product of delta-rule steps can be. A step is ``α (I − β k kᵀ)`` (gated DeltaNet: α = exp(g) per head,
+    β in [0, 2], |k| <= 1) or ``(I − β k kᵀ) Diag(α)`` (KDA: α per key channel), each of spectral norm <= its largest
+    α <= 1, so per batch row and head the transition ``M`` (the product) is finite and:
+
+    * ``‖M‖₂ <= 1`` for every state (a composition's too: soup / weighted average transitions);
+    * for a state as encoded (``encoded``: it carries its token ids) with ``decay = (ΣΔ, A)``: gated DeltaNet
+      (ΣΔ ``[B, H]``) ``‖M‖₂ <= exp(A·ΣΔ)`` per head, the product of its α; KDA (ΣΔ ``[B, H, k]``) ``|det M| <=
+      exp(Σ_c A·ΣΔ_c)`` (each step's determinant is ``(1 − β|k|²) Π_c α_c``; a per-channel bound on ``‖M‖₂`` does
+      not hold, as the rotations mix the channels).
+
+    Tolerances: relative :data:`TRANSITION_RTOL` (the encode's float32 rounding), nothing below
+    :data:`TRANSITION_FLOOR`, and for transitions read back from a lower-precision store ``rounding`` (its unit
+    roundoff ``u``: each entry moved by at most ``u``, so ``‖M‖₂`` by at most ``u·‖M‖_F``). The norm test: heads whose
+    Frobenius norm is within the bound pass; the others take one Cholesky factorisation of ``I − NᵀN`` (``N = M /
+    bound``: it exists iff ``‖N‖₂ < 1``); a head it fails is measured exactly (SVD) before refusing. Its cost beside
+    the load of a state: benchmarks/state_checks.py."""
     import torch
 
     transition = extras["transitions"]
     if not torch.isfinite(transition).all():
         refuse(f"layer {v} transition contains NaN or inf")
-    largest = float(transition.abs().max()) if transition.numel() else 0.0
-    if largest > 1.0 + 1e-3:
-        refuse(
-            f"layer {v} transition has an entry of magnitude {largest:.4g} > 1: a product of delta-rule steps has "
-            "spectral norm <= 1, so no entry exceeds 1 (a corrupted or hand-made state)"
-        )
+    if transition.numel() == 0:
+        return
+    M = transition.detach().float()
+    k = M.shape[-1]
+    limit = torch.ones(M.shape[:-2], dtype=torch.float64, device=M.device)
+    what = "1 (a product of delta-rule steps, each of norm <= 1)"
+    per_channel = None
+    if encoded and decay is not None:
+        delta_sum, A = (t.detach().double().to(M.device) for t in decay)
+        if delta_sum.dim() == 2:  # gated DeltaNet: α per head
+            limit = torch.exp(A * delta_sum)
+            what = "exp(A·ΣΔ) of its own ΣΔ and A (the product of the context's decays)"
+        elif delta_sum.dim() == 3:  # KDA: α per key channel
+            per_channel = (A[:, None] * delta_sum).sum(-1)  # [B, H]: log of the product of every channel's decay
+    limit = torch.clamp(limit * (1 + TRANSITION_RTOL), min=TRANSITION_FLOOR)
+    frobenius = torch.linalg.matrix_norm(M).double()  # >= the spectral norm: where it is within the limit, done
+    if rounding:
+        limit = limit + rounding / (1 - rounding) * frobenius
+    unsure = frobenius > limit
+    if bool(unsure.any()):
+        # N = M / limit has ‖N‖₂ < 1 iff I − NᵀN is positive definite (a Cholesky factorisation exists); in float32,
+        # whose rounding of NᵀN (about k·6e-8) is far inside the margin TRANSITION_RTOL leaves a real transition
+        heads = M[unsure]
+        scaled = heads / limit[unsure].float()[:, None, None]
+        eye = torch.eye(k, dtype=scaled.dtype, device=M.device)
+        _, info = torch.linalg.cholesky_ex(eye - scaled.mT @ scaled)
+        if bool((info != 0).any()):
+            norms = torch.zeros_like(limit)
+            norms[unsure] = _spectral_norm(heads)  # exact, before refusing
+            over = norms > limit
+            if bool(over.any()):
+                index = tuple(int(i) for i in over.nonzero()[0])
+                refuse(
+                    f"layer {v} transition (row {index[0]}, head {index[1]}) has spectral norm "
+                    f"{float(norms[index]):.4g}, above {float(limit[index]):.4g}: a product of delta-rule steps is at "
+                    f"most {what} (a corrupted or hand-made state, or the transitions of another context, layer or model)"
+                )
+    if per_channel is not None and not rounding:
+        log_det = torch.linalg.slogdet(M.double()).logabsdet
+        allowed = torch.clamp(per_channel, min=_LOG_DET_FLOOR) + 1e-3
+        if bool((log_det > allowed).any()):
+            index = tuple(int(i) for i in (log_det > allowed).nonzero()[0])
+            refuse(
+                f"layer {v} transition (row {index[0]}, head {index[1]}) has log |det| {float(log_det[index]):.4g}, "
+                f"above {float(per_channel[index]):.4g}, the sum over key channels of A·ΣΔ (a product of Kimi "
+                "delta-attention steps has |det| at most the product of its decays): a corrupted or hand-made state, "
+                "or the transitions of another context, layer or model"
+            )
 
 
 def _transitions(row_shape):
@@ -957,12 +1042,15 @@ def check_extra_tensors(
     refuse: Callable[[str], NoReturn],
     num_tokens: torch.Tensor | None = None,
     encoded: bool = False,
+    decay: tuple | None = None,
+    rounding: float = 0.0,
 ) -> None:
     """The extra tensors of state layer ``v`` (``{attribute: tensor}``) as ``layout`` describes them: present,
     dtypes (from ``model_dtype``), shapes (``[batch, *row_shape(config)]``), device and values (the invariants of
     a real encoding, :func:`_check_resampling_values` for SeRpEnt). ``num_tokens`` (``[batch]`` int64, optional)
     lets the values be checked against the token counts, ``encoded`` says that the state is as encoded (it
-    carries its token ids). ``refuse(problem)`` raises. Shared by the state validation and the store's entry
+    carries its token ids), ``decay`` is the layer's ``(ΣΔ, A)`` (what bounds a delta-rule transition) and
+    ``rounding`` the unit roundoff of the dtype the extras were stored in (0: not rounded). ``refuse(problem)`` raises. Shared by the state validation and the store's entry
     checks."""
     import torch
 
@@ -999,6 +1087,8 @@ def check_extra_tensors(
                 config=config,
                 num_tokens=counts.to(extras[layout.extras[0].attribute].device) if counts is not None else None,
                 encoded=encoded and counts is not None,
+                decay=decay,
+                rounding=rounding,
             )
 
 

@@ -115,6 +115,16 @@ class ComposableMambaCache(compat.DynamicCache):
         state layer counts the tokens, :meth:`add_tokens`) ends it."""
         self.__dict__["_query_follows"] = True
 
+    def check_next_output(self) -> None:
+        """Have the next forward on this cache (from the enabled model) refuse an output that is not finite: what a
+        state whose finite values overflow the forward gives (a state filled with 3e38: NaN logits). Set on every
+        state composed for ``past_states`` and handed to ``generate`` as its cache; that forward clears it."""
+        self.__dict__["_check_next_output"] = True
+
+    def take_output_check(self) -> bool:
+        """Whether the forward now running must check its output (:meth:`check_next_output`); clears the request."""
+        return bool(self.__dict__.pop("_check_next_output", False))
+
     # transformers' assisted decoding and its rollback (`crop`): the state path keeps no history of states to roll
     # back to (generate() refuses assisted decoding first: compat.refuse_assisted_generation)
     @property

@@ -389,6 +389,7 @@ def check_state(
     A_rtol: float = A_RTOL,
     values_checked: tuple[str, ...] = (),
     fits: str | None = None,
+    rounding: float = 0.0,
 ) -> None:
     """Check every tensor of ``state`` against its own config and metadata, and with ``model`` against
     the model's ``A``; raise a ``ValueError`` naming the first problem.
@@ -423,7 +424,8 @@ def check_state(
     ``fits`` is the fingerprint of the model whose ``-exp(A_log)`` it compared the source of this state's ``A``
     with (:func:`check_against_model` then does not compare again), and ``"A"`` in ``values_checked`` says that
     this ``A`` is a copy of that compared one (with ``model``, it is compared here). Every other check runs, and the verdict is
-    remembered for these tensors as any other (an edit voids it).
+    remembered for these tensors as any other (an edit voids it). ``rounding``: the unit roundoff of the dtype a store
+    kept the delta-rule transitions in (they may exceed their bound by that much, ``_check_transition_values``).
     """
     check_is_state(state, where)
     snapshot = _snapshot(state)
@@ -460,7 +462,7 @@ def check_state(
         _refuse_layer_metadata(state, where, batch, device, ssm_shape, conv_shape, delta_shape, A_shape)
     _check_layer_values(state, where, values_checked)
     _check_token_counts(state, batch, device, where)
-    check_extras(state, where, batch=batch, device=device)
+    check_extras(state, where, batch=batch, device=device, rounding=rounding)
     if layout.is_hybrid:
         check_attention_layers(state, where, batch=batch, device=device)
     _remember(state, snapshot)
@@ -536,7 +538,14 @@ def _refuse_layer_metadata(state, where, batch, device, ssm_shape, conv_shape, d
     raise AssertionError("the fast pass refused a state the slow pass accepts")  # pragma: no cover
 
 
-def check_extras(state, where: str = "state", *, batch: int | None = None, device=None) -> None:
+def _decay_of(state, v: int):
+    """Layer ``v``'s ``(ΣΔ, A)`` when both are tensors (what bounds a delta-rule transition), else None."""
+    layer = state.state_layers[v]
+    delta_sum, A = getattr(layer, "delta_sum", None), getattr(layer, "A", None)
+    return (delta_sum, A) if isinstance(delta_sum, torch.Tensor) and isinstance(A, torch.Tensor) else None
+
+
+def check_extras(state, where: str = "state", *, batch: int | None = None, device=None, rounding: float = 0.0) -> None:
     """The extra per-layer tensors of the state's architecture (SeRpEnt: clock, window inputs, times and
     valid mask, last output): present in every layer, their dtypes (from the recorded model dtype) and
     shapes (from the config, with the state's batch) as the architecture describes them, on the states'
@@ -569,6 +578,8 @@ def check_extras(state, where: str = "state", *, batch: int | None = None, devic
             refuse=refuse,
             num_tokens=state.num_tokens,
             encoded=state.token_ids is not None,
+            decay=_decay_of(state, v),
+            rounding=rounding,
         )
         layers.append(extras)
     if layout.check_extras_across_layers is not None:
@@ -664,20 +675,88 @@ def _check_A_against_model(state, model, where: str, A_rtol: float) -> None:
 
 # ---------------------------------------------------------------------------------------------- checked once
 # What check_state (and, per model fingerprint, the comparison of A with the model) found about a state, remembered
-# per state object, so that a state used many times (composed, generated from) is checked once. The verdict holds
-# for the very tensors that were checked, at their version counters (every in-place edit, through any view,
-# bumps them) and storage addresses: an edit after the check, or another tensor put in its place, makes the next
-# use check again. Weak references: the verdict keeps neither the state nor its tensors alive. Inference-mode
-# tensors have no version counter: a state holding one is checked at every use.
+# per state object, so that a state used many times (composed, generated from) is not checked again. The verdict holds
+# for the very tensors that were checked, at their version counters, storage addresses, shapes, dtypes and devices
+# (an in-place torch op through any view bumps the counter) AND at their contents: a copy of every small tensor
+# (compared exactly) and a position-weighted sum of every large one (:func:`_content_digest`, one read of the
+# tensor: about what the finiteness scan of the full check costs), so that an edit no counter sees (through
+# ``.data``, a NumPy view, ``set_``, another tensor on the same storage, DLPack) is found at the next use, which then
+# checks the state again. What a digest cannot see: an edit of a large tensor that moves its weighted sum by less
+# than its float32 rounding (about 1e-6 of the sum's terms; a NaN or inf always shows). Weak references: the verdict
+# keeps neither the state nor its tensors alive. Inference-mode tensors have no version counter, and nothing can be
+# read while torch.compile traces: a state holding one, or checked there, is checked at every use.
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# a tensor of at most this many elements is kept as a copy and compared exactly (token ids, positions, ΣΔ, A, counts)
+DIGEST_EXACT_NUMEL = 4096
+_DIGEST_BLOCK = 4096  # a large tensor is read as rows of this many elements: weights per column, then per row
+_DIGEST_WEIGHTS: dict = {}
+
+
+def _digest_weights(n: int, device) -> torch.Tensor:
+    """``n`` fixed float32 weights in [1, 2) on ``device`` (drawn once from a fixed seed and cached)."""
+    key = (n, str(device))
+    weights = _DIGEST_WEIGHTS.get(key)
+    if weights is None:
+        generator = torch.Generator().manual_seed(0x5EED + n)
+        weights = torch.rand(n, generator=generator).add_(1.0).to(device)
+        if len(_DIGEST_WEIGHTS) > 64:
+            _DIGEST_WEIGHTS.clear()
+        _DIGEST_WEIGHTS[key] = weights
+    return weights
+
+
+def _content_digest(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d float tensor that changes when any element of ``tensor`` changes (up to rounding, see above): each
+    element weighted by its column in a row of :data:`_DIGEST_BLOCK` and each row by its index, so that moved
+    values change it too. One read of the tensor (a matrix-vector product); NaN / inf make it non-finite."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.to(torch.float64 if not flat.is_floating_point() else torch.float32)
+    n, block = flat.numel(), _DIGEST_BLOCK
+    rows = n // block
+    weights = _digest_weights(block, flat.device).to(flat.dtype)
+    total = flat[rows * block :] @ weights[: n - rows * block]
+    if rows:
+        row_weights = _digest_weights(rows, flat.device).to(flat.dtype)
+        total = total + (flat[: rows * block].view(rows, block) @ weights) @ row_weights
+    return total
+
+
+def _contents(tensors) -> tuple:
+    """(copies of the small tensors, the large tensors' digests stacked in float64): what :class:`_Verdict` compares."""
+    small, digests = [], []
+    for t in tensors:
+        if t.numel() <= DIGEST_EXACT_NUMEL:
+            small.append(t.detach().clone())
+        else:
+            digests.append(_content_digest(t).to(torch.float64).cpu())
+    return tuple(small), (torch.stack(digests) if digests else None)
+
+
+def _same_contents(tensors, small, digests) -> bool:
+    now_small = [t for t in tensors if t.numel() <= DIGEST_EXACT_NUMEL]
+    if len(now_small) != len(small) or not all(map(torch.equal, now_small, small)):
+        return False
+    large = [t for t in tensors if t.numel() > DIGEST_EXACT_NUMEL]
+    if digests is None:
+        return not large
+    now = torch.stack([_content_digest(t).to(torch.float64).cpu() for t in large])
+    return bool(torch.equal(now, digests))  # (NaN never equals: a non-finite edit always fails)
+
+
+def _tracing() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
 
 
 class _Verdict:
-    __slots__ = ("fingerprints", "header", "refs", "versions")
+    __slots__ = ("contents", "fingerprints", "header", "refs", "versions")
 
     def __init__(self, header, tensors, versions):
         self.header, self.versions, self.fingerprints = header, versions, set()
         self.refs = tuple(map(weakref.ref, tensors))
+        self.contents = _contents(tensors)
 
     def holds_for(self, header, tensors, versions) -> bool:
         # (not ``map(operator.call, refs)``: torch.compile's tracer calls the referent instead of the reference there)
@@ -686,6 +765,7 @@ class _Verdict:
             and versions == self.versions
             and len(tensors) == len(self.refs)
             and all(ref() is t for ref, t in zip(self.refs, tensors, strict=True))
+            and _same_contents(tensors, *self.contents)
         )
 
 
@@ -727,6 +807,8 @@ def _snapshot(state):
         except AttributeError:  # a layer that lacks one: every name, one by one
             slots += [getattr(layer, name, None) for name in _tensor_names(layer)]
     slots += (state.num_tokens, state.token_ids)
+    if _tracing():  # nothing can be read while torch.compile traces: no verdict (checked at every use)
+        return None
     unset = tuple(map(_IS_NONE, slots))
     tensors = list(itertools.compress(slots, map(operator.not_, unset)))
     try:

@@ -308,6 +308,14 @@ class StateStore:
         return input_ids, mask, ids
 
     @property
+    def _transition_rounding(self) -> float:
+        """The unit roundoff of the storage dtype (0.0 for float32 and wider): how far a delta-rule transition read
+        back may sit above its bound (:func:`hf_statecompose.state.architectures._check_transition_values`)."""
+        if self.storage_dtype.itemsize >= 4:
+            return 0.0
+        return float(torch.finfo(self.storage_dtype).eps) / 2
+
+    @property
     def _keys_dtype(self) -> torch.dtype:
         """The dtype of a hybrid entry's stored keys and values: bfloat16 in a ``"bf16"`` store, else the model
         dtype (no rounding); they are read back in the model dtype."""
@@ -403,6 +411,7 @@ class StateStore:
             # A: a copy of the store's A list, compared with the model (here, for the first state built from it)
             values_checked=("ssm_state", "delta_sum", "A") + (("conv_state",) if exact_conv else ()),
             fits=self.fingerprint,
+            rounding=self._transition_rounding,
         )
         if compare_A:
             self._A_compared.append(A)
@@ -453,6 +462,7 @@ class StateStore:
                     batch=1,
                     device=None,
                     refuse=lambda problem: _refuse_entry(where, problem),
+                    rounding=self._transition_rounding,
                 )
         if self._attention_layers:
             self._check_entry_keys(where, tensors, num_tokens)
