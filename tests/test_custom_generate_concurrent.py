@@ -14,6 +14,7 @@ threads at once) then never runs in two threads at the same time.
 
 Each test first shows that the states change the output (generation with them differs from generation without)."""
 
+import functools
 import sys
 import threading
 from pathlib import Path
@@ -215,3 +216,229 @@ def test_a_call_that_ends_while_another_decodes_leaves_it_enabled(arch):
     assert_same_output(got_a, expected_a)
     assert_same_output(got_b, expected_b)
     assert_stock(model, before)
+
+
+# ------------------------------------------------------------------------------------------ (b) eight calls, four models
+def test_eight_overlapping_calls_on_four_architectures_are_each_the_call_run_alone():
+    """Two calls on each of a Mamba-2, a Mamba, a Jamba (Mamba + attention hybrid) and a Qwen3-Next (delta-rule
+    hybrid) model: all eight are mid-decoding at once (a barrier at their first step), then they return one by one,
+    each while the later ones are still decoding (call ``i`` ends only after call ``i - 1`` has returned)."""
+    models = {arch: make(arch) for arch in ARCHS}
+    before = {arch: snapshot(model) for arch, model in models.items()}
+    states = {arch: states_for(arch) for arch in ARCHS}
+    plan = []  # (arch, query, keyword arguments), the architectures interleaved
+    for k in range(2):
+        for a, arch in enumerate(ARCHS):
+            kwargs = dict(past_states=states[arch][:: 1 - 2 * k], composition=("picaso_r", "soup")[k])
+            plan.append((arch, ids(arch, 3 + k, seed=10 + 2 * a + k), kwargs))
+    for arch, query, kwargs in plan[: len(ARCHS)]:
+        assert_the_states_matter(models[arch], query, kwargs["past_states"])
+    expected = [custom(models[arch], query, **kwargs) for arch, query, kwargs in plan]
+    for arch in ARCHS:
+        assert_stock(models[arch], before[arch])
+
+    barrier = threading.Barrier(len(plan), timeout=TIMEOUT)
+    decoding = [threading.Event() for _ in plan]
+    calls: list[Call] = []
+
+    def hook(i):
+        def first_step():
+            decoding[i].set()
+            barrier.wait()
+
+        def second_step():
+            if i:
+                wait(calls[i - 1].done, f"call {i - 1} to return")
+
+        return Hook(s1=first_step, s2=second_step)
+
+    for i, (arch, query, kwargs) in enumerate(plan):
+        calls.append(Call(functools.partial(custom, models[arch], query, [hook(i)], **kwargs), f"call {i} ({arch})"))
+    for i, call in enumerate(calls):
+        call.start()
+        wait(decoding[i], f"call {i} to decode")  # the next one starts while this one decodes
+    got = [call.outcome() for call in calls]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert_same_output(g, e)
+    for arch in ARCHS:
+        assert_stock(models[arch], before[arch])
+
+
+# ------------------------------------------------------------------------------------------ (c) calls that raise
+def block_count(model):
+    block = integration._BLOCKS.get(id(integration._transformers_model(model)))
+    return 0 if block is None else block.count
+
+
+def test_overlapping_calls_that_raise_release_the_model():
+    """Calls that raise (bad arguments, a processor that raises mid-decoding, the last call out raising) among
+    calls that succeed: these are exact, and the model is stock, with no count left, when the last one returns."""
+    arch = "qwen3_next"
+    model = make(arch)
+    before = snapshot(model)
+    states = states_for(arch)
+    foreign = [hsc.encode(ARCHITECTURES["mamba2"].make(seed=0), ids("mamba2", 6, seed=3))]  # another model's state
+    query_1, query_2, query_r = ids(arch, 3, seed=20), ids(arch, 4, seed=21), ids(arch, 3, seed=22)
+    assert_the_states_matter(model, query_1, states)
+    expected_1 = custom(model, query_1, past_states=states)
+    expected_2 = custom(model, query_2, past_states=states[::-1], composition="soup")
+    # a bad argument on the stock model: refused, the model stock
+    with pytest.raises(ValueError, match=r"past_states\[0\] is a state of a 'mamba2' model"):
+        custom(model, query_1, past_states=foreign)
+    assert_stock(model, before)
+
+    class Boom(RuntimeError):
+        pass
+
+    def boom():
+        raise Boom("a processor raised mid-decoding")
+
+    events = {
+        name: threading.Event() for name in ("s1 decoding", "go s1", "s2 decoding", "go s2", "r2 decoding", "go r2")
+    }
+
+    def pause(name):  # "x decoding" set, then wait for "go x"
+        return lambda: (events[f"{name} decoding"].set(), wait(events[f"go {name}"], f"go {name}"))
+
+    s1 = Call(lambda: custom(model, query_1, [Hook(s1=pause("s1"))], past_states=states), "S1")
+    s2 = Call(
+        lambda: custom(model, query_2, [Hook(s1=pause("s2"))], past_states=states[::-1], composition="soup"), "S2"
+    )
+    r1 = Call(lambda: custom(model, query_r, [Hook(s2=boom)], past_states=states), "R1")
+    r2 = Call(lambda: custom(model, query_r, [Hook(s1=pause("r2"), s3=boom)], past_states=states), "R2")
+
+    s1.start()
+    wait(events["s1 decoding"], "S1 to decode")
+    assert block_count(model) >= 1 and hsc.is_enabled(model)
+    # bad arguments while S1 decodes: refused, S1's count untouched
+    with pytest.raises(ValueError, match=r"past_states\[0\] is a state of a 'mamba2' model"):
+        custom(model, query_1, past_states=foreign)
+    with pytest.raises(ValueError, match=r"attention='nowhere' is not an attention placement"):
+        custom(model, query_1, past_states=states, attention="nowhere")
+    with pytest.raises(TypeError):
+        custom(model, query_1, past_states=states[0])  # a single state, not a list
+    count = block_count(model)
+    # a call that raises at its second step while S1 decodes
+    r1.start()
+    r1.join(TIMEOUT)
+    assert not r1.is_alive() and isinstance(r1.error, Boom)
+    assert block_count(model) == count and hsc.is_enabled(model)
+    s2.start()
+    wait(events["s2 decoding"], "S2 to decode")
+    r2.start()
+    wait(events["r2 decoding"], "R2 to decode")
+    events["go s1"].set()
+    got_1 = s1.outcome()
+    events["go s2"].set()
+    got_2 = s2.outcome()
+    assert hsc.is_enabled(model) and block_count(model) >= 1  # R2 still decodes
+    events["go r2"].set()  # R2 raises at its third step, the last call out
+    r2.join(TIMEOUT)
+    assert not r2.is_alive() and isinstance(r2.error, Boom)
+    assert_same_output(got_1, expected_1)
+    assert_same_output(got_2, expected_2)
+    assert block_count(model) == 0
+    assert_stock(model, before)
+
+
+# ------------------------------------------------------------------------------------------ the lookup race, user models
+def test_a_generate_looked_up_while_enabled_runs_enabled_after_the_block_ended():
+    """The race of a call that looked up the enabled ``generate`` / ``forward`` just before the block that enabled
+    the model ended: it finds the model stock at its entry, enables it for itself, and gives it back."""
+    arch = "qwen3_next"
+    model = make(arch)
+    before = snapshot(model)
+    states, query = states_for(arch), ids(arch, 3, seed=30)
+    assert_the_states_matter(model, query, states)
+    expected = custom(model, query, past_states=states)
+    with hsc.enabled(model):
+        logits = model(query, past_states=states).logits
+        generate, forward = model.generate, model.forward  # bound while the model is enabled
+    assert_stock(model, before)
+    got = generate(query, past_states=states, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    assert_same_output(got, expected)
+    assert_stock(model, before)
+    assert torch.equal(forward(query, past_states=states).logits, logits)
+    assert_stock(model, before)
+
+
+def test_a_model_its_user_enabled_stays_enabled_under_overlapping_calls():
+    arch = "mamba2"
+    model = ARCHITECTURES[arch].make(seed=0, **CONTEXT_MATTERS)
+    model.generation_config.eos_token_id = None
+    hsc.set_backend(model, "torch")
+    before = snapshot(model)
+    states, query_a, query_b = states_for(arch), ids(arch, 3, seed=40), ids(arch, 4, seed=41)
+    expected_a, expected_b = custom(model, query_a, past_states=states), custom(model, query_b, past_states=states)
+    a_decoding, b_decoding = threading.Event(), threading.Event()
+    a = Call(
+        lambda: custom(
+            model, query_a, [Hook(s2=lambda: (a_decoding.set(), wait(b_decoding, "B")))], past_states=states
+        ),
+        "A",
+    )
+    b = Call(
+        lambda: custom(model, query_b, [Hook(s1=lambda: (b_decoding.set(), wait(a.done, "A")))], past_states=states),
+        "B",
+    )
+    a.start()
+    wait(a_decoding, "A to decode")
+    b.start()
+    assert_same_output(a.outcome(), expected_a)
+    assert_same_output(b.outcome(), expected_b)
+    assert hsc.is_enabled(model) and hsc.get_backend(model) == "torch" and snapshot(model) == before
+    assert block_count(model) == 0
+
+
+# ------------------------------------------------------------------------------------------ hsc.enabled itself
+def test_enabled_is_reentrant_shared_across_threads_and_left_on_errors():
+    model = make("mamba")
+    before = snapshot(model)
+    with hsc.enabled(model) as same:
+        assert same is model and hsc.is_enabled(model) and block_count(model) == 1
+        with hsc.enabled(model):
+            assert block_count(model) == 2
+        assert hsc.is_enabled(model) and block_count(model) == 1
+        # a block in another thread that outlives this one
+        entered, leave = threading.Event(), threading.Event()
+
+        def other():
+            with hsc.enabled(model):
+                entered.set()
+                wait(leave, "the main block to end")
+
+        thread = Call(other, "other")
+        thread.start()
+        wait(entered, "the other block")
+        assert block_count(model) == 2
+    assert hsc.is_enabled(model) and block_count(model) == 1  # the other thread's block still holds it
+    leave.set()
+    thread.outcome()
+    assert_stock(model, before)
+    with pytest.raises(KeyError), hsc.enabled(model):
+        raise KeyError("inside the block")
+    assert_stock(model, before)
+    # a stock model whose mixers hsc.encode swapped, with a backend chosen: given back so
+    with hsc.enabled(model):
+        pass
+    hsc.encode(model, ids("mamba", 5, seed=50))
+    hsc.set_backend(model, "torch")
+    swapped = snapshot(model)
+    with hsc.enabled(model):
+        assert hsc.is_enabled(model)
+    assert snapshot(model) == swapped and not hsc.is_enabled(model) and hsc.get_backend(model) == "torch"
+    # a model its user enabled: used as it is, no count
+    user = ARCHITECTURES["mamba"].make(seed=0)
+    with hsc.enabled(user):
+        assert block_count(user) == 0
+    assert hsc.is_enabled(user)
+
+
+def test_enabled_refuses_an_unsupported_model_and_leaves_it_as_it_was():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=99)).eval()
+    before = snapshot(gpt2)
+    with pytest.raises(TypeError, match=r"hf_statecompose supports .*got model_type 'gpt2'"), hsc.enabled(gpt2):
+        pass
+    assert snapshot(gpt2) == before and block_count(gpt2) == 0
