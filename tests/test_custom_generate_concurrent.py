@@ -258,7 +258,7 @@ def test_eight_overlapping_calls_on_four_architectures_are_each_the_call_run_alo
         call.start()
         wait(decoding[i], f"call {i} to decode")  # the next one starts while this one decodes
     got = [call.outcome() for call in calls]
-    for i, (g, e) in enumerate(zip(got, expected)):
+    for g, e in zip(got, expected, strict=True):
         assert_same_output(g, e)
     for arch in ARCHS:
         assert_stock(models[arch], before[arch])
