@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers (at run ti
     from .composition import METHODS, StateComposer, compose_states
     from .demo import load_demo
     from .distributed import encode_corpus
-    from .generation import disable, enable, get_backend, is_enabled, set_backend
+    from .generation import disable, enable, enabled, get_backend, is_enabled, set_backend
     from .models import (
         CoffeeConfig,
         CoffeeForCausalLM,
@@ -66,6 +66,7 @@ _EXPORTS = {
     "compose_states": "composition",
     "disable": "generation",
     "enable": "generation",
+    "enabled": "generation",
     "get_backend": "generation",
     "is_enabled": "generation",
     "set_backend": "generation",
@@ -124,6 +125,7 @@ __all__ = [
     "continuation_losses",
     "disable",
     "enable",
+    "enabled",
     "encode",
     "encode_corpus",
     "generate_with_retrieval",

@@ -276,3 +276,8 @@ def test_the_hub_card():
     assert "trust_remote_code=True" in card and "past_states=states" in card
     for requirement in _requirements():
         assert str(requirement.specifier) in card
+    # every architecture of the table (the delta-rule hybrids included), by its model_type
+    from hf_statecompose.state.architectures import ARCHITECTURES as TABLE
+
+    missing = [name for name in TABLE if f"(`{name}`)" not in card]
+    assert not missing, f"custom_generate/README.md lacks {missing}"

@@ -19,12 +19,19 @@ behaviour with the object and run *its* weights. The classes are made at run tim
 them by name; instances reduce themselves to :func:`_new_enabled_model` and the stock class, which
 re-creates the enabled class on load. The subclass keeps the stock ``__name__`` because transformers
 writes ``type(model).__name__`` into ``config.architectures`` on ``save_pretrained``.
+
+:func:`enabled` enables a model for a block only (what the repository's ``custom_generate`` method does for its
+call): blocks and calls that overlap, in any threads, share one enabling, and the last one out gives the model back
+exactly as the first found it. The enabled ``generate`` (and ``forward`` with states or a composed cache) runs inside
+such a block itself, so that a block that ends elsewhere never disables the model under a call that is running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import threading
 import types
 from typing import Any
 
@@ -105,6 +112,80 @@ def disable(model):
     return model
 
 
+# ---------------------------------------------------------------------------------------------- enabled for a block
+class _Block:
+    """A model that :func:`enabled` enabled: how many blocks and calls are inside it, and what the last one out
+    gives back (every module's class: ``enable`` swaps the model's class and its mixers', and ``hf_statecompose.encode``
+    leaves a stock model's mixers swapped; the state-path backend, which :func:`disable` drops)."""
+
+    __slots__ = ("backend", "classes", "count", "model")
+
+    def __init__(self, model) -> None:
+        self.model, self.count = model, 0
+        self.classes = [(module, type(module)) for module in model.modules()]
+        self.backend = None
+        with contextlib.suppress(TypeError):  # an unsupported model: enable says so, listing the supported ones
+            self.backend = get_backend(model)
+
+    def restore(self) -> None:
+        with contextlib.suppress(TypeError):  # an unsupported model: enable refused it before it changed anything
+            disable(self.model)  # the stock classes (and accelerate's hooks pointed at them again)
+        for module, cls in self.classes:
+            if type(module) is not cls:  # mixers that hf_statecompose.encode had swapped before the block
+                module.__class__ = cls
+        if self.backend is not None:
+            set_backend(self.model, self.backend)
+
+
+# id(transformers model) -> its block (which holds the model: the id cannot be reused while the block is open)
+_BLOCKS: dict[int, _Block] = {}
+_BLOCKS_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def enabled(model):
+    """``model`` enabled inside the ``with`` block only, and afterwards exactly as it was: every module's class and
+    the state-path backend. Thread-safe and reentrant::
+
+        with hsc.enabled(model):
+            out = model.generate(query, past_states=states, max_new_tokens=32)
+
+    Blocks that overlap on one model (nested, or in other threads) share one enabling: the first enables the model,
+    the last one out gives it back; the model's ``generate`` (and ``forward`` with ``past_states`` or a composed
+    cache) counts as such a block while it runs, so that a block ending in another thread never disables the model
+    under a running call. This is how the repository's ``custom_generate`` method runs a stock model, so concurrent
+    ``custom_generate`` calls on one model are each the call run alone. A block that raises is left as well.
+
+    A model that is enabled already (:func:`enable`) is used as it is and stays enabled. Call neither :func:`enable`
+    nor :func:`disable` on the model while blocks are open: the last one out gives back the model as the first found
+    it. An unsupported model is refused with :func:`enable`'s ``TypeError`` and left as it was. Yields ``model``."""
+    inner = _transformers_model(model)
+    key = id(inner)
+    with _BLOCKS_LOCK:
+        block = _BLOCKS.get(key)
+        if block is None and not isinstance(inner, _EnabledModel):
+            block = _Block(model)
+            try:
+                enable(model)
+            except BaseException:
+                block.restore()
+                raise
+            _BLOCKS[key] = block
+        if block is not None:
+            block.count += 1
+    if block is None:  # enabled by its user: used as it is
+        yield model
+        return
+    try:
+        yield model
+    finally:
+        with _BLOCKS_LOCK:
+            block.count -= 1
+            if block.count == 0:
+                del _BLOCKS[key]
+                block.restore()
+
+
 def _rebind_instance_forwards(model):
     """accelerate's hooks keep the forward they wrap in the instance, bound (``_old_forward``; and
     ``remove_hook_from_module`` leaves it as ``forward``). Point such a stock / enabled forward at the
@@ -150,6 +231,19 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
         cache_names = compat.cache_names_taken(stock.forward) or (cache_name,)
 
         def forward(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
+            if past_states is not None or any(
+                isinstance(kwargs.get(name), ComposableMambaCache) for name in cache_names
+            ):
+                # on the state path, the model stays enabled until this call returns (see generate)
+                with enabled(self):
+                    return _forward(
+                        self, *args, past_states=past_states, composition=composition, attention=attention, **kwargs
+                    )
+            return _forward(
+                self, *args, past_states=past_states, composition=composition, attention=attention, **kwargs
+            )
+
+        def _forward(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
             if past_states is None:
                 _refuse_attention_without_states(attention)
                 cache = next(
@@ -196,6 +290,16 @@ def _enabled_class(stock: type[torch.nn.Module]) -> type:
             generate_signature = inspect.signature(stock.generate)
 
             def generate(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
+                # The model stays enabled until this call returns, also when it was enabled by a block (enabled())
+                # that ends meanwhile in another thread; and if that block ended between the lookup of this method
+                # and this line (the model is stock again), it is enabled again for this call. The stock method is
+                # called as `stock.generate(self, ...)`, not through super(), which needs self to be of this class.
+                with enabled(self):
+                    return _generate(
+                        self, *args, past_states=past_states, composition=composition, attention=attention, **kwargs
+                    )
+
+            def _generate(self, *args, past_states=None, composition="picaso_r", attention=None, **kwargs):
                 if past_states is None:
                     _refuse_attention_without_states(attention)
                     _query_follows(kwargs.get(cache_name))  # a state handed as the cache: the query follows it
