@@ -457,11 +457,8 @@ def run_custom_generate_overlap(ctx, params):
     thread_b.join(90)
     if errors:
         raise errors[0]
-    if not (gate_a.waited and gate_b.waited):
-        return {
-            "outcome": "unclear",
-            "detail": f"harness: the calls did not overlap ({gate_a.waited}, {gate_b.waited})",
-        }
+    # (a fix that serialises the calls makes A's wait time out: then they did not overlap, which is a valid answer)
+    how = "overlapping" if gate_a.waited and gate_b.waited else "serialised (A's wait timed out)"
     problems = []
     if not torch.equal(results["b"].sequences, alone.sequences):
         problems.append("B's tokens differ from B alone")
@@ -471,8 +468,8 @@ def run_custom_generate_overlap(ctx, params):
     if hsc.is_enabled(stock) or _modules(stock) != stock_before:
         problems.append("the model is not stock afterwards")
     if problems:
-        return silent("; ".join(problems))
-    return handled("B's tokens and cache equal B alone; the model stock afterwards")
+        return silent(f"calls {how}: " + "; ".join(problems))
+    return handled(f"calls {how}: B's tokens and cache equal B alone; the model stock afterwards")
 
 
 # ------------------------------------------------------------------------------------------------ no attention
