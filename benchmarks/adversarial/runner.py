@@ -27,6 +27,7 @@ from . import (
     positions,
     ray_args,
     registry,
+    round5,
     small,
     store,
 )
@@ -40,11 +41,12 @@ from .store import run_store_case
 FAMILIES = [files, memory, api, store, cli, ray_args]
 # issue 29: the extension points (registry, key positions, fingerprint, Lance errors, attention=, small ones)
 FAMILIES += [registry, positions, fingerprint, lance_errors, attention_kwarg, small]
+FAMILIES += [round5]  # the fifth independent trial's findings (issue 41)
 CATEGORIES = {family.CATEGORY: family.TITLE for family in FAMILIES}
 FAMILY_NAMES = {family.NAME: family.CATEGORY for family in FAMILIES}
 RUNNERS = {kind: runner for family in FAMILIES for kind, runner in family.RUNNERS.items()}
 # kinds that start Ray, build a model, trace with dynamo or open a Lance store in each case
-SLOW_KINDS = ("ray", "fingerprint", "lance_errors", "positions", "attention_kwarg", "small")
+SLOW_KINDS = ("ray", "fingerprint", "lance_errors", "positions", "attention_kwarg", "small", "round5")
 IN_PARENT = ("store", "cli")  # these fork their own children (writers, kills, CLI)
 
 

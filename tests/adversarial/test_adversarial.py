@@ -12,7 +12,10 @@ import torch
 import hf_statecompose as hsc
 
 FORBIDDEN = ("silent", "lost", "hang")
-CATEGORIES = "abcdefghijkl"  # a-f: issue 21's families; g-l: issue 29's (registry ... small ones)
+CATEGORIES = "abcdefghijklm"  # a-f: issue 21's families; g-l: issue 29's (registry ... small ones); m: round 5
+# families whose findings are being fixed on other branches (issue 41): their silent cases are expected until the fixes
+# merge (xfail, not strict: the test passes once they come out clear / handled; then drop the category from here)
+PENDING = {"m": "issue 41: the round-5 findings (benchmarks/adversarial/round5.py) are fixed on other branches"}
 
 
 def _listing(report, outcomes):
@@ -39,7 +42,13 @@ def test_trial_covers_every_category_and_both_backends(ci_report):
     )
 
 
-@pytest.mark.parametrize("category", list(CATEGORIES))
+@pytest.mark.parametrize(
+    "category",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(reason=PENDING[c], strict=False)) if c in PENDING else c
+        for c in CATEGORIES
+    ],
+)
 def test_no_silent_lost_or_hung_case(ci_report, category):
     row = ci_report["table"][category]
     unclear = [c for c in ci_report["non_clean"] if c["category"] == category and c["outcome"] == "unclear"]
