@@ -764,13 +764,13 @@ def _check_transition_values(
     M = transition.detach().float()
     k = M.shape[-1]
     limit = torch.ones(M.shape[:-2], dtype=torch.float64, device=M.device)
-    what = "1 (a product of delta-rule steps, each of norm <= 1)"
+    what = "1"
     per_channel = None
     if encoded and decay is not None:
         delta_sum, A = (t.detach().double().to(M.device) for t in decay)
         if delta_sum.dim() == 2:  # gated DeltaNet: α per head
             limit = torch.exp(A * delta_sum)
-            what = "exp(A·ΣΔ) of its own ΣΔ and A (the product of the context's decays)"
+            what = "exp(A·ΣΔ), its own decay,"
         elif delta_sum.dim() == 3:  # KDA: α per key channel
             per_channel = (A[:, None] * delta_sum).sum(-1)  # [B, H]: log of the product of every channel's decay
     limit = torch.clamp(limit * (1 + TRANSITION_RTOL), min=TRANSITION_FLOOR)
@@ -793,8 +793,8 @@ def _check_transition_values(
                 index = tuple(int(i) for i in over.nonzero()[0])
                 refuse(
                     f"layer {v} transition (row {index[0]}, head {index[1]}) has spectral norm "
-                    f"{float(norms[index]):.4g}, above {float(limit[index]):.4g}: a product of delta-rule steps is at "
-                    f"most {what} (a corrupted or hand-made state, or the transitions of another context, layer or model)"
+                    f"{float(norms[index]):.4g} > {float(limit[index]):.4g}: a product of delta-rule steps is at most "
+                    f"{what} (hand-made, or another context's, layer's or model's)"
                 )
     if per_channel is not None and not rounding:
         log_det = torch.linalg.slogdet(M.double()).logabsdet
@@ -802,10 +802,9 @@ def _check_transition_values(
         if bool((log_det > allowed).any()):
             index = tuple(int(i) for i in (log_det > allowed).nonzero()[0])
             refuse(
-                f"layer {v} transition (row {index[0]}, head {index[1]}) has log |det| {float(log_det[index]):.4g}, "
-                f"above {float(per_channel[index]):.4g}, the sum over key channels of A·ΣΔ (a product of Kimi "
-                "delta-attention steps has |det| at most the product of its decays): a corrupted or hand-made state, "
-                "or the transitions of another context, layer or model"
+                f"layer {v} transition (row {index[0]}, head {index[1]}) has log |det| {float(log_det[index]):.4g} > "
+                f"{float(per_channel[index]):.4g}: a product of KDA steps has |det| at most its decays' product "
+                "exp(Σ A·ΣΔ) (hand-made, or another context's, layer's or model's)"
             )
 
 
