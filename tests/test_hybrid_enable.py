@@ -73,3 +73,32 @@ def test_encode_refuses_attention_only_hybrid(model_type):
     model = hsc.enable(_attention_only_model(model_type))
     with pytest.raises(ValueError, match=r"has no SSM layer .*no state to encode or compose"):
         hsc.encode(model, torch.randint(1, 64, (1, 5)))
+
+
+# issue 41 item 7: a hybrid whose config has no attention layer (every layer recurrent); transformers' forward with a
+# cache fails on it (stock too, with use_cache=True: "`get_seq_length` / `get_mask_sizes` can only be called on
+# Attention layers"); encode says what the model lacks and what to do, from an hf_statecompose frame
+RECURRENT_ONLY = {
+    "qwen3_5_text": dict(layer_types=["linear_attention"] * 4),
+    "qwen3_next": dict(layer_types=["linear_attention"] * 4),
+    "kimi_linear": dict(layer_types=["linear_attention"] * 4),
+    "nemotron_h": dict(hybrid_override_pattern="M-M-"),
+    "bamba": dict(attn_layer_indices=[]),
+    "granitemoehybrid": dict(layer_types=["mamba"] * 3),
+    "zamba2": dict(layers_block_type=["mamba"] * 4),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(RECURRENT_ONLY))
+def test_encode_refuses_a_hybrid_without_attention_layers(arch):
+    import traceback
+
+    from architectures import hybrid_model
+
+    model = hybrid_model(arch, dtype=torch.float32, **RECURRENT_ONLY[arch])
+    with pytest.raises(
+        ValueError,
+        match=rf"this {arch} model has no attention layer \(layer kinds .*\): .*give its config at least one attention layer",
+    ) as error:
+        hsc.encode(model, torch.randint(3, 64, (1, 5)))
+    assert "hf_statecompose" in traceback.extract_tb(error.value.__traceback__)[-1].filename

@@ -9,7 +9,12 @@ import torch
 from .. import compat
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import base_model_of
-from ..state.validation import check_left_padded_mask, check_unmasked_context_padding
+from ..state.validation import (
+    EMPTY_CONTEXT,
+    check_left_padded_mask,
+    check_unmasked_context_padding,
+    refuse_empty_contexts,
+)
 from .mixers import enable_state_path, refuse_layer_checkpointing, using_backend
 
 
@@ -34,14 +39,18 @@ def encode(
         refuse_layer_checkpointing(model)
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        if input_ids.dim() != 2:
             raise ValueError(
                 f"input_ids must be a non-empty [B, T] tensor of token ids, got shape {tuple(input_ids.shape)}"
             )
         if input_ids.shape[0] == 0:
             raise ValueError(f"input_ids has no rows (shape {tuple(input_ids.shape)}): pass at least one context")
+        if input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids (shape {tuple(input_ids.shape)}) is a context of no tokens; {EMPTY_CONTEXT}")
         check_vocabulary(model, input_ids)
         if attention_mask is not None:
+            if tuple(attention_mask.shape) == tuple(input_ids.shape) and attention_mask.dim() == 2:
+                refuse_empty_contexts((attention_mask != 0).sum(-1), "attention_mask", "all padding")
             attention_mask = check_left_padded_mask(attention_mask, input_ids)
         else:
             check_unmasked_context_padding(input_ids, model.config)

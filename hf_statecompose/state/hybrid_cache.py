@@ -69,6 +69,14 @@ class ComposableHybridCache(ComposableMambaCache):
                 f"this {architecture} model has no SSM layer (layer kinds {kinds}): it has no state to "
                 "encode or compose; use transformers' own cache (past_key_values) for its attention layers"
             )
+        if "attention" not in kinds and "both" not in kinds:
+            raise ValueError(
+                f"this {architecture} model has no attention layer (layer kinds {kinds}): transformers' "
+                f"{architecture} forward with a cache asks an attention layer's cache for its length (the attention mask's size) and "
+                "fails without one (as use_cache=True does without hf_statecompose), so no state can be encoded or "
+                "continued; give its config at least one attention layer (its layer types / pattern), or use a "
+                "model of a recurrent-only architecture (Mamba, Mamba-2)"
+            )
         compat.Cache.__init__(self, layers=[_new_layer(kind, self._layer_class) for kind in kinds])
         self.config = config
         self.architecture = architecture

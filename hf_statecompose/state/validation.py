@@ -215,7 +215,9 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
     model dtype (or bfloat16 / float16 when stored so), of shape ``[B, kv heads, L, head dim]`` from the config
     with one ``L`` for all layers, finite; ``positions`` int64 ``[B, L]``, the same in every layer, -1 exactly at
     the padding slots, which come first in a row (left padding), the others positions an encode, composition or
-    continuation makes (:func:`check_key_positions`: ``0 .. m`` without a gap); on the states' device."""
+    continuation makes (:func:`check_key_positions`: ``0 .. m`` without a gap); on the states' device; and as many
+    real keys per row as the state's tokens (:func:`check_keys_against_tokens`: for an encoded state, at exactly the
+    positions its encode gave them)."""
     layout = architecture(state.architecture)
     batch = state.batch_size if batch is None else batch
     device = state.device if device is None else device
@@ -272,6 +274,8 @@ def check_attention_layers(state, where: str = "state", *, batch: int | None = N
                 f"layer {i} (attention) positions differ from layer {state.attention_layer_indices[0]}'s: every "
                 "attention layer caches the same tokens",
             )
+    if first_positions is not None:
+        check_keys_against_tokens(state, first_positions, where)
 
 
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -347,6 +351,72 @@ def check_key_positions(positions: torch.Tensor, where: str = "positions", *, la
             f"{name} are not what an encode or composition makes: {what}{overflow}; a query would start at the "
             "wrong position"
         )
+
+
+KEY_COUNTS_INVARIANT = (
+    "per row, as many keys (positions >= 0) as the state's tokens (num_tokens) in every attention layer: an encode, "
+    "a composition with attention='concat' or 'shared' (the union of the states' keys, their counts summed) and a "
+    "continuation (one key per token it adds) keep every token's key; only attention='none' leaves the keys out "
+    "(no key slot at all, and a continuation of it holds the added tokens' keys only: fewer keys than tokens)"
+)
+
+
+def check_keys_against_tokens(state, positions: torch.Tensor, where: str = "state") -> None:
+    """A hybrid state's keys agree with its own token count (:data:`KEY_COUNTS_INVARIANT`); ``positions`` ``[B, L]``
+    are its attention layers' (checked by :func:`check_attention_layers`, the same in every layer).
+
+    * a state that carries its ``token_ids`` (an encoded state, or a stack / selection of encoded states): per row
+      exactly ``num_tokens[row]`` keys, at the positions its encode gave them: ``-1`` for each left-padding slot,
+      then ``0, 1, ..., n - 1`` (``n = num_tokens[row]``);
+    * a composed or continued state (no ``token_ids``): at most ``num_tokens[row]`` keys per row (the same number
+      unless the composition left the keys out, ``attention='none'``), in positions :func:`check_key_positions`
+      accepts;
+    * a state with no key slot (``L = 0``: ``attention='none'``) or no token count: nothing to compare.
+
+    One host sync when the state passes."""
+    num_tokens, token_ids = state.num_tokens, state.token_ids
+    batch, length = positions.shape
+    encoded = isinstance(token_ids, torch.Tensor) and token_ids.dim() == 2 and token_ids.shape[0] == batch
+    if isinstance(num_tokens, torch.Tensor) and tuple(num_tokens.shape) == (batch,):
+        counts = num_tokens.to(positions.device)
+    elif encoded:
+        counts = (token_ids >= 0).sum(-1).to(positions.device)
+    else:
+        return
+    if length == 0:
+        return
+    with torch.no_grad():
+        keys = (positions >= 0).sum(-1)
+        if encoded:
+            slots = torch.arange(length, device=positions.device)
+            expected = (slots - (length - counts)[:, None]).clamp(min=-1)
+            wrong_count, wrong_place = keys != counts, (positions != expected).any(-1)
+        else:
+            wrong_count, wrong_place = keys > counts, torch.zeros_like(keys, dtype=torch.bool)
+        flags = torch.stack([wrong_count.any(), wrong_place.any()])
+        if not bool(flags.any()):
+            return
+    if bool(flags[0]):
+        row = int(wrong_count.nonzero()[0, 0])
+        k, n = int(keys[row]), int(counts[row])
+        _refuse(
+            where,
+            f"row {row}'s attention layers hold {k} keys (positions >= 0) but the state has {n} tokens (num_tokens)"
+            + (
+                ": an encoded state (it carries token_ids) holds one key per token in every attention layer"
+                if encoded
+                else ": more keys than tokens (a composition or continuation holds at most one key per token)"
+            ),
+        )
+    row = int(wrong_place.nonzero()[0, 0])
+    n = int(counts[row])
+    got = positions[row, length - n :].tolist() if n else []
+    shown = ", ".join(map(str, got[:6])) + (", ..." if len(got) > 6 else "")
+    _refuse(
+        where,
+        f"row {row}'s key positions are not those of an encoding of its {n} tokens (the state carries token_ids): "
+        f"expected -1 for each of its {length - n} padding slots, then 0, 1, ..., {n - 1}, got {shown}",
+    )
 
 
 def expected_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -602,8 +672,10 @@ def _check_token_counts(state, batch: int, device, where: str) -> None:
             )
         if num_tokens.device != device:
             _refuse(where, f"num_tokens is on {num_tokens.device}, the states on {device}")
-        if (num_tokens < 0).any():
-            _refuse(where, f"num_tokens has negative counts {num_tokens.tolist()}")
+        if (num_tokens < 1).any():
+            if (num_tokens < 0).any():
+                _refuse(where, f"num_tokens has negative counts {num_tokens.tolist()}")
+            refuse_empty_contexts(num_tokens, where)
     if token_ids is None:
         return
     if (
@@ -627,6 +699,22 @@ def _check_token_counts(state, batch: int, device, where: str) -> None:
         _refuse(where, "token_ids are not left padded (a -1 after a real id)")
     if num_tokens is not None and not torch.equal(real.sum(-1), num_tokens):
         _refuse(where, f"token_ids hold {real.sum(-1).tolist()} ids per row but num_tokens says {num_tokens.tolist()}")
+
+
+EMPTY_CONTEXT = (
+    "it has no state to compose or continue (composed last, its all-zero conv window would replace the previous "
+    "state's): drop it, or give every context at least one token"
+)
+
+
+def refuse_empty_contexts(num_tokens: torch.Tensor, where: str = "state", what: str = "num_tokens 0") -> None:
+    """Refuse a state (or the contexts of an encode: ``num_tokens`` the real tokens per row) with a row of no
+    tokens: a context of no tokens is refused everywhere (encode, state files, store entries and writes,
+    ``past_states``, compose inputs), never composed (:data:`EMPTY_CONTEXT`). One host sync."""
+    empty = num_tokens == 0
+    if bool(empty.any()):
+        row = int(empty.reshape(-1).nonzero()[0, 0])
+        raise ValueError(f"{where}: row {row} is a context of no tokens ({what}); {EMPTY_CONTEXT}")
 
 
 def _check_A_against_model(state, model, where: str, A_rtol: float) -> None:

@@ -23,7 +23,7 @@ import torch
 from ..state.architectures import architecture, check_extra_tensors
 from ..state.cache import ComposableMambaCache
 from ..state.fingerprint import model_fingerprint
-from ..state.validation import check_state, expected_state_shapes
+from ..state.validation import EMPTY_CONTEXT, check_state, expected_state_shapes
 from .format import (
     STORAGE_DTYPES,
     StoreEntry,
@@ -300,7 +300,9 @@ class StateStore:
         ids = [[int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]] for text in texts]
         for t, row in zip(texts, ids):
             if not row:
-                raise ValueError(f"the tokenizer produced no tokens for {t[:40]!r}")
+                raise ValueError(
+                    f"the tokenizer produced no tokens for {t[:40]!r}: a context of no tokens; {EMPTY_CONTEXT}"
+                )
         width = max(len(r) for r in ids)
         pad = getattr(self.tokenizer, "pad_token_id", None) or 0
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in ids])
@@ -419,6 +421,10 @@ class StateStore:
 
     def _check_entry_tensors(self, where: str, tensors: dict, num_tokens: int, num_layers: int) -> None:
         """The checksum proved the bytes are the ones written; this proves they are a state of this model."""
+        if not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(
+                f"{where}: its record says {num_tokens!r} tokens: a context of no tokens; {EMPTY_CONTEXT}; delete it"
+            )
         ssm_shape, conv_shape = expected_state_shapes(self.model.config)
         for layer in range(num_layers):
             for name, shape, dtype in (
