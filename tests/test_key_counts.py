@@ -23,7 +23,7 @@ from hf_statecompose.state.validation import check_state
 from hf_statecompose.store import StateStore
 from hf_statecompose.store.format import checksum
 
-from architectures import ARCHITECTURES, DELTA_RULE_CONFIGS, WORKING, hybrid_params, tiny_hybrid
+from architectures import ARCHITECTURES, WORKING, hybrid_params, tiny_hybrid
 from helpers import craft, random_ids
 from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
@@ -214,8 +214,6 @@ def test_encoded_composed_and_continued_states_pass(arch, models, tmp_path):
     made.append(ComposableMambaCache.stack([states[0].select([1]), states[1].select([0])]))
     for attention in ("concat", "shared", "none"):
         for method in METHODS:
-            if method == "piconcat_r" and arch in DELTA_RULE_CONFIGS:
-                continue  # its result carries no transitions (a gap of its own, refused by check_extras; not keys)
             extra = {"weights": [0.5, 0.5]} if METHODS[method].user_weights else {}
             made.append(StateComposer(method, attention=attention, **extra).compose(states, model=model))
         made.append(StateComposer("caso", attention=attention).compose(states[:1], model=model))

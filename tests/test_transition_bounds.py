@@ -195,6 +195,21 @@ def test_what_encode_composition_and_continuation_make_is_accepted(arch, models,
         check_state(cache)
 
 
+@pytest.mark.parametrize("arch", TYPES)
+def test_piconcat_r_carries_the_mean_of_its_rotations_transitions(arch, models, states):
+    """piconcat_r over delta-rule states re-encodes the n rotations: its transitions are their mean (it carried none,
+    and the composed state could not be saved or used again); checked, saved and reused."""
+    model, (a, b, c) = models[arch], states[arch]
+    composed = hsc.compose_states([a, b, c], "piconcat_r", model=model)
+    rotations = [[a, b, c], [b, c, a], [c, a, b]]
+    concatenations = [hsc.compose_states(order, "concat", model=model) for order in rotations]
+    for v, transition in enumerate(composed.transitions):
+        mean = torch.stack([s.transitions[v] for s in concatenations]).mean(0)
+        torch.testing.assert_close(transition, mean, rtol=1e-5, atol=1e-6)
+    check_state(composed)
+    model.generate(ids(2, seed=8), past_states=[composed], max_new_tokens=2, do_sample=False)
+
+
 def test_long_contexts_with_strong_decays_are_accepted():
     """Strong decays (A = -e^4 per step): the products underflow float32 (the bound far below TRANSITION_FLOOR)."""
     for arch in ("olmo_hybrid", "kimi_linear"):

@@ -599,6 +599,9 @@ def _piconcat_r(states, model) -> ComposableMambaCache:
 
     ssm, conv, delta = encoded.layer_tensors()
     out = encoded.filled_like(map(mean_rows, ssm), map(mean_rows, conv), map(mean_rows, delta), A=encoded.A)
+    if has_transitions(architecture(encoded.architecture)):
+        # a delta-rule layer: the mean map's transition, the mean of the rotations' transitions (as picaso_r's)
+        out.transitions = [mean_rows(t) for t in encoded.transitions]
     # the token counts and what else the state carries (SeRpEnt's resampling state; a hybrid's keys and values):
     # from the list-order concatenation of each row (every rotation has the same number of tokens)
     in_order = encoded.select(list(range(0, batch * n, n)))

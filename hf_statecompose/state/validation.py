@@ -476,7 +476,7 @@ def check_state(
       ``A`` ``[D, N]`` or ``[H]``, ``num_tokens`` ``[B]``, ``token_ids`` ``[B, T]``;
     * values: SSM state and conv window finite; ΣΔ finite and ``>= 0`` (a decay ``exp(A·ΣΔ)`` above 1
       would amplify the context); ``A`` finite and ``<= 0`` (``-exp(A_log)``: ``-0.0``, a decay of exactly 1,
-      where a model's ``A_log`` is ``-inf``); ``num_tokens >= 0``; ``token_ids`` in
+      where a model's ``A_log`` is ``-inf``); ``num_tokens >= 1`` (a context of no tokens is refused); ``token_ids`` in
       ``[-1, vocab_size)``, left padded with -1, and as many real ids per row as ``num_tokens``;
     * the architecture's extra tensors (SeRpEnt's resampling state): present in every layer, dtypes and
       shapes from the description, values checked by it (:func:`check_extras`).
