@@ -98,7 +98,7 @@ def test_encode_refuses_a_hybrid_without_attention_layers(arch):
     model = hybrid_model(arch, dtype=torch.float32, **RECURRENT_ONLY[arch])
     with pytest.raises(
         ValueError,
-        match=rf"this {arch} model has no attention layer \(layer kinds .*\): .*give its config at least one attention layer",
+        match=rf"this {arch} model has no attention layer \(layer kinds .*\): .*give its config an attention layer",
     ) as error:
         hsc.encode(model, torch.randint(3, 64, (1, 5)))
     assert "hf_statecompose" in traceback.extract_tb(error.value.__traceback__)[-1].filename

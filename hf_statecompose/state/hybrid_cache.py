@@ -70,12 +70,12 @@ class ComposableHybridCache(ComposableMambaCache):
                 "encode or compose; use transformers' own cache (past_key_values) for its attention layers"
             )
         if "attention" not in kinds and "both" not in kinds:
+            # (transformers' forward with a cache asks an attention layer's cache for the mask's size, and fails
+            # without one, as use_cache=True does without hf_statecompose)
             raise ValueError(
-                f"this {architecture} model has no attention layer (layer kinds {kinds}): transformers' "
-                f"{architecture} forward with a cache asks an attention layer's cache for its length (the attention mask's size) and "
-                "fails without one (as use_cache=True does without hf_statecompose), so no state can be encoded or "
-                "continued; give its config at least one attention layer (its layer types / pattern), or use a "
-                "model of a recurrent-only architecture (Mamba, Mamba-2)"
+                f"this {architecture} model has no attention layer (layer kinds {kinds}): transformers' {architecture} "
+                "forward with a cache needs one, so no state can be encoded or continued; give its config an attention "
+                "layer (its layer types), or use a recurrent-only architecture (Mamba, Mamba-2)"
             )
         compat.Cache.__init__(self, layers=[_new_layer(kind, self._layer_class) for kind in kinds])
         self.config = config

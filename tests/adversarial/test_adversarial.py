@@ -13,9 +13,9 @@ import hf_statecompose as hsc
 
 FORBIDDEN = ("silent", "lost", "hang")
 CATEGORIES = "abcdefghijklm"  # a-f: issue 21's families; g-l: issue 29's (registry ... small ones); m: round 5
-# families whose findings are being fixed on other branches (issue 41): their silent cases are expected until the fixes
-# merge (xfail, not strict: the test passes once they come out clear / handled; then drop the category from here)
-PENDING = {"m": "issue 41: the round-5 findings (benchmarks/adversarial/round5.py) are fixed on other branches"}
+# families whose findings are being fixed (xfail, not strict: the test passes once they come out clear / handled; then
+# drop the category from here); none now: round 5 (issue 41) is fixed
+PENDING: dict[str, str] = {}
 
 
 def _listing(report, outcomes):
