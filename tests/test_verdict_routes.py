@@ -47,18 +47,26 @@ def _generate(model, states):
                           max_new_tokens=3, do_sample=False)  # fmt: skip
 
 
+@pytest.mark.parametrize("where", ["a sampled element", "an element the sample skips"])
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_a_nan_written_into_an_ssm_state_after_its_first_use_is_refused(route, mamba2):
+def test_a_nan_written_into_an_ssm_state_after_its_first_use_is_refused(route, where, mamba2, monkeypatch):
+    """An SSM state is free-valued (any finite value is a state): its verdict compares a sample of its elements. A NaN
+    written into a sampled one voids the verdict (the state is checked again: "layer 0 SSM state contains NaN"); one
+    the sample skips is refused by the first forward's output check."""
+    monkeypatch.setattr(validation, "DIGEST_SAMPLES", 64)  # the tiny state's 512 elements: every 8th sampled
     state = hsc.encode(mamba2, random_ids(8, generator=torch.Generator().manual_seed(1)))
     _generate(mamba2, [state])  # checked and remembered
     assert validation._verdict(state, validation._snapshot(state)) is not None
     version = state.ssm_states[0]._version
     alias = ROUTES[route](state.ssm_states[0])
+    flat_index = 0 if where == "a sampled element" else 1  # the sample: every (numel // DIGEST_SAMPLES)-th from 0
+    assert state.ssm_states[0].numel() // validation.DIGEST_SAMPLES > 1
     with torch.no_grad():
-        alias[0, 0, 0, 0] = float("nan")  # one element, through the alias
+        alias.view(-1)[flat_index] = float("nan")  # one element, through the alias
     assert state.ssm_states[0]._version == version  # no counter saw it
     assert torch.isnan(state.ssm_states[0]).any()
-    with pytest.raises(ValueError, match="NaN or inf"):
+    message = "SSM state contains NaN or inf" if where == "a sampled element" else "NaN or inf outputs"
+    with pytest.raises(ValueError, match=message):
         _generate(mamba2, [state])
 
 

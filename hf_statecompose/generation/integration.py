@@ -440,8 +440,9 @@ def check_output_finite(out, cache) -> None:
     )
     raise ValueError(
         "the forward from these states gave NaN or inf outputs at its first step: a state's values overflow this "
-        f"model's forward (the largest SSM state entry is {largest:.3g}); a state encoded by this model keeps them "
-        "finite: the state was altered or hand-made, re-encode the context"
+        f"model's forward (its largest SSM state entry now {largest:.3g}), or are not finite (edited after their "
+        "check by a route no version counter follows); a state this model encoded gives finite outputs: re-encode "
+        "the context"
     )
 
 

@@ -765,14 +765,18 @@ def _check_A_against_model(state, model, where: str, A_rtol: float) -> None:
 # What check_state (and, per model fingerprint, the comparison of A with the model) found about a state, remembered
 # per state object, so that a state used many times (composed, generated from) is not checked again. The verdict holds
 # for the very tensors that were checked, at their version counters, storage addresses, shapes, dtypes and devices
-# (an in-place torch op through any view bumps the counter) AND at their contents: a copy of every small tensor
-# (compared exactly) and a position-weighted sum of every large one (:func:`_content_digest`, one read of the
-# tensor: about what the finiteness scan of the full check costs), so that an edit no counter sees (through
-# ``.data``, a NumPy view, ``set_``, another tensor on the same storage, DLPack) is found at the next use, which then
-# checks the state again. What a digest cannot see: an edit of a large tensor that moves its weighted sum by less
-# than its float32 rounding (about 1e-6 of the sum's terms; a NaN or inf always shows). Weak references: the verdict
-# keeps neither the state nor its tensors alive. Inference-mode tensors have no version counter, and nothing can be
-# read while torch.compile traces: a state holding one, or checked there, is checked at every use.
+# (an in-place torch op through any view bumps the counter) AND at their contents, so that an edit no counter sees
+# (through ``.data``, a NumPy view, ``set_``, another tensor on the same storage, DLPack) is found at the next use:
+# * every tensor whose values the checks bound (transitions, ΣΔ, A, token counts and ids, key positions, SeRpEnt's
+#   resampling state) in full: a copy when small (compared exactly), else a position-weighted sum of every element
+#   (:func:`_content_digest`, one read; it misses only an edit below its float32 rounding, about 1e-6 of the terms);
+# * the free-valued ones, whose only check is finiteness (SSM states, conv windows, keys, values: any finite value is
+#   a state), by a sample of :data:`DIGEST_SAMPLES` evenly spaced elements (a fill, a scale, a slice or a layer
+#   swapped shows; one element may not). A non-finite value written into one is refused at its next use all the
+#   same: by the first forward's output check (generation.integration.check_output_finite) or a save's check.
+# Weak references: the verdict keeps neither the state nor its tensors alive. Inference-mode tensors have no version
+# counter, and nothing can be read while torch.compile traces: a state holding one, or checked there, is checked at
+# every use.
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # a tensor of at most this many elements is kept as a copy and compared exactly (token ids, positions, ΣΔ, A, counts)
@@ -811,26 +815,48 @@ def _content_digest(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _contents(tensors) -> tuple:
-    """(copies of the small tensors, the large tensors' digests stacked in float64): what :class:`_Verdict` compares."""
-    small, digests = [], []
-    for t in tensors:
-        if t.numel() <= DIGEST_EXACT_NUMEL:
-            small.append(t.detach().clone())
-        else:
-            digests.append(_content_digest(t).to(torch.float64).cpu())
-    return tuple(small), (torch.stack(digests) if digests else None)
+DIGEST_SAMPLES = 1024  # the elements of a free-valued tensor a verdict compares (evenly spaced, a fixed stride)
 
 
-def _same_contents(tensors, small, digests) -> bool:
-    now_small = [t for t in tensors if t.numel() <= DIGEST_EXACT_NUMEL]
+def _digests(tensors, free) -> tuple:
+    """(the small bounded tensors, flattened and concatenated per dtype and device; the digests of the others: one
+    weighted sum over the samples of all free-valued tensors of a device, one :func:`_content_digest` per large bounded
+    tensor). Few torch calls per state: a remembered check runs at every use."""
+    small: dict = {}
+    samples: dict = {}
+    large = []
+    with torch.no_grad():
+        for t, f in zip(tensors, free, strict=True):
+            flat = t.reshape(-1)
+            if f:
+                samples.setdefault((flat.dtype, flat.device), []).append(flat[:: max(1, len(flat) // DIGEST_SAMPLES)])
+            elif len(flat) <= DIGEST_EXACT_NUMEL:
+                small.setdefault((flat.dtype, flat.device), []).append(flat)
+            else:
+                large.append(_content_digest(flat))
+        for (_, device), parts in samples.items():
+            sample = torch.cat(parts).double()
+            large.append(sample @ _digest_weights(len(sample), device).double())
+        return [torch.cat(parts) for parts in small.values()], large
+
+
+def _contents(tensors, free) -> tuple:
+    """(copies of the small bounded tensors, the other tensors' digests stacked in float64): what :class:`_Verdict`
+    compares. Free-valued tensors (:data:`_FREE_VALUED`) are sampled, other tensors of more than
+    :data:`DIGEST_EXACT_NUMEL` elements read in full (:func:`_content_digest`)."""
+    small, large = _digests(tensors, free)
+    digests = torch.stack([d.to(torch.float64).cpu() for d in large]) if large else None
+    return tuple(t.clone() for t in small), digests
+
+
+def _same_contents(tensors, free, small, digests) -> bool:
+    now_small, large = _digests(tensors, free)
     if len(now_small) != len(small) or not all(map(torch.equal, now_small, small)):
         return False
-    large = [t for t in tensors if t.numel() > DIGEST_EXACT_NUMEL]
     if digests is None:
         return not large
-    now = torch.stack([_content_digest(t).to(torch.float64).cpu() for t in large])
-    return bool(torch.equal(now, digests))  # (NaN never equals: a non-finite edit always fails)
+    now = torch.stack([d.to(torch.float64).cpu() for d in large])
+    return bool(torch.equal(now, digests))  # (NaN never equals: a non-finite edit of a read element always fails)
 
 
 def _tracing() -> bool:
@@ -844,7 +870,7 @@ class _Verdict:
     def __init__(self, header, tensors, versions):
         self.header, self.versions, self.fingerprints = header, versions, set()
         self.refs = tuple(map(weakref.ref, tensors))
-        self.contents = _contents(tensors)
+        self.contents = _contents(tensors, header[-1])
 
     def holds_for(self, header, tensors, versions) -> bool:
         # (not ``map(operator.call, refs)``: torch.compile's tracer calls the referent instead of the reference there)
@@ -853,13 +879,19 @@ class _Verdict:
             and versions == self.versions
             and len(tensors) == len(self.refs)
             and all(ref() is t for ref, t in zip(self.refs, tensors, strict=True))
-            and _same_contents(tensors, *self.contents)
+            and _same_contents(tensors, header[-1], *self.contents)
         )
 
 
-# per layer class, the attributes a snapshot reads: the layer's tensors (what check_state reads)
+# per layer class, the attributes a snapshot reads: the layer's tensors (what check_state reads), and which of them are
+# free-valued (:data:`_FREE_VALUED`)
 _TENSOR_NAMES: dict[type, tuple[str, ...]] = {}
 _LAYER_GETTERS: dict[type, Callable] = {}
+_LAYER_FREE: dict[type, tuple[bool, ...]] = {}
+# the tensors whose values the checks only ask to be finite: any finite value is a state (SSM states, conv windows,
+# attention keys and values). Their contents are compared by a sample (every (numel // DIGEST_SAMPLES)-th element, :func:`_digests`); every other tensor
+# (transitions, ΣΔ, A, token counts and ids, positions, SeRpEnt's resampling state: values the checks bound) in full
+_FREE_VALUED = frozenset({"ssm_state", "conv_state", "keys", "values"})
 
 
 def _no_tensors(layer) -> tuple:
@@ -884,26 +916,39 @@ def _snapshot(state):
     (a value that is not a tensor, which check_state refuses anyway, or an inference-mode tensor). ``tensors``
     are the set ones; ``versions`` their version counters, shapes, dtypes, devices and storage addresses, and
     which slots are unset."""
-    slots = []
+    slots, free = [], []
     for layer in state.layers:
         getter = _LAYER_GETTERS.get(type(layer))
         if getter is None:  # the attributes of the class's layers (set in their __init__), read in one C call
             names = tuple(name for name in _tensor_names(layer) if hasattr(layer, name))
             getter = _LAYER_GETTERS[type(layer)] = operator.attrgetter(*names, "__class__") if names else _no_tensors
+            _LAYER_FREE[type(layer)] = tuple(name in _FREE_VALUED for name in names) if names else (False,)
         try:
             slots += getter(layer)[:-1]
+            free += _LAYER_FREE[type(layer)]
         except AttributeError:  # a layer that lacks one: every name, one by one
-            slots += [getattr(layer, name, None) for name in _tensor_names(layer)]
+            names = _tensor_names(layer)
+            slots += [getattr(layer, name, None) for name in names]
+            free += [name in _FREE_VALUED for name in names]
     slots += (state.num_tokens, state.token_ids)
+    free += (False, False)
     if _tracing():  # nothing can be read while torch.compile traces: no verdict (checked at every use)
         return None
     unset = tuple(map(_IS_NONE, slots))
-    tensors = list(itertools.compress(slots, map(operator.not_, unset)))
+    kept = tuple(map(operator.not_, unset))
+    tensors = list(itertools.compress(slots, kept))
     try:
         versions = (tuple(map(_META, tensors)), tuple(map(torch.Tensor.data_ptr, tensors)), unset)
     except (AttributeError, RuntimeError, TypeError):
         return None
-    header = (state.architecture, state.model_dtype, state.fingerprint, id(state.config), len(state.layers))
+    header = (
+        state.architecture,
+        state.model_dtype,
+        state.fingerprint,
+        id(state.config),
+        len(state.layers),
+        tuple(itertools.compress(free, kept)),  # which tensors are free-valued (their contents are sampled)
+    )
     return header, tensors, versions
 
 
