@@ -24,6 +24,17 @@ from __future__ import annotations
 import hf_statecompose as hsc
 
 
+def _enabled(model):
+    """``hf_statecompose.enabled(model)``; an installed release without it (0.2.0) is refused in one line."""
+    enabled = getattr(hsc, "enabled", None)
+    if enabled is None:
+        raise ImportError(
+            f"this custom_generate needs hf_statecompose.enabled (the release after 0.2.0); the installed "
+            f"hf_statecompose {getattr(hsc, '__version__', '?')} lacks it: pip install -U hf_statecompose"
+        )
+    return enabled(model)
+
+
 def _has_composed_cache(kwargs: dict) -> bool:
     return any(isinstance(value, hsc.ComposableMambaCache) for value in kwargs.values())
 
@@ -38,12 +49,12 @@ def generate(model, *args, **kwargs):
         if hsc.is_enabled(model) and _has_composed_cache(kwargs):
             # an enabled model's generate composed the states already and passed them on as its cache (when this
             # call enabled a stock model, that generate keeps it enabled until it returns: so does this block)
-            with hsc.enabled(model):
+            with _enabled(model):
                 return model.generate(*args, **kwargs)
         raise ValueError(
             "custom_generate=hf_statecompose generates from composed context states: pass "
             "past_states=[state, ...] (each from hf_statecompose.encode(model, context_ids), or a state file / store), "
             "with composition= (default 'picaso_r'); without states, call generate without custom_generate"
         )
-    with hsc.enabled(model):  # a stock model enabled until the last overlapping call returns, then as it was
+    with _enabled(model):  # a stock model enabled until the last overlapping call returns, then as it was
         return model.generate(*args, **kwargs)

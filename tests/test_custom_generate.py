@@ -281,3 +281,17 @@ def test_the_hub_card():
 
     missing = [name for name in TABLE if f"(`{name}`)" not in card]
     assert not missing, f"custom_generate/README.md lacks {missing}"
+
+
+def test_an_installed_release_without_enabled_is_refused_in_one_line(monkeypatch):
+    """generate.py calls hf_statecompose.enabled, which 0.2.0 lacks: such an install gets an ImportError naming the fix
+    (not an AttributeError from inside the call), and the model is left as it was."""
+    model = make("mamba2", enable=False)
+    before = snapshot(model)
+    state = hsc.encode(hsc.enable(make("mamba2", enable=False)), ids("mamba2", 6, seed=1))
+    # the package generate.py imports (sys.modules': another test may have re-imported it since this module's `hsc`);
+    # a lazy attribute: shadowed, as if absent
+    monkeypatch.setattr(sys.modules["hf_statecompose"], "enabled", None, raising=False)
+    with pytest.raises(ImportError, match=r"needs hf_statecompose.enabled .*pip install -U hf_statecompose"):
+        custom(model, ids("mamba2", 3, seed=2), past_states=[state])
+    assert snapshot(model) == before
