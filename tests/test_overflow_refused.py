@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_statecompose as hsc
+from hf_statecompose import compat
 from hf_statecompose.generation import integration
 
 from architectures import hybrid_model, ids
@@ -45,7 +46,8 @@ def test_an_overflowing_state_is_refused_at_the_first_step(how, olmo):
             olmo.generate(query, past_states=[state], max_new_tokens=2, do_sample=False)
         else:
             mask = torch.ones(1, state.attention_layers[0].keys.shape[2] + query.shape[1], dtype=torch.long)
-            olmo.generate(query, attention_mask=mask, cache=state, max_new_tokens=2, do_sample=False)
+            name = compat.cache_parameter(type(olmo).forward) or compat.CACHE_ARG  # `cache` from 5.24
+            olmo.generate(query, attention_mask=mask, max_new_tokens=2, do_sample=False, **{name: state})
 
 
 def test_a_genuine_state_is_checked_at_the_first_step_only(olmo, monkeypatch):
