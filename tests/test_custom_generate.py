@@ -209,7 +209,9 @@ def test_an_unsupported_model_is_refused_with_the_supported_list():
     gpt2 = GPT2LMHeadModel(
         GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=99, bos_token_id=2, eos_token_id=1)
     ).eval()
-    with pytest.raises(TypeError, match=r"hf_statecompose supports Mamba .*got model_type 'gpt2'") as e:
+    with pytest.raises(
+        TypeError, match=r"hf_statecompose supports the model types 'mamba'.*got model_type 'gpt2'"
+    ) as e:
         custom(gpt2, ids("mamba2", 3, seed=12), past_states=states)
     _no_kwargs_traceback(e.value)
     assert type(gpt2) is GPT2LMHeadModel

@@ -999,6 +999,12 @@ def guarded_classes() -> dict[str, tuple[str, ...]]:
     return out
 
 
+def supported_types_text() -> str:
+    """The supported model types, for one-line errors (the display names make it too long: 15 rows, 460 characters):
+    ``'mamba', 'mamba2', ...``."""
+    return ", ".join(repr(name) for name in ARCHITECTURES)
+
+
 def supported_text() -> str:
     """The supported architectures, for error messages: ``Mamba ('mamba'), Mamba-2 ('mamba2'), ...``."""
     return ", ".join(f"{row.display_name or row.name} ({row.name!r})" for row in ARCHITECTURES.values())

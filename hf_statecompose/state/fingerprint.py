@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import _torch_compat, compat
-from .architectures import ARCHITECTURES, supported_classes_text, supported_text
+from .architectures import ARCHITECTURES, supported_classes_text, supported_types_text
 
 # the fingerprint of a cache made while a graph is traced (torch.compile / torch.export): the weights are
 # symbolic there (FakeTensors, no bytes to hash), so such a state names no model and no model accepts it
@@ -107,7 +107,8 @@ def architecture_of(model: torch.nn.Module) -> str:
         raise TypeError(f"hf_statecompose does not compose {model_type!r} states: {REFUSED_MODEL_TYPES[model_type]}")
     if model_type not in ARCHITECTURES:
         raise TypeError(
-            f"hf_statecompose supports {supported_text()}; got model_type {model_type!r} ({type(model).__name__})"
+            f"hf_statecompose supports the model types {supported_types_text()}; got model_type {model_type!r} "
+            f"({type(model).__name__})"
         )
     return model_type
 
