@@ -23,7 +23,7 @@ from hf_statecompose.state.validation import check_state
 from hf_statecompose.store import StateStore
 from hf_statecompose.store.format import checksum
 
-from architectures import ARCHITECTURES, WORKING, hybrid_params, tiny_hybrid
+from architectures import ARCHITECTURES, WORKING, hybrid_params, left_pad, tiny_hybrid
 from helpers import craft, random_ids
 from store_helpers import TEXTS, BagOfWords, CharTokenizer
 
@@ -45,13 +45,7 @@ def model_of(models, arch):
 
 def padded_batch(lengths, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = random_ids(n, generator=generator)[0]
-        mask[row, width - n :] = 1
-    return ids, mask
+    return left_pad([random_ids(n, generator=generator)[0] for n in lengths])
 
 
 def _attention_names(tensors, kind):

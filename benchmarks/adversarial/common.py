@@ -468,6 +468,19 @@ def close_logits(actual, expected, tol=1e-4, what="logits") -> dict:
     return silent(f"{what} differ from the reference (max |diff| {error:.3g}, scale {scale:.3g})")
 
 
+# the tiny hybrids' shared config (Bamba here, the delta-rule hybrids in round5.py): as tests/architectures.py's SMALL
+SMALL_HYBRID = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+
+
 def build_hybrid(seed: int = 0, attention_first: bool = True):
     """A tiny random Bamba (partial RoPE, theta 10000) in float32, enabled: Mamba-2 layers and one attention layer
     (first, so that key positions move the logits from the first layer on)."""
@@ -476,14 +489,7 @@ def build_hybrid(seed: int = 0, attention_first: bool = True):
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
         "bamba",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
+        **SMALL_HYBRID,
         num_hidden_layers=3,
         attn_layer_indices=[0] if attention_first else [1],
         mamba_n_heads=4,

@@ -41,20 +41,11 @@ import hf_statecompose as hsc
 from hf_statecompose import StateComposer
 from hf_statecompose.state.serialization import state_to_tensors
 
-from .common import ROOT, VOCAB, _parsed, _resave, build_hybrid, close_logits, handled, ids_of, silent
+from .common import ROOT, SMALL_HYBRID, _parsed, _resave, build_hybrid, close_logits, handled, ids_of, silent
 
 DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear")
 ROPE = ("bamba", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")  # Kimi's MLA is NoPE
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=48,
-    pad_token_id=0,
-    eos_token_id=1,
-    bos_token_id=2,
-)
+SMALL = SMALL_HYBRID
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 _GDN = dict(num_hidden_layers=4, layer_types=LAYERS, linear_num_value_heads=4, linear_num_key_heads=2,
             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, head_dim=8)  # fmt: skip
